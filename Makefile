@@ -1,0 +1,31 @@
+# Two commands for a fresh machine: `make train` (the main job) and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Where the base interpreter already has torch (a CUDA build on a GPU box, say), the venv inherits it through
+# --system-site-packages and pip keeps it. Otherwise we install TORCH_SPEC before anything else so that no
+# dependency pulls the multi-GB default CUDA build onto a CPU machine.
+TORCH_SPEC ?= torch==2.13.0
+HAVE_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo yes)
+
+.PHONY: setup test train bench lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(if $(HAVE_TORCH),--system-site-packages) $(VENV)
+	$(BIN)/python -c 'import torch' >/dev/null 2>&1 || $(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/python launch/bench_moe.py
+
+lint: setup
+	$(BIN)/ruff check moe_lm launch tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

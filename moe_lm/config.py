@@ -1,0 +1,288 @@
+"""One typed config tree: a YAML preset plus dotted overrides, loaded once and handed out in sections.
+
+    cfg = load_config("configs/tiny.yaml", ["optim.lr=3e-4", "model.moe.n_routed_experts=16"])
+    model = Transformer(cfg.model)          # each component receives its own section only
+
+Unknown keys and values of the wrong type are errors that name the dotted path. Values are coerced by the
+field's declared type, because YAML reads `1e-3` as a string. `validate()` checks cross-field rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be accepted; the message names the dotted key."""
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+
+    # Rank of the low-rank query projection; 0 uses a direct q_proj (DeepSeek-V2-Lite style).
+    q_lora_rank: int = 0
+    # Rank of the compressed key/value latent (what an inference KV cache stores).
+    kv_lora_rank: int = 32
+    # Per-head query/key dims without position information.
+    qk_nope_head_dim: int = 16
+    # Rotary query/key dims; the rotary key is shared by all heads.
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+
+
+@dataclass
+class GQAConfig:
+    """Grouped-query attention with (partial) RoPE, as in GLM-4.5-style MoE models."""
+
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    # Share of each head's dims that is rotated (GLM-4.5 uses 0.5).
+    partial_rotary_factor: float = 0.5
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3 MoE layer: shared experts plus sigmoid-gated top-k routed experts."""
+
+    n_routed_experts: int = 8
+    # Shared experts form one SwiGLU MLP of width n_shared_experts * moe_inter_dim, added unweighted.
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    # Group-limited routing: experts are split into n_group groups and only topk_group groups are eligible.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    # Width of one routed (and one shared) expert.
+    moe_inter_dim: int = 64
+    # Local expert compute: "loop" (reference), "grouped" (sorted segments, dropless), "megablocks" (CUDA).
+    experts_impl: Literal["loop", "grouped", "megablocks"] = "grouped"
+    # Auxiliary-loss-free balancing speed gamma (DeepSeek-V3: 0.001); 0 switches the bias update off.
+    bias_update_speed: float = 1e-3
+    # Complementary sequence-wise balance loss weight alpha (DeepSeek-V3: 1e-4); 0 switches it off.
+    seq_aux_alpha: float = 1e-4
+    # Classic batch-level auxiliary loss weight, for comparisons with loss-free balancing; 0 = off.
+    aux_alpha: float = 0.0
+
+    def validate(self, path: str = "model.moe") -> None:
+        m = self
+        E, K = m.n_routed_experts, m.num_experts_per_tok
+        _require(E > 0, f"{path}.n_routed_experts", "must be positive")
+        _require(m.n_shared_experts >= 0, f"{path}.n_shared_experts", "must be >= 0")
+        _require(m.moe_inter_dim > 0, f"{path}.moe_inter_dim", "must be positive")
+        _require(1 <= K <= E, f"{path}.num_experts_per_tok", f"must be between 1 and n_routed_experts={E}")
+        _require(m.n_group >= 1 and E % m.n_group == 0, f"{path}.n_group", f"must divide n_routed_experts={E}")
+        _require(1 <= m.topk_group <= m.n_group, f"{path}.topk_group", f"must be between 1 and n_group={m.n_group}")
+        if m.n_group > 1:
+            # why: a group's score is the sum of its top-2 experts, so a group needs at least two.
+            _require(E // m.n_group >= 2, f"{path}.n_group", "each group needs at least 2 experts")
+        eligible = m.topk_group * E // m.n_group
+        _require(
+            K <= eligible,
+            f"{path}.num_experts_per_tok",
+            f"= {K} exceeds the {eligible} experts in the topk_group={m.topk_group} kept groups",
+        )
+        _require(m.routed_scaling_factor > 0, f"{path}.routed_scaling_factor", "must be positive")
+        for name in ("bias_update_speed", "seq_aux_alpha", "aux_alpha"):
+            _require(getattr(m, name) >= 0, f"{path}.{name}", "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only Transformer; the first `first_k_dense_replace` blocks use a dense SwiGLU MLP."""
+
+    vocab_size: int = 4096
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    # Width of the dense SwiGLU MLP in the first `first_k_dense_replace` layers.
+    inter_dim: int = 256
+    first_k_dense_replace: int = 1
+    attention: Literal["mla", "gqa"] = "mla"
+    # "prefix": bidirectional attention inside a prefix, causal after it (prefix-LM / UniLM).
+    attn_mask: Literal["causal", "prefix"] = "causal"
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    gqa: GQAConfig = field(default_factory=GQAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def validate(self, path: str = "model") -> None:
+        _require(self.vocab_size > 1, f"{path}.vocab_size", "must be > 1")
+        for name in ("dim", "n_layers", "n_heads", "inter_dim", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+        _require(
+            0 <= self.first_k_dense_replace <= self.n_layers,
+            f"{path}.first_k_dense_replace",
+            f"must be between 0 and n_layers={self.n_layers}",
+        )
+        if self.attention == "mla":
+            _require(self.mla.qk_rope_head_dim % 2 == 0, f"{path}.mla.qk_rope_head_dim", "must be even (RoPE)")
+            _require(self.mla.q_lora_rank >= 0, f"{path}.mla.q_lora_rank", "must be >= 0 (0 = no low rank)")
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                _require(getattr(self.mla, name) > 0, f"{path}.mla.{name}", "must be positive")
+        else:
+            _require(
+                self.gqa.n_kv_heads > 0 and self.n_heads % self.gqa.n_kv_heads == 0,
+                f"{path}.gqa.n_kv_heads",
+                f"must divide n_heads={self.n_heads}",
+            )
+            rot = int(self.gqa.head_dim * self.gqa.partial_rotary_factor)
+            _require(
+                rot > 0 and rot % 2 == 0,
+                f"{path}.gqa.partial_rotary_factor",
+                f"head_dim * factor = {rot} must be a positive even number of rotary dims",
+            )
+        self.moe.validate(f"{path}.moe")
+
+
+# ------------------------------------------------------------------------------------------------ root
+
+
+@dataclass
+class Config:
+    """The whole run. Sections are handed to the components that own them."""
+
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def validate(self) -> None:
+        self.model.validate("model")
+
+
+# ----------------------------------------------------------------------------------------- load / dump
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML preset (or the defaults when `path` is None), apply `key.sub=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path} (presets live in configs/)")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+    cfg = from_dict(Config, raw)
+    cfg.validate()
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (it loads back to an equal config)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, coercing each value by the field's type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{dotted}'; valid keys here: {', '.join(fields)}")
+        kwargs[key] = _coerce(hints[key], value, dotted)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: cannot accept {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str | int | float):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return origin(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return int(as_float)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{path}: unsupported field type {tp!r}")
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{key}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {message}")

@@ -1,0 +1,210 @@
+"""Hugging Face `transformers` interop: MLA models <-> DeepseekV3ForCausalLM, GQA models <-> Glm4MoeForCausalLM.
+
+Our module names are HF's, so the state dicts match key for key up to the `model.` prefix. We build the HF
+model in memory and let `save_pretrained` / `from_pretrained` own the on-disk format (safetensors +
+config.json, including HF's per-expert checkpoint layout), so exports load anywhere HF loads.
+
+Two layout facts handled here:
+- We export `rope_interleave=False` (our rotate-half RoPE). Published DeepSeek-V3 weights use the interleaved
+  layout; on import we permute the rotary rows of the query and shared-key projections (even dims first), which
+  is exact because attention scores are dot products.
+- HF never updates `e_score_correction_bias`; it is carried as a buffer both ways.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig
+from moe_lm.model import Transformer
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("Hugging Face interop needs transformers: pip install 'moe-lm[hf]'") from e
+    return transformers
+
+
+def to_hf_config(cfg: ModelConfig):
+    """The `transformers` config (DeepseekV3Config or Glm4MoeConfig) of an equivalent model."""
+    tf = _transformers()
+    m = cfg.moe
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.inter_dim,
+        moe_intermediate_size=m.moe_inter_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        n_shared_experts=m.n_shared_experts,
+        n_routed_experts=m.n_routed_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        n_group=m.n_group,
+        topk_group=m.topk_group,
+        routed_scaling_factor=m.routed_scaling_factor,
+        norm_topk_prob=m.norm_topk_prob,
+        first_k_dense_replace=cfg.first_k_dense_replace,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        initializer_range=cfg.init_std,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if cfg.attention == "mla":
+        a = cfg.mla
+        return tf.DeepseekV3Config(
+            **common,
+            num_key_value_heads=cfg.n_heads,
+            q_lora_rank=a.q_lora_rank or None,
+            kv_lora_rank=a.kv_lora_rank,
+            qk_nope_head_dim=a.qk_nope_head_dim,
+            qk_rope_head_dim=a.qk_rope_head_dim,
+            v_head_dim=a.v_head_dim,
+            rope_interleave=False,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        )
+    g = cfg.gqa
+    return tf.Glm4MoeConfig(
+        **common,
+        num_key_value_heads=g.n_kv_heads,
+        head_dim=g.head_dim,
+        use_qk_norm=False,
+        partial_rotary_factor=g.partial_rotary_factor,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": g.partial_rotary_factor,
+        },
+    )
+
+
+def from_hf_config(hf) -> ModelConfig:
+    """Our ModelConfig for a `transformers` DeepseekV3 / Glm4Moe config; unsupported features are errors."""
+    kind = hf.model_type
+    if kind not in ("deepseek_v3", "glm4_moe"):
+        raise ValueError(f"cannot import model_type {kind!r}: supported are deepseek_v3 and glm4_moe")
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    problems = []
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope scaling {rope.get('rope_type')!r} (only plain RoPE is implemented)")
+    if getattr(hf, "attention_bias", False):
+        problems.append("attention_bias=True")
+    if getattr(hf, "tie_word_embeddings", False):
+        problems.append("tie_word_embeddings=True")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf.hidden_act!r}")
+    if getattr(hf, "use_qk_norm", False):
+        problems.append("use_qk_norm=True")
+    if problems:
+        raise ValueError(f"this {kind} checkpoint uses features moe-lm does not implement: {'; '.join(problems)}")
+    moe = MoEConfig(
+        n_routed_experts=hf.n_routed_experts,
+        n_shared_experts=hf.n_shared_experts,
+        num_experts_per_tok=hf.num_experts_per_tok,
+        n_group=hf.n_group or 1,
+        topk_group=hf.topk_group or 1,
+        routed_scaling_factor=float(hf.routed_scaling_factor),
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        moe_inter_dim=hf.moe_intermediate_size,
+    )
+    common = dict(
+        vocab_size=hf.vocab_size,
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        inter_dim=hf.intermediate_size,
+        first_k_dense_replace=hf.first_k_dense_replace,
+        max_seq_len=hf.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_eps=float(hf.rms_norm_eps),
+        init_std=float(hf.initializer_range),
+        moe=moe,
+    )
+    if kind == "deepseek_v3":
+        mla = MLAConfig(
+            q_lora_rank=hf.q_lora_rank or 0,
+            kv_lora_rank=hf.kv_lora_rank,
+            qk_nope_head_dim=hf.qk_nope_head_dim,
+            qk_rope_head_dim=hf.qk_rope_head_dim,
+            v_head_dim=hf.v_head_dim,
+        )
+        return ModelConfig(attention="mla", mla=mla, **common)
+    factor = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    gqa = GQAConfig(n_kv_heads=hf.num_key_value_heads, head_dim=head_dim, partial_rotary_factor=factor)
+    return ModelConfig(attention="gqa", gqa=gqa, **common)
+
+
+def export_hf(model: Transformer, out_dir: str | Path) -> Path:
+    """Write `model` as a `transformers` checkpoint (safetensors + config.json) loadable by from_pretrained."""
+    tf = _transformers()
+    cfg = model.cfg
+    if cfg.attn_mask != "causal":
+        raise ValueError("HF DeepseekV3/Glm4Moe models are causal only; a prefix-mask model cannot be exported")
+    hf_cfg = to_hf_config(cfg)
+    hf_cls = tf.DeepseekV3ForCausalLM if cfg.attention == "mla" else tf.Glm4MoeForCausalLM
+    with torch.device("meta"):
+        hf_model = hf_cls(hf_cfg)
+    state = {_to_hf_key(k): v.detach().float().cpu() for k, v in model.state_dict().items()}
+    hf_model.load_state_dict(_fill_empty(state, hf_model), strict=True, assign=True)
+    out_dir = Path(out_dir)
+    hf_model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def import_hf(path: str | Path) -> Transformer:
+    """Load a `transformers` DeepseekV3 / Glm4Moe checkpoint into our Transformer (fp32)."""
+    tf = _transformers()
+    hf_cfg = tf.AutoConfig.from_pretrained(path)
+    cfg = from_hf_config(hf_cfg)
+    hf_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf_state = hf_model.state_dict()
+    model = Transformer(cfg)
+    ours = model.state_dict()
+    state = {}
+    for key in ours:
+        hf_key = _to_hf_key(key)
+        if hf_key not in hf_state:
+            if ours[key].numel() == 0:
+                continue
+            raise KeyError(f"{path}: checkpoint has no tensor {hf_key!r} (needed for our {key!r})")
+        state[key] = hf_state[hf_key].float()
+    if cfg.attention == "mla" and getattr(hf_cfg, "rope_interleave", False):
+        _deinterleave_rope(state, cfg)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def _to_hf_key(key: str) -> str:
+    return key if key.startswith("lm_head.") else f"model.{key}"
+
+
+def _fill_empty(state: dict[str, torch.Tensor], hf_model) -> dict[str, torch.Tensor]:
+    """Zero-size HF tensors we do not hold (e.g. the shared MLP when n_shared_experts = 0)."""
+    for key, p in hf_model.state_dict().items():
+        if key not in state and p.numel() == 0:
+            state[key] = torch.empty(p.shape)
+    return state
+
+
+def _deinterleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Reorder rotary rows from interleaved pairs (x0, x1), (x2, x3)... to rotate-half (x0, x2, ..., x1, x3, ...)."""
+    m = cfg.mla
+    R, nope, H = m.qk_rope_head_dim, m.qk_nope_head_dim, cfg.n_heads
+    perm = torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2)))
+    for i in range(cfg.n_layers):
+        prefix = f"layers.{i}.self_attn."
+        q_key = prefix + ("q_b_proj.weight" if m.q_lora_rank else "q_proj.weight")
+        q = state[q_key].view(H, nope + R, -1)
+        state[q_key] = torch.cat((q[:, :nope], q[:, nope:][:, perm]), dim=1).reshape(H * (nope + R), -1)
+        kv_key = prefix + "kv_a_proj_with_mqa.weight"
+        kv = state[kv_key]
+        state[kv_key] = torch.cat((kv[: m.kv_lora_rank], kv[m.kv_lora_rank :][perm]))

@@ -1,0 +1,127 @@
+"""Attention: MLA (DeepSeek-V2/V3 multi-head latent attention) and GQA, rotary embeddings, masks.
+
+Shape legend: B = batch, S = query length, L = key length, H = heads, D = model dim, R = rotary dims.
+
+RoPE uses the rotate-half layout (HF's default). DeepSeek's published weights use the interleaved layout;
+`moe_lm.interop.hf` permutes their rotary rows on import, which is exact because q.k is invariant under one
+permutation applied to both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lm.config import ModelConfig
+from moe_lm.model.layers import RMSNorm
+
+# why fixed: DeepSeek-V3 and HF build the latent norms with the RMSNorm default eps, not the model's norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def rope_inv_freq(rot_dim: int, theta: float) -> torch.Tensor:
+    """Inverse frequencies [R/2] of standard RoPE."""
+    return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, R] for integer positions [S] (computed in fp32)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., S, R] by position (rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention_mask(kind: str, S: int, prefix_len: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [B, 1, S, S] (True = may attend), or None for plain causal (SDPA's is_causal fast path).
+
+    "prefix": token i sees token j if j <= i or both lie inside the sequence's prefix (j < prefix_len[b]).
+    """
+    if kind == "causal":
+        return None
+    if prefix_len is None:
+        raise ValueError("attn_mask='prefix' needs prefix_len (one length per sequence, [B] or an int)")
+    pos = torch.arange(S, device=device)
+    causal_SS = pos[None, :] <= pos[:, None]
+    prefix_BS = pos[None, :] < torch.as_tensor(prefix_len, device=device).reshape(-1, 1)
+    return (causal_SS[None] | prefix_BS[:, None, :])[:, None]
+
+
+def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention: low-rank query, compressed KV latent, decoupled shared rotary key."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        m = cfg.mla
+        self.n_heads = cfg.n_heads
+        self.nope, self.rope, self.v_dim, self.kv_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        H, D = cfg.n_heads, cfg.dim
+        if m.q_lora_rank > 0:
+            self.q_a_proj = nn.Linear(D, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, H * qk_head, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * qk_head, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * m.v_head_dim, D, bias=False)
+        self.scale = qk_head**-0.5
+        self.rot_dim = m.qk_rope_head_dim
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        H = self.n_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD))) if hasattr(self, "q_a_proj") else self.q_proj(x_BSD)
+        q_nope, q_rot = q.view(B, S, H, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, H, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        # why one rotary key for all heads: it is what lets MLA cache only (latent, k_rot) per token.
+        k_rot = apply_rope(k_rot.view(B, 1, S, self.rope), cos, sin).expand(B, H, S, self.rope)
+        q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
+        k = torch.cat((k_nope, k_rot), dim=-1)
+        out = _sdpa(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim))
+
+
+class GQA(nn.Module):
+    """Grouped-query attention with partial RoPE on the first rotary dims of each head (GLM-4.5 style)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        g = cfg.gqa
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, g.n_kv_heads, g.head_dim
+        self.rot_dim = int(g.head_dim * g.partial_rotary_factor)
+        D = cfg.dim
+        self.q_proj = nn.Linear(D, cfg.n_heads * g.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * g.head_dim, D, bias=False)
+        self.scale = g.head_dim**-0.5
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = (torch.cat((apply_rope(t[..., : self.rot_dim], cos, sin), t[..., self.rot_dim :]), dim=-1) for t in (q, k))
+        out = _sdpa(q, k, v, mask, self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def build_attention(cfg: ModelConfig) -> MLA | GQA:
+    return MLA(cfg) if cfg.attention == "mla" else GQA(cfg)
