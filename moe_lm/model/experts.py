@@ -8,9 +8,9 @@ expert parallelism shards dim 0 and the HF export is a rename.
 
 Paths (all dropless: no capacity factor, no token ever dropped):
 - "loop":    per expert, select its token-slots, run it, add back. Obviously correct; the test reference.
-- "grouped": sort token-slots by expert once, run every expert over its contiguous segment, unsort and
-             combine with the gate weights. Segments run as `torch._grouped_mm` on CUDA and as a loop of
-             matmuls over unbound weights on CPU, which is faster there (see DEEPSPEED_NOTES §6).
+- "grouped": sort token-slots by expert once, run every expert over its contiguous segment, scale by the gate
+             weights and add back. Segments run as `torch._grouped_mm` on CUDA and as `SegmentMLP`, per-expert
+             matmuls with a hand-written backward, on CPU, where that is faster (see DEEPSPEED_NOTES §6).
 """
 
 from __future__ import annotations
@@ -42,17 +42,21 @@ class Experts(nn.Module):
         T, K = idx_TK.shape
         flat_idx = idx_TK.flatten()
         order_N = flat_idx.argsort(stable=True)  # token-slots grouped by expert
+        token_N = order_N // K
         counts_E = torch.bincount(flat_idx, minlength=self.num_experts)
-        y_ND = self.forward_sorted(x_TD[order_N // K], counts_E)
-        # Unsort with a gather (cheaper than a scatter, also in backward) and combine with one batched matmul.
-        y_TKD = y_ND[order_N.argsort()].view(T, K, -1)
-        return torch.bmm(weight_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+        w_N = weight_TK.flatten().index_select(0, order_N).to(x_TD.dtype)
+        if x_TD.is_cuda and hasattr(torch, "_grouped_mm"):
+            # why index_select/index_add and not x[idx]: advanced indexing backpropagates through a serial
+            # accumulating put; these two are each other's backward.
+            y_ND = grouped_mm_segments(x_TD.index_select(0, token_N), counts_E, self.gate_up_proj, self.down_proj, w_N)
+            return x_TD.new_zeros(x_TD.shape).index_add(0, token_N, y_ND)
+        return SegmentMLP.apply(x_TD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
 
-    def forward_sorted(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Run expert e over the e-th contiguous segment of x [N, D] (counts [E] sum to N) -> [N, D]."""
+    def forward_sorted(self, x_ND: torch.Tensor, counts_E: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor:
+        """Run expert e over the e-th contiguous segment of x [N, D] (counts [E] sum to N), scaled by w [N]."""
         if x_ND.is_cuda and hasattr(torch, "_grouped_mm"):
-            return grouped_mm_segments(x_ND, counts_E, self.gate_up_proj, self.down_proj)
-        return loop_segments(x_ND, counts_E, self.gate_up_proj, self.down_proj)
+            return grouped_mm_segments(x_ND, counts_E, self.gate_up_proj, self.down_proj, w_N)
+        return SegmentMLP.apply(x_ND, None, counts_E, w_N, self.gate_up_proj, self.down_proj)
 
     def forward_loop(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         """Reference path: for each expert, its tokens, its MLP, weighted index_add back."""
@@ -66,24 +70,101 @@ class Experts(nn.Module):
         return y_TD
 
 
-def loop_segments(x_ND: torch.Tensor, counts_E: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor):
-    """Segment compute as one matmul pair per expert over unbound weights (fast on CPU)."""
-    # why unbind and not w[e]: indexing a 3-D weight per expert makes backward build a full-size gradient per
-    # slice (6x slower at E=64); unbind's backward stacks once.
-    outs = [
-        _swiglu(x_e @ gate_up.T) @ down.T
-        for x_e, gate_up, down in zip(
-            x_ND.split(counts_E.tolist()), gate_up_EFD.unbind(0), down_EDI.unbind(0), strict=True
-        )
-    ]
-    return torch.cat(outs)
+class SegmentMLP(torch.autograd.Function):
+    """y[t_n] += w_n * down_e(silu(gate_e x[t_n]) * up_e x[t_n]) for token-slots n sorted by expert e.
+
+    The CPU kernel of the "grouped" path. Work is blocked per expert: each expert gathers its rows, runs its
+    two matmuls and the SwiGLU on a cache-sized block, and adds its rows back, with a hand-written backward.
+    why: on CPU, full [N, D] temporaries cost more than the matmuls (every fresh buffer above glibc's mmap
+    threshold is page-faulted in anew, and every elementwise pass over it runs from DRAM); per-expert blocks
+    stay in cache and in the allocator's reused heap.
+
+    Shapes: x [M, D]; token [N] (row of x for each sorted slot, None = the slots are x's rows in order);
+    counts [E]; w [N] or None; gate_up [E, 2I, D]; down [E, D, I] -> y [M, D].
+    """
+
+    @staticmethod
+    def forward(ctx, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI):
+        blocks = _blocks(counts_E, token_N)
+        y_MD = torch.zeros_like(x_MD)
+        saved = []  # per expert: (its gathered rows, its gate/up pre-activation)
+        for (start, end, tok), gate_up, down in zip(blocks, gate_up_EFD.unbind(0), down_EDI.unbind(0), strict=True):
+            if start == end:
+                saved.append(None)
+                continue
+            x = _rows(x_MD, start, end, tok)
+            h = x @ gate_up.T
+            a = _swiglu(h)
+            if w_N is not None:
+                a.mul_(w_N[start:end, None])
+            _add_rows(y_MD, start, end, tok, a @ down.T)
+            saved.append((x, h))
+        ctx.blocks, ctx.saved_blocks = blocks, saved
+        ctx.save_for_backward(w_N, gate_up_EFD, down_EDI)
+        ctx.x_shape = x_MD.shape
+        return y_MD
+
+    @staticmethod
+    def backward(ctx, dy_MD):
+        w_N, gate_up_EFD, down_EDI = ctx.saved_tensors
+        dy_MD = dy_MD.contiguous()
+        dx_MD = dy_MD.new_zeros(ctx.x_shape)
+        d_gate_up = torch.empty_like(gate_up_EFD)
+        d_down = torch.empty_like(down_EDI)
+        want_dw = w_N is not None and ctx.needs_input_grad[3]
+        dw_N = torch.empty_like(w_N) if want_dw else None
+        I = down_EDI.shape[2]
+        for e, ((start, end, tok), block) in enumerate(zip(ctx.blocks, ctx.saved_blocks, strict=True)):
+            if block is None:  # an expert that received no token has zero gradient
+                d_gate_up[e].zero_()
+                d_down[e].zero_()
+                continue
+            x, h = block
+            gate, up = h[:, :I], h[:, I:]
+            dy = _rows(dy_MD, start, end, tok)
+            g = dy @ down_EDI[e]  # dL/d(weighted activation)          [n, I]
+            silu = F.silu(gate)
+            a = silu * up
+            if w_N is not None:
+                w = w_N[start:end, None]
+                if want_dw:
+                    dw_N[start:end] = torch.linalg.vecdot(g, a)
+                a.mul_(w)
+                g.mul_(w)
+            torch.mm(dy.T, a, out=d_down[e])
+            # SwiGLU backward: d up = g * silu(gate), d gate = silu'(gate) * g * up.
+            dh = torch.cat((torch.ops.aten.silu_backward(g * up, gate), g.mul_(silu)), dim=-1)
+            torch.mm(dh.T, x, out=d_gate_up[e])
+            _add_rows(dx_MD, start, end, tok, dh @ gate_up_EFD[e])
+        ctx.saved_blocks = None
+        return dx_MD, None, None, dw_N, d_gate_up, d_down
 
 
-def grouped_mm_segments(x_ND: torch.Tensor, counts_E: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor):
-    """Segment compute with `torch._grouped_mm` (one kernel per projection; bf16 on CUDA)."""
+def _blocks(counts_E: torch.Tensor, token_N: torch.Tensor | None) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(start, end, token rows) of each expert's slots."""
+    ends = counts_E.cumsum(0).tolist()
+    starts = [0, *ends[:-1]]
+    return [(s, e, None if token_N is None else token_N[s:e]) for s, e in zip(starts, ends, strict=True)]
+
+
+def _rows(x: torch.Tensor, start: int, end: int, tok: torch.Tensor | None) -> torch.Tensor:
+    return x[start:end] if tok is None else x.index_select(0, tok)
+
+
+def _add_rows(y: torch.Tensor, start: int, end: int, tok: torch.Tensor | None, rows: torch.Tensor) -> None:
+    if tok is None:
+        y[start:end] += rows
+    else:
+        y.index_add_(0, tok, rows)
+
+
+def grouped_mm_segments(x_ND, counts_E, gate_up_EFD, down_EDI, w_N=None):
+    """Segment compute with `torch._grouped_mm` (one kernel per projection; bf16 on CUDA), autograd backward."""
     offs = counts_E.cumsum(0).to(torch.int32)
-    h_NF = torch._grouped_mm(x_ND, gate_up_EFD.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(_swiglu(h_NF), down_EDI.transpose(-2, -1), offs=offs)
+    a_NI = _swiglu(torch._grouped_mm(x_ND, gate_up_EFD.transpose(-2, -1), offs=offs))
+    if w_N is not None:
+        a_NI = a_NI * w_N[:, None]
+    return torch._grouped_mm(a_NI, down_EDI.transpose(-2, -1), offs=offs)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:

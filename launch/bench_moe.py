@@ -1,0 +1,117 @@
+"""Benchmark the MoE layer against a dense SwiGLU of equal active FLOPs and HF's DeepseekV3MoE, side by side.
+
+    python launch/bench_moe.py                       # CPU fp32, the three reference shapes, T=4096
+    python launch/bench_moe.py --device cuda --dtype bfloat16
+
+Every row times forward+backward of each implementation on identical inputs in the same process, interleaved
+round by round so that machine noise hits all of them alike, and reports medians and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_lm.config import ModelConfig, MoEConfig  # noqa: E402
+from moe_lm.model import MoE  # noqa: E402
+from moe_lm.model.layers import MLP  # noqa: E402
+
+# (dim, moe_inter_dim, n_routed_experts, num_experts_per_tok, n_group, topk_group)
+SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
+
+
+def hf_moe(ours: MoE, impl: str, dtype: torch.dtype, device: str):
+    """HF DeepseekV3MoE with our weights copied in (key names are identical)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    c = ours.cfg
+    hf_cfg = DeepseekV3Config(
+        hidden_size=ours.gate.weight.shape[1],
+        moe_intermediate_size=c.moe_inter_dim,
+        n_routed_experts=c.n_routed_experts,
+        n_shared_experts=c.n_shared_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+        routed_scaling_factor=c.routed_scaling_factor,
+        norm_topk_prob=c.norm_topk_prob,
+        experts_implementation=impl,
+    )
+    hf = DeepseekV3MoE(hf_cfg)
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    return hf.to(device=device, dtype=dtype)
+
+
+def time_fwd_bwd(fns: dict, x: torch.Tensor, grad: torch.Tensor, reps: int, warmup: int) -> dict[str, float]:
+    """Median fwd+bwd milliseconds of each callable, interleaved round-robin."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for r in range(warmup + reps):
+        for name, fn in fns.items():
+            xi = x.detach().requires_grad_(True)
+            sync()
+            t0 = time.perf_counter()
+            out = fn(xi)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(grad)
+            sync()
+            if r >= warmup:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens are shaped [tokens/seq_len, seq_len]")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--no-hf", action="store_true", help="skip HF's DeepseekV3MoE (transformers not installed)")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    print(f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
+          f"T={args.tokens}, fwd+bwd median of {args.reps} (ms)")
+    header = "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager | HF grouped_mm | ours/best HF |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for dim, inter, E, k, n_group, topk_group in SHAPES:
+        moe_cfg = MoEConfig(
+            n_routed_experts=E, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+            moe_inter_dim=inter, n_shared_experts=1, routed_scaling_factor=2.5,
+        )
+        cfg = ModelConfig(dim=dim, moe=moe_cfg)
+        ours = MoE(cfg).to(device=args.device, dtype=dtype).train()
+        loop = MoE(cfg).to(device=args.device, dtype=dtype).train()
+        loop.load_state_dict(ours.state_dict())
+        loop.experts.impl = "loop"
+        dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=args.device, dtype=dtype)
+        fns = {"ours": ours, "dense": dense, "loop": loop}
+        if not args.no_hf:
+            fns["hf_eager"] = hf_moe(ours, "eager", dtype, args.device)
+            fns["hf_grouped"] = hf_moe(ours, "grouped_mm", dtype, args.device)
+        x = torch.randn(args.tokens // args.seq_len, args.seq_len, dim, device=args.device, dtype=dtype)
+        grad = torch.randn_like(x)
+        t = time_fwd_bwd(fns, x, grad, args.reps, args.warmup)
+        best_hf = min(t.get("hf_eager", float("nan")), t.get("hf_grouped", float("nan")))
+        groups = f"{n_group}/{topk_group}" if n_group > 1 else "-"
+        print(
+            f"| {dim} | {inter} | {E} | {k} | {groups} | {t['ours']:.1f} | {t['dense']:.1f} | "
+            f"{t['ours'] / t['dense']:.2f} | {t['loop']:.1f} | {t.get('hf_eager', float('nan')):.1f} | "
+            f"{t.get('hf_grouped', float('nan')):.1f} | {t['ours'] / best_hf:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
