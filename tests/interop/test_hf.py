@@ -1,0 +1,94 @@
+"""HF interop: exports load with transformers' from_pretrained and reproduce our logits; imports do the reverse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
+from moe_lm.model import Transformer
+from tests.conftest import replace_moe, tiny_model_cfg
+
+
+def random_model(attention: str, **moe) -> Transformer:
+    model = Transformer(replace_moe(tiny_model_cfg(attention), **moe)).eval()
+    with torch.no_grad():
+        for router in model.routers():  # non-zero, partly negative biases that change routing
+            router.e_score_correction_bias.normal_(0.0, 0.05)
+        for norm in (m for n, m in model.named_modules() if n.endswith("norm")):
+            norm.weight.uniform_(0.5, 1.5)  # non-trivial norm weights, so a mis-mapped norm shows
+    return model
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("attention, hf_cls", [("mla", "DeepseekV3ForCausalLM"), ("gqa", "Glm4MoeForCausalLM")])
+@pytest.mark.parametrize("grouping", [dict(n_group=1, topk_group=1), dict(n_group=4, topk_group=2)])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, attention, hf_cls, grouping):
+    model = random_model(attention, **grouping)
+    export_hf(model, tmp_path)
+    assert (tmp_path / "config.json").is_file() and list(tmp_path.glob("*.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == hf_cls
+    tokens = torch.randint(0, 97, (2, 24))
+    ours = logits(model, tokens)
+    diff = (hf(tokens).logits - ours).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert ours.std() > 1e-2  # logits are not trivially equal
+    # the biases made it across and matter
+    hf_bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    torch.testing.assert_close(hf_bias, model.layers[1].mlp.gate.e_score_correction_bias)
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_export_import_round_trip(tmp_path, attention):
+    model = random_model(attention, n_group=4, topk_group=2)
+    export_hf(model, tmp_path)
+    back = import_hf(tmp_path).eval()
+    unused = "gqa" if attention == "mla" else "mla"  # the other attention's section is not exported
+    assert dataclasses.replace(back.cfg, **{unused: getattr(model.cfg, unused)}) == model.cfg
+    tokens = torch.randint(0, 97, (2, 24))
+    torch.testing.assert_close(logits(back, tokens), logits(model, tokens), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16])
+def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
+    """A checkpoint made by transformers itself (interleaved RoPE, as DeepSeek publishes) imports exactly."""
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16,
+        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+        rope_interleave=True, max_position_embeddings=64,
+    )
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+        for p in hf.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else None
+    hf.save_pretrained(tmp_path)
+    ours = import_hf(tmp_path).eval()
+    tokens = torch.randint(0, 101, (2, 20))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    diff = (logits(ours, tokens) - expected).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_unsupported_features_are_clear_errors():
+    hf_cfg = transformers.DeepseekV3Config(
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 4096},
+    )
+    with pytest.raises(ValueError, match="yarn"):
+        from_hf_config(hf_cfg)
+    prefix = Transformer(dataclasses.replace(tiny_model_cfg(), attn_mask="prefix"))
+    with pytest.raises(ValueError, match="causal only"):
+        export_hf(prefix, "/nonexistent")
