@@ -80,15 +80,24 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    print(f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
-          f"T={args.tokens}, fwd+bwd median of {args.reps} (ms)")
-    header = "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager | HF grouped_mm | ours/best HF |"
+    print(
+        f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
+        f"T={args.tokens}, fwd+bwd median of {args.reps} (ms)"
+    )
+    header = (
+        "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager | HF grouped_mm | ours/best HF |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for dim, inter, E, k, n_group, topk_group in SHAPES:
         moe_cfg = MoEConfig(
-            n_routed_experts=E, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
-            moe_inter_dim=inter, n_shared_experts=1, routed_scaling_factor=2.5,
+            n_routed_experts=E,
+            num_experts_per_tok=k,
+            n_group=n_group,
+            topk_group=topk_group,
+            moe_inter_dim=inter,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
         )
         cfg = ModelConfig(dim=dim, moe=moe_cfg)
         ours = MoE(cfg).to(device=args.device, dtype=dtype).train()

@@ -28,8 +28,13 @@ def test_yaml_scientific_notation_is_a_float():
 def test_overrides_are_coerced_by_field_type():
     cfg = load_config(
         TINY,
-        ["model.moe.n_routed_experts=16", "model.moe.seq_aux_alpha=3e-4", "model.moe.norm_topk_prob=false",
-         "model.attention=gqa", "model.dim=256"],
+        [
+            "model.moe.n_routed_experts=16",
+            "model.moe.seq_aux_alpha=3e-4",
+            "model.moe.norm_topk_prob=false",
+            "model.attention=gqa",
+            "model.dim=256",
+        ],
     )
     assert cfg.model.moe.n_routed_experts == 16
     assert cfg.model.moe.seq_aux_alpha == pytest.approx(3e-4)

@@ -6,4 +6,14 @@ from moe_lm.model.params import ParamCount, count_params
 from moe_lm.model.router import Router, Routing, update_biases
 from moe_lm.model.transformer import ModelOutput, Transformer
 
-__all__ = ["Experts", "MoE", "ModelOutput", "ParamCount", "Router", "Routing", "Transformer", "count_params", "update_biases"]
+__all__ = [
+    "Experts",
+    "MoE",
+    "ModelOutput",
+    "ParamCount",
+    "Router",
+    "Routing",
+    "Transformer",
+    "count_params",
+    "update_biases",
+]

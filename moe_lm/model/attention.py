@@ -25,7 +25,9 @@ def rope_inv_freq(rot_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, R] for integer positions [S] (computed in fp32)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -66,7 +68,12 @@ class MLA(nn.Module):
         super().__init__()
         m = cfg.mla
         self.n_heads = cfg.n_heads
-        self.nope, self.rope, self.v_dim, self.kv_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.nope, self.rope, self.v_dim, self.kv_rank = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        )
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         H, D = cfg.n_heads, cfg.dim
         if m.q_lora_rank > 0:
@@ -82,7 +89,9 @@ class MLA(nn.Module):
         self.scale = qk_head**-0.5
         self.rot_dim = m.qk_rope_head_dim
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD))) if hasattr(self, "q_a_proj") else self.q_proj(x_BSD)
@@ -113,12 +122,16 @@ class GQA(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * g.head_dim, D, bias=False)
         self.scale = g.head_dim**-0.5
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = (torch.cat((apply_rope(t[..., : self.rot_dim], cos, sin), t[..., self.rot_dim :]), dim=-1) for t in (q, k))
+        q, k = (
+            torch.cat((apply_rope(t[..., : self.rot_dim], cos, sin), t[..., self.rot_dim :]), dim=-1) for t in (q, k)
+        )
         out = _sdpa(q, k, v, mask, self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 

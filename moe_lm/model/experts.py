@@ -52,7 +52,9 @@ class Experts(nn.Module):
             return x_TD.new_zeros(x_TD.shape).index_add(0, token_N, y_ND)
         return SegmentMLP.apply(x_TD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
 
-    def forward_sorted(self, x_ND: torch.Tensor, counts_E: torch.Tensor, w_N: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_sorted(
+        self, x_ND: torch.Tensor, counts_E: torch.Tensor, w_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run expert e over the e-th contiguous segment of x [N, D] (counts [E] sum to N), scaled by w [N]."""
         if x_ND.is_cuda and hasattr(torch, "_grouped_mm"):
             return grouped_mm_segments(x_ND, counts_E, self.gate_up_proj, self.down_proj, w_N)

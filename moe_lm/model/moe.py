@@ -38,11 +38,11 @@ class MoE(nn.Module):
         cfg = model_cfg.moe
         self.cfg = cfg
         self.gate = Router(model_cfg.dim, cfg, model_cfg.init_std)
-        self.experts = Experts(cfg.n_routed_experts, model_cfg.dim, cfg.moe_inter_dim, cfg.experts_impl, model_cfg.init_std)
+        self.experts = Experts(
+            cfg.n_routed_experts, model_cfg.dim, cfg.moe_inter_dim, cfg.experts_impl, model_cfg.init_std
+        )
         self.shared_experts = (
-            MLP(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim)
-            if cfg.n_shared_experts > 0
-            else None
+            MLP(model_cfg.dim, cfg.n_shared_experts * cfg.moe_inter_dim) if cfg.n_shared_experts > 0 else None
         )
         self.dispatch: Dispatcher = local_dispatch
 

@@ -19,7 +19,11 @@ def attention_params(cfg: ModelConfig) -> int:
         m = cfg.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * qk if m.q_lora_rank else D * H * qk
-        kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+        kv = (
+            D * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + m.kv_lora_rank
+            + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+        )
         return q + kv + H * m.v_head_dim * D
     g = cfg.gqa
     return 2 * D * H * g.head_dim + 2 * D * g.n_kv_heads * g.head_dim

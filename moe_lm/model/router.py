@@ -70,7 +70,9 @@ class Router(nn.Module):
         # (updates of 1e-3 vanish in bf16); persistent so checkpoints and HF exports carry it.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         # Token-slots routed to each expert since the last bias update (training forward passes only).
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.int64), persistent=False
+        )
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         """Route T tokens: x [T, D] -> Routing(scores [T, E], topk_idx [T, K], topk_weight [T, K])."""

@@ -61,11 +61,27 @@ def test_export_import_round_trip(tmp_path, attention):
 def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
     """A checkpoint made by transformers itself (interleaved RoPE, as DeepSeek publishes) imports exactly."""
     hf_cfg = transformers.DeepseekV3Config(
-        vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16,
-        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
-        rope_interleave=True, max_position_embeddings=64,
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        rope_interleave=True,
+        max_position_embeddings=64,
     )
     hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
     with torch.no_grad():
@@ -84,8 +100,12 @@ def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
 
 def test_unsupported_features_are_clear_errors():
     hf_cfg = transformers.DeepseekV3Config(
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                         "original_max_position_embeddings": 4096},
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 4096,
+        },
     )
     with pytest.raises(ValueError, match="yarn"):
         from_hf_config(hf_cfg)

@@ -17,9 +17,15 @@ from tests.conftest import replace_moe, tiny_model_cfg
 def hf_config(cfg) -> DeepseekV3Config:
     m = cfg.moe
     return DeepseekV3Config(
-        hidden_size=cfg.dim, moe_intermediate_size=m.moe_inter_dim, n_routed_experts=m.n_routed_experts,
-        n_shared_experts=m.n_shared_experts, num_experts_per_tok=m.num_experts_per_tok, n_group=m.n_group,
-        topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=m.norm_topk_prob,
+        hidden_size=cfg.dim,
+        moe_intermediate_size=m.moe_inter_dim,
+        n_routed_experts=m.n_routed_experts,
+        n_shared_experts=m.n_shared_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        n_group=m.n_group,
+        topk_group=m.topk_group,
+        routed_scaling_factor=m.routed_scaling_factor,
+        norm_topk_prob=m.norm_topk_prob,
         experts_implementation="eager",
     )
 
@@ -201,7 +207,9 @@ def test_layer_returns_alpha_weighted_losses():
     x = torch.randn(2, 12, cfg.dim)
     _, aux = moe(x)
     r = moe.gate(x.view(-1, cfg.dim))
-    expected = 1e-4 * sequence_balance_loss(r.scores.view(2, 12, -1), 3) + 1e-2 * batch_balance_loss(r.scores, r.topk_idx)
+    expected = 1e-4 * sequence_balance_loss(r.scores.view(2, 12, -1), 3) + 1e-2 * batch_balance_loss(
+        r.scores, r.topk_idx
+    )
     torch.testing.assert_close(aux, expected)
     off = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, seq_aux_alpha=0.0, aux_alpha=0.0))).train()
     assert off(x)[1].item() == 0.0
