@@ -149,6 +149,123 @@ class ModelConfig:
         self.moe.validate(f"{path}.moe")
 
 
+# ------------------------------------------------------------------------------------------- data/train
+
+
+@dataclass
+class DataConfig:
+    """Corpus, tokenizer and token shards (built by launch/prepare_data.py, read by training and analytics)."""
+
+    # "default" builds the embedded multi-domain corpus from text this Python installation carries; otherwise
+    # paths to .txt / .jsonl files or folders (a folder of sub-folders is one domain per sub-folder).
+    sources: list[str] = field(default_factory=lambda: ["default"])
+    # Where the manifest, tokenizer and shards go.
+    out_dir: str = "data/default"
+    # Share of documents held out for validation (chosen by a hash of the document name, so stable).
+    val_fraction: float = 0.1
+    # Cap per domain of the default corpus (MB of text), to keep preparation quick on a laptop.
+    max_mb_per_domain: float = 2.0
+    tokenizer_type: Literal["bpe", "unigram"] = "bpe"
+
+    def validate(self, path: str = "data") -> None:
+        _require(len(self.sources) > 0, f"{path}.sources", "must name at least one source (or 'default')")
+        _require(0.0 < self.val_fraction < 0.5, f"{path}.val_fraction", "must be in (0, 0.5)")
+        _require(self.max_mb_per_domain > 0, f"{path}.max_mb_per_domain", "must be positive")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine (or warmup-stable-decay) to min_lr."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    # WSD only: share of the run spent in the final linear decay.
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # Global gradient-norm clipping (0 = off).
+    grad_clip: float = 1.0
+
+    def validate(self, path: str = "optim") -> None:
+        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"{path}.min_lr", "must satisfy 0 <= min_lr <= lr")
+        _require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
+        _require(0 < self.decay_fraction <= 1, f"{path}.decay_fraction", "must be in (0, 1]")
+        _require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """The training run: length, batch, evaluation, checkpoints."""
+
+    max_steps: int = 600
+    seq_len: int = 256
+    # Sequences per rank per micro-step; the global batch is micro_batch_size * grad_accum_steps * world size.
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    out_dir: str = "runs/tiny"
+    # Resume from the latest complete checkpoint in out_dir if there is one; false moves an old run aside.
+    resume: bool = True
+    log_interval: int = 10
+    eval_interval: int = 100
+    # Batches of micro_batch_size sequences per domain at each evaluation.
+    eval_batches: int = 4
+    ckpt_interval: int = 200
+    keep_last: int = 2
+    # Stop the run after this many consecutive steps with a non-finite loss (each is skipped).
+    max_bad_steps: int = 5
+    # Stop early (with a checkpoint) after this step, leaving the run resumable; 0 = run to max_steps.
+    stop_at: int = 0
+
+    def validate(self, path: str = "train") -> None:
+        for name in (
+            "max_steps",
+            "seq_len",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "log_interval",
+            "eval_interval",
+            "eval_batches",
+            "ckpt_interval",
+            "keep_last",
+            "max_bad_steps",
+        ):
+            _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+
+
+@dataclass
+class ParallelConfig:
+    """How DeepSpeed runs the model."""
+
+    # ZeRO stage: 1 or 2 (DeepSpeed refuses MoE with ZeRO-3; ZeRO-0 clips expert gradients wrongly).
+    zero_stage: int = 2
+    # "auto": bf16 on CUDA, fp32 on CPU (bf16 is not faster on CPU).
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+
+    def validate(self, path: str = "parallel") -> None:
+        _require(
+            self.zero_stage in (1, 2),
+            f"{path}.zero_stage",
+            "must be 1 or 2: DeepSpeed refuses MoE under ZeRO-3, and under ZeRO-0 its gradient-norm clipping "
+            "averages per-rank norms instead of computing the global norm (see README, 'ZeRO and MoE')",
+        )
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics.jsonl and wandb."""
+
+    # wandb mode: offline by default (no network assumed; `wandb sync` later), or online, or disabled.
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "moe-lm"
+    run_name: str = ""
+    # Peak FLOP/s per device for MFU; 0 = look it up for known GPUs, or measure an fp32 matmul on CPU.
+    peak_tflops: float = 0.0
+
+
 # ------------------------------------------------------------------------------------------------ root
 
 
@@ -158,9 +275,23 @@ class Config:
 
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
         self.model.validate("model")
+        self.data.validate("data")
+        self.optim.validate("optim")
+        self.train.validate("train")
+        self.parallel.validate("parallel")
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            "train.seq_len",
+            f"= {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
 
 
 # ----------------------------------------------------------------------------------------- load / dump

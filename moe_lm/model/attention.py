@@ -55,6 +55,28 @@ def attention_mask(kind: str, S: int, prefix_len: torch.Tensor | None, device: t
     return (causal_SS[None] | prefix_BS[:, None, :])[:, None]
 
 
+class KVCache:
+    """Per-layer tensors for incremental decoding: MLA keeps its compressed latent and rotary key (what makes
+    MLA cheap to cache), GQA its keys and values. `length` counts the cached positions."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.length = 0
+
+    def extend(self, layer_id: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Append new [B, ..., S, X] tensors along the sequence dim (-2) and return everything cached."""
+        old = self.layers.get(layer_id)
+        full = new if old is None else tuple(torch.cat((o, n), dim=-2) for o, n in zip(old, new, strict=True))
+        self.layers[layer_id] = full
+        return full
+
+
+def decode_mask(S: int, start: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, S, start + S] mask for S new queries after `start` cached positions (causal, aligned at the end)."""
+    q = start + torch.arange(S, device=device)
+    return (torch.arange(start + S, device=device)[None, :] <= q[:, None])[None, None]
+
+
 def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False) -> torch.Tensor:
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
@@ -64,16 +86,17 @@ def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = F
 class MLA(nn.Module):
     """Multi-head latent attention: low-rank query, compressed KV latent, decoupled shared rotary key."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         m = cfg.mla
-        self.n_heads = cfg.n_heads
-        self.nope, self.rope, self.v_dim, self.kv_rank = (
+        self.layer_id = layer_id
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            cfg.n_heads,
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
             m.v_head_dim,
-            m.kv_lora_rank,
         )
+        self.kv_rank = m.kv_lora_rank
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         H, D = cfg.n_heads, cfg.dim
         if m.q_lora_rank > 0:
@@ -89,20 +112,26 @@ class MLA(nn.Module):
         self.scale = qk_head**-0.5
         self.rot_dim = m.qk_rope_head_dim
 
-    def forward(
-        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x_BSD, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]; cos/sin [S, R] for the new positions."""
         B, S, _ = x_BSD.shape
         H = self.n_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD))) if hasattr(self, "q_a_proj") else self.q_proj(x_BSD)
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
+        else:
+            q = self.q_proj(x_BSD)
         q_nope, q_rot = q.view(B, S, H, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, H, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [B, S, C]
         # why one rotary key for all heads: it is what lets MLA cache only (latent, k_rot) per token.
-        k_rot = apply_rope(k_rot.view(B, 1, S, self.rope), cos, sin).expand(B, H, S, self.rope)
+        k_rot = apply_rope(k_rot.view(B, 1, S, self.rope), cos, sin)  # [B, 1, S, R]
+        if cache is not None:
+            latent, k_rot = cache.extend(self.layer_id, latent, k_rot)
+        L = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(B, L, H, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
-        k = torch.cat((k_nope, k_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(B, H, L, self.rope)), dim=-1)
         out = _sdpa(q, k, v, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
@@ -110,9 +139,10 @@ class MLA(nn.Module):
 class GQA(nn.Module):
     """Grouped-query attention with partial RoPE on the first rotary dims of each head (GLM-4.5 style)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         g = cfg.gqa
+        self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, g.n_kv_heads, g.head_dim
         self.rot_dim = int(g.head_dim * g.partial_rotary_factor)
         D = cfg.dim
@@ -122,19 +152,18 @@ class GQA(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * g.head_dim, D, bias=False)
         self.scale = g.head_dim**-0.5
 
-    def forward(
-        self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x_BSD, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]; cos/sin [S, R] for the new positions."""
         B, S, _ = x_BSD.shape
         q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = (
-            torch.cat((apply_rope(t[..., : self.rot_dim], cos, sin), t[..., self.rot_dim :]), dim=-1) for t in (q, k)
-        )
+        q, k = (torch.cat((apply_rope(t[..., : self.rot_dim], cos, sin), t[..., self.rot_dim :]), -1) for t in (q, k))
+        if cache is not None:
+            k, v = cache.extend(self.layer_id, k, v)
         out = _sdpa(q, k, v, mask, self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-def build_attention(cfg: ModelConfig) -> MLA | GQA:
-    return MLA(cfg) if cfg.attention == "mla" else GQA(cfg)
+def build_attention(cfg: ModelConfig, layer_id: int = 0) -> MLA | GQA:
+    return MLA(cfg, layer_id) if cfg.attention == "mla" else GQA(cfg, layer_id)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moe_lm.config import ModelConfig
-from moe_lm.model.attention import attention_mask, build_attention, rope_cos_sin, rope_inv_freq
+from moe_lm.model.attention import KVCache, attention_mask, build_attention, decode_mask, rope_cos_sin, rope_inv_freq
 from moe_lm.model.layers import MLP, RMSNorm
 from moe_lm.model.moe import MoE
 from moe_lm.model.router import Router
@@ -30,12 +30,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = build_attention(cfg)
+        self.self_attn = build_attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg.dim, cfg.inter_dim) if layer_id < cfg.first_k_dense_replace else MoE(cfg)
 
-    def forward(self, x_BSD, cos, sin, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        h = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask)
+    def forward(self, x_BSD, cos, sin, mask, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask, cache)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.post_attention_layernorm(h))
         else:
@@ -44,7 +44,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """forward(tokens [B, S], prefix_len=None) -> ModelOutput(logits [B, S, V], aux_loss)."""
+    """forward(tokens [B, S], prefix_len=None, cache=None) -> ModelOutput(logits [B, S, V], aux_loss).
+
+    With a KVCache the tokens continue after the cached positions (incremental decoding for generation).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -60,17 +63,25 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, cfg.init_std)
 
-    def forward(self, tokens_BS: torch.Tensor, prefix_len: torch.Tensor | int | None = None) -> ModelOutput:
+    def forward(
+        self, tokens_BS: torch.Tensor, prefix_len: torch.Tensor | int | None = None, cache: KVCache | None = None
+    ) -> ModelOutput:
         B, S = tokens_BS.shape
-        if S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        start = cache.length if cache is not None else 0
+        if start + S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed_tokens(tokens_BS)
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(S, device=x.device), x.dtype)
-        mask = attention_mask(self.cfg.attn_mask, S, prefix_len, x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(start, start + S, device=x.device), x.dtype)
+        if start == 0:
+            mask = attention_mask(self.cfg.attn_mask, S, prefix_len, x.device)
+        else:  # new tokens after a cached context (a prefix, if any, was the first chunk) see all of it
+            mask = decode_mask(S, start, x.device)
         aux_loss = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
-            x, aux = layer(x, cos, sin, mask)
+            x, aux = layer(x, cos, sin, mask, cache)
             aux_loss = aux_loss + aux
+        if cache is not None:
+            cache.length += S
         return ModelOutput(self.lm_head(self.norm(x)), aux_loss)
 
     def moe_layers(self) -> list[MoE]:

@@ -53,3 +53,20 @@ def test_prefix_mask_values():
     assert torch.equal(m[1], torch.ones(5, 5).tril().bool())
     with pytest.raises(ValueError, match="prefix_len"):
         attention_mask("prefix", 5, None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+@pytest.mark.parametrize("mask", ["causal", "prefix"])
+def test_kv_cache_decoding_matches_full_forward(attention, mask):
+    from moe_lm.model.attention import KVCache
+
+    cfg = dataclasses.replace(tiny_model_cfg(attention), attn_mask=mask)
+    model = Transformer(cfg).eval()
+    tokens = torch.randint(0, 97, (2, 16))
+    P = 6  # the prompt (the prefix, under the prefix mask) goes in as one chunk, then one token at a time
+    full = model(tokens, prefix_len=P).logits
+    cache = KVCache()
+    steps = [model(tokens[:, :P], prefix_len=P, cache=cache).logits]
+    steps += [model(tokens[:, i : i + 1], cache=cache).logits for i in range(P, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 16

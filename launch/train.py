@@ -1,0 +1,53 @@
+"""Train a DeepSeek-V3-style MoE language model under DeepSpeed.
+
+    deepspeed launch/train.py --config configs/tiny.yaml [key=value ...]
+    deepspeed --num_gpus 2 launch/train.py --config configs/tiny.yaml train.out_dir=runs/tiny2
+    python launch/train.py --config configs/tiny.yaml          # a single process without the launcher
+
+Re-running with the same train.out_dir resumes from its latest complete checkpoint; train.resume=false starts
+afresh (moving the old run folder aside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_lm.config import ConfigError, load_config  # noqa: E402
+from moe_lm.data.documents import DataError  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100 optim.lr=1e-3")
+    args = ap.parse_args()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+
+    import numpy as np
+
+    from moe_lm.data.prepare import load_split
+    from moe_lm.train.loop import train, unigram_entropy
+
+    try:
+        final = train(cfg)
+    except (ConfigError, DataError) as e:
+        sys.exit(f"error: {e}")
+    if int(os.environ.get("RANK", 0)) == 0 and final:
+        tokens = np.asarray(load_split(cfg.data.out_dir, "train").tokens)
+        h = unigram_entropy(tokens, cfg.model.vocab_size)
+        per_domain = ", ".join(f"{k[5:]} {v:.3f}" for k, v in final.items() if k.startswith("loss/"))
+        print(f"final validation loss {final['loss']:.3f} nats (per domain: {per_domain})")
+        print(f"unigram entropy of the training corpus {h:.3f} nats; run folder {cfg.train.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Routing analytics: record what the router chose, compute metrics against baselines, draw them."""

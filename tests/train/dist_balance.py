@@ -1,0 +1,82 @@
+"""Run under `deepspeed --num_gpus N`: checks the bias update against the global counts on every rank.
+
+Each rank routes different random tokens; after each optimizer step every rank must hold the bias
+b + gamma * sign(mean(c) - c) computed from the counts SUMMED over all ranks, identical everywhere.
+Writes {"ok": true, ...} to the path given by --out (rank 0) or raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moe_lm.config import Config, LoggingConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig  # noqa: E402
+from moe_lm.model import Transformer  # noqa: E402
+from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed  # noqa: E402
+from moe_lm.train.balance import balance_step  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--local_rank", type=int, default=None)
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    speed = 0.01
+    cfg = Config(
+        model=ModelConfig(
+            vocab_size=64,
+            dim=32,
+            n_layers=3,
+            n_heads=2,
+            inter_dim=64,
+            first_k_dense_replace=1,
+            moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_inter_dim=16, bias_update_speed=speed),
+        ),
+        train=TrainConfig(micro_batch_size=2, grad_accum_steps=2, seq_len=16),
+        parallel=ParallelConfig(zero_stage=args.zero),
+        logging=LoggingConfig(wandb_mode="disabled"),
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    engine = build_engine(model, cfg)
+    gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    checks = 0
+    for _ in range(3):
+        for _ in range(cfg.train.grad_accum_steps):
+            tokens = torch.randint(0, 64, (2, 17), generator=gen)
+            out = engine(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
+            engine.backward(loss + out.aux_loss)
+            engine.step()
+        local = torch.stack([r.tokens_per_expert.clone() for r in model.routers()])
+        before = torch.stack([r.e_score_correction_bias.clone() for r in model.routers()])
+        everyone = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(everyone, local)
+        total = torch.stack(everyone).sum(0).double()
+        expected = before + speed * torch.sign(total.mean(-1, keepdim=True) - total).float()
+        balance_step(model, speed)
+        after = torch.stack([r.e_score_correction_bias for r in model.routers()])
+        assert torch.allclose(after, expected, atol=1e-7), (rank, after, expected)
+        assert all(r.tokens_per_expert.sum() == 0 for r in model.routers())
+        biases = [torch.zeros_like(after) for _ in range(world)]
+        dist.all_gather(biases, after)
+        assert all(torch.equal(b, biases[0]) for b in biases), "biases differ between ranks"
+        # the ranks really routed differently, so agreement is not a coincidence
+        assert world == 1 or not all(torch.equal(e, everyone[0]) for e in everyone)
+        checks += 1
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"ok": True, "world": world, "checks": checks, "zero": args.zero}))
+
+
+if __name__ == "__main__":
+    main()

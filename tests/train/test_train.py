@@ -1,0 +1,148 @@
+"""Training in-process (one DeepSpeed rank, gloo): run folder, metrics, resume exactness, crash-safe saves, NaNs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lm.config import load_config
+from moe_lm.train import checkpoint, loop
+from moe_lm.train.schedule import lr_at
+from tests.train.conftest import tiny_train_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rows(run_dir, kind="train"):
+    return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def with_train(cfg, **kw):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw))
+
+
+def test_run_folder_holds_config_metrics_and_checkpoints(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
+    final = loop.train(cfg)
+    run = tmp_path / "run"
+    assert load_config(run / "config.yaml") == cfg
+    train_rows = rows(run)
+    assert [r["step"] for r in train_rows] == list(range(1, 7))
+    for r in train_rows:
+        assert {"loss", "lr", "tokens_per_s", "grad_norm", "mfu", "maxvio/layer_1", "bias_std/layer_1"} <= set(r)
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, cfg.optim, cfg.train.max_steps))
+    evals = rows(run, "eval")
+    assert [r["step"] for r in evals] == [3, 6]
+    assert set(final) >= {"loss", "ppl", "loss/astronomy", "loss/cooking", "loss/finance", "maxvio_global/layer_1"}
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    # checkpoints every 3 steps and at the last one; the pointer names the newest complete one
+    assert checkpoint.latest_tag(run) == "step_00000006"
+    assert (run / "checkpoints" / "step_00000006" / checkpoint.COMPLETE).is_file()
+    # the bias update ran: biases moved from zero
+    assert abs(train_rows[-1]["bias_std/layer_1"]) > 0
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "straight", max_steps=8, ckpt_interval=100)
+    loop.train(cfg)
+    interrupted = with_train(cfg, out_dir=str(tmp_path / "resumed"), stop_at=4)
+    loop.train(interrupted)
+    assert checkpoint.latest_tag(tmp_path / "resumed") == "step_00000004"
+    loop.train(with_train(interrupted, stop_at=0))  # same command again: resumes from step 4
+    a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 9))  # no duplicated rows after the resume
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=0), (ra["step"], ra["loss"], rb["loss"])
+        assert ra["bias_mean/layer_1"] == pytest.approx(rb["bias_mean/layer_1"], rel=1e-6, abs=1e-9)
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkeypatch):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    calls = {"n": 0}
+    real = checkpoint._rng_state
+
+    def crash_on_second_save():
+        calls["n"] += 1
+        if calls["n"] == 2:  # DeepSpeed has written step 4's model and optimizer files; we die before finishing
+            raise KeyboardInterrupt("killed during save")
+        return real()
+
+    monkeypatch.setattr(checkpoint, "_rng_state", crash_on_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(cfg)
+    run = tmp_path / "run"
+    assert checkpoint.latest_tag(run) == "step_00000002"
+    assert not (run / "checkpoints" / "step_00000004" / checkpoint.COMPLETE).exists()
+    monkeypatch.setattr(checkpoint, "_rng_state", real)
+    loop.train(cfg)  # resumes from the previous checkpoint and finishes
+    assert checkpoint.latest_tag(run) == "step_00000004"
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
+
+
+def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_path, monkeypatch):
+    real_ce = loop.F.cross_entropy
+    bad_steps = set()
+    state = {"calls": 0}
+
+    def ce(logits, target, *a, **k):
+        out = real_ce(logits, target, *a, **k)
+        if logits.requires_grad:  # training micro-batches only
+            state["calls"] += 1
+            if (state["calls"] - 1) // 2 + 1 in bad_steps:  # 2 micro-batches per step
+                out = out * float("nan")
+        return out
+
+    monkeypatch.setattr(loop.F, "cross_entropy", ce)
+    bad_steps.update({3})
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "one_bad", max_steps=5)
+    loop.train(cfg)
+    r = rows(tmp_path / "one_bad")
+    assert [x["skipped"] for x in r] == [False, False, True, False, False]
+    assert all(torch.isfinite(torch.tensor(x["loss"])) for i, x in enumerate(r) if i != 2)
+
+    state["calls"] = 0
+    bad_steps.update(range(1, 100))
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "all_bad", max_steps=20, max_bad_steps=3)
+    with pytest.raises(RuntimeError, match="3 consecutive steps had a non-finite loss"):
+        loop.train(cfg)
+
+
+def test_changed_model_refuses_to_resume(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    loop.train(cfg)
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=48))
+    with pytest.raises(RuntimeError, match="different model"):
+        loop.train(other)
+    fresh = with_train(other, resume=False)
+    loop.train(fresh)  # starts afresh, the old run moved aside rather than deleted
+    assert list(tmp_path.glob("run.prev-*"))
+
+
+def test_train_cli_names_bad_config_keys():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "train.py"),
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "optim.learning_rate=1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "optim.learning_rate" in proc.stderr
+
+
+def test_vocab_mismatch_with_data_is_a_clear_error(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))
+    with pytest.raises(ValueError, match="tokenized with 300 pieces"):
+        loop.train(cfg)
