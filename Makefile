@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 HAVE_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo yes)
 
-.PHONY: setup test train bench lint clean
+CONFIG ?= configs/tiny.yaml
+# extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
+ARGS ?=
+
+.PHONY: setup test train data bench lint clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +24,13 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The main job: prepare the default corpus (skipped when up to date) and train under the deepspeed launcher.
+train: data
+	$(BIN)/deepspeed launch/train.py --config $(CONFIG) $(ARGS)
+
+data: setup
+	$(BIN)/python launch/prepare_data.py --config $(CONFIG) $(ARGS)
 
 bench: setup
 	$(BIN)/python launch/bench_moe.py
