@@ -146,3 +146,13 @@ def test_vocab_mismatch_with_data_is_a_clear_error(tiny_data, tmp_path):
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))
     with pytest.raises(ValueError, match="tokenized with 300 pieces"):
         loop.train(cfg)
+
+
+def test_wandb_offline_run_is_written(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_mode="offline"))
+    loop.train(cfg)
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    run_id = (tmp_path / "run" / "wandb_id").read_text()
+    assert runs[0].name.endswith(run_id)  # a resumed run keeps logging to the same wandb run

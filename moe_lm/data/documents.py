@@ -1,0 +1,118 @@
+"""Documents with a domain label, read from the user's files: .txt, .jsonl, or a folder per domain.
+
+Every document keeps a stable `name` (its origin), which decides the train/validation split and lets analytics
+point back at the source. Bad input never disappears silently: unusable documents are counted in a
+`ReadReport` with examples, and input that cannot be read at all is an error that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # unique and stable: "<file>" or "<file>:<line>" or "<corpus>:<item>"
+    domain: str
+    text: str
+
+
+@dataclass
+class ReadReport:
+    """What was read and what was skipped (with up to a few examples per reason)."""
+
+    documents: Counter = field(default_factory=Counter)  # per domain
+    skipped: Counter = field(default_factory=Counter)  # per reason
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    repaired: int = 0  # documents whose undecodable bytes were replaced by U+FFFD
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] += 1
+        self.examples.setdefault(reason, [])
+        if len(self.examples[reason]) < 3:
+            self.examples[reason].append(where)
+
+    def summary(self) -> str:
+        lines = [f"read {sum(self.documents.values())} documents in {len(self.documents)} domains: "
+                 + ", ".join(f"{d}={n}" for d, n in sorted(self.documents.items()))]
+        if self.repaired:
+            lines.append(f"  {self.repaired} documents had undecodable bytes, replaced by U+FFFD")
+        for reason, n in sorted(self.skipped.items()):
+            lines.append(f"  skipped {n} ({reason}), e.g. {', '.join(self.examples[reason])}")
+        return "\n".join(lines)
+
+
+def read_text(path: Path, report: ReadReport) -> str:
+    """UTF-8 text of a file; undecodable bytes are replaced and counted, not dropped."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        report.repaired += 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def iter_file(path: Path, domain: str | None, report: ReadReport) -> Iterator[Document]:
+    """Documents of one .txt (the whole file is one document) or .jsonl file (one per line)."""
+    if path.suffix == ".txt":
+        text = read_text(path, report)
+        if not text.strip():
+            report.skip("empty file", str(path))
+            return
+        yield Document(str(path), domain or path.stem, text)
+        return
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: unsupported file type (use .txt, .jsonl, or a folder of them)")
+    for lineno, line in enumerate(read_text(path, report).splitlines(), start=1):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            report.skip("invalid JSON line", where)
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            report.skip("jsonl line without a string 'text' field", where)
+            continue
+        if not obj["text"].strip():
+            report.skip("empty text", where)
+            continue
+        line_domain = obj.get("domain")
+        yield Document(where, str(line_domain) if line_domain is not None else (domain or path.stem), obj["text"])
+
+
+def iter_source(source: str | Path, report: ReadReport) -> Iterator[Document]:
+    """Documents of one user source: a file, a folder of files (one domain), or a folder of domain folders."""
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"data source not found: {path} (give .txt/.jsonl files or folders, or 'default')")
+    if path.is_file():
+        yield from _counted(iter_file(path, None, report), report)
+        return
+    subdirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    groups = [(d.name, d) for d in subdirs] if subdirs else [(path.name, path)]
+    for domain, folder in groups:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        n_before = sum(report.documents.values())
+        for f in files:
+            # a .jsonl line's own "domain" field wins over its folder
+            yield from _counted(iter_file(f, domain, report), report)
+        if sum(report.documents.values()) == n_before:
+            raise DataError(f"domain folder {folder} holds no usable .txt/.jsonl documents; remove it or add text")
+
+
+def _counted(docs: Iterator[Document], report: ReadReport) -> Iterator[Document]:
+    for doc in docs:
+        report.documents[doc.domain] += 1
+        yield doc

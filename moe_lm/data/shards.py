@@ -1,0 +1,72 @@
+"""Token shards: one memory-mapped token array per split plus document and domain indices.
+
+On disk, per split folder (train/, val/):
+    tokens.bin         uint16 (vocab <= 65535) or uint32, all documents back to back, each starting with BOS
+    doc_offsets.npy    int64 [D + 1]: document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
+    doc_domain.npy     int16 [D]: index into the dataset's domain list
+    doc_names.json     [D] document names (their origin), for analytics and the manifest
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+class ShardWriter:
+    """Streams documents to disk; nothing but the index is held in memory."""
+
+    def __init__(self, folder: Path, vocab_size: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.dtype = token_dtype(vocab_size)
+        self.file = open(folder / "tokens.bin", "wb")  # noqa: SIM115 - closed in close()
+        self.offsets = [0]
+        self.domains: list[int] = []
+        self.names: list[str] = []
+
+    def add(self, tokens: list[int], domain_id: int, name: str) -> None:
+        np.asarray(tokens, dtype=self.dtype).tofile(self.file)
+        self.offsets.append(self.offsets[-1] + len(tokens))
+        self.domains.append(domain_id)
+        self.names.append(name)
+
+    def close(self) -> None:
+        self.file.close()
+        np.save(self.folder / "doc_offsets.npy", np.asarray(self.offsets, dtype=np.int64))
+        np.save(self.folder / "doc_domain.npy", np.asarray(self.domains, dtype=np.int16))
+        (self.folder / "doc_names.json").write_text(json.dumps(self.names))
+        (self.folder / "shard.json").write_text(json.dumps({"dtype": self.dtype.name, "n_tokens": self.offsets[-1]}))
+
+
+class TokenShard:
+    """Read side of one split: `tokens` is a read-only memmap; indices are small arrays."""
+
+    def __init__(self, folder: str | Path, domains: list[str]) -> None:
+        folder = Path(folder)
+        meta = json.loads((folder / "shard.json").read_text())
+        self.domains = domains
+        n = meta["n_tokens"]
+        self.tokens = np.memmap(folder / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n,)) if n else np.zeros(0)
+        self.doc_offsets = np.load(folder / "doc_offsets.npy")
+        self.doc_domain = np.load(folder / "doc_domain.npy")
+        self._folder = folder
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_domain)
+
+    def doc_names(self) -> list[str]:
+        return json.loads((self._folder / "doc_names.json").read_text())
+
+    def document(self, d: int) -> np.ndarray:
+        return self.tokens[self.doc_offsets[d] : self.doc_offsets[d + 1]]
+
+    def domain_docs(self, domain: str) -> np.ndarray:
+        return np.flatnonzero(self.doc_domain == self.domains.index(domain))

@@ -1,0 +1,209 @@
+"""Data: readers, the default corpus, the split, the tokenizer, shards with document and domain indices."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_lm.config import DataConfig
+from moe_lm.data.batches import TrainWindows, eval_windows
+from moe_lm.data.default_corpus import DOMAINS, iter_default_corpus
+from moe_lm.data.documents import DataError, ReadReport, iter_source
+from moe_lm.data.prepare import is_validation, load_split, prepare_data
+from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
+
+WORDS = {
+    "cooking": "stir the onions slowly until golden then add garlic salt pepper and a splash of wine".split(),
+    "astronomy": "the telescope tracked a distant galaxy whose redshift revealed expansion of space".split(),
+    "finance": "the bond yield rose while equity markets priced in higher interest rates and inflation".split(),
+}
+
+
+def make_text(domain: str, i: int, n_words: int = 120) -> str:
+    rng = np.random.default_rng(i)
+    return " ".join(rng.choice(WORDS[domain], n_words)) + f"\nline {i}\n"
+
+
+def write_folder_corpus(root, n_docs=12):
+    for domain in WORDS:
+        (root / domain).mkdir(parents=True)
+        for i in range(n_docs):
+            (root / domain / f"doc{i}.txt").write_text(make_text(domain, i))
+    return root
+
+
+def read_all(source):
+    report = ReadReport()
+    return list(iter_source(source, report)), report
+
+
+def test_txt_file_is_one_document(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello world\nsecond line\n")
+    docs, report = read_all(f)
+    assert [(d.domain, d.text) for d in docs] == [("notes", "hello world\nsecond line\n")]
+    assert report.documents["notes"] == 1
+
+
+def test_jsonl_reader_and_bad_lines_are_counted(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    lines = [
+        json.dumps({"text": "alpha text", "domain": "a"}),
+        json.dumps({"text": "beta text"}),  # no domain: the file's stem
+        "{not json",
+        json.dumps({"domain": "a"}),  # no text
+        json.dumps({"text": "   ", "domain": "a"}),  # empty
+        "",
+    ]
+    f.write_text("\n".join(lines) + "\n")
+    docs, report = read_all(f)
+    assert [(d.name, d.domain, d.text) for d in docs] == [
+        (f"{f}:1", "a", "alpha text"),
+        (f"{f}:2", "mixed", "beta text"),
+    ]
+    assert report.skipped == {"invalid JSON line": 1, "jsonl line without a string 'text' field": 1, "empty text": 1}
+    assert f"{f}:3" in report.examples["invalid JSON line"]
+    assert "skipped 1 (invalid JSON line)" in report.summary()
+
+
+def test_folder_per_domain(tmp_path):
+    root = write_folder_corpus(tmp_path / "corpus", n_docs=3)
+    docs, report = read_all(root)
+    assert sorted({d.domain for d in docs}) == sorted(WORDS)
+    assert dict(report.documents) == {d: 3 for d in WORDS}
+
+
+def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
+    f = tmp_path / "latin.txt"
+    f.write_bytes(b"caf\xe9 au lait")
+    docs, report = read_all(f)
+    assert docs[0].text == "caf\ufffd au lait"
+    assert report.repaired == 1
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        read_all(tmp_path / "missing.jsonl")
+    (tmp_path / "empty_domain").mkdir()
+    (tmp_path / "empty_domain" / "blank.txt").write_text("  \n")
+    with pytest.raises(DataError, match="no usable"):
+        read_all(tmp_path)
+    bad = tmp_path / "data.csv"
+    bad.write_text("a,b")
+    with pytest.raises(DataError, match="unsupported file type"):
+        read_all(bad)
+
+
+def test_empty_file_is_a_counted_skip(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "empty.txt").write_text("")
+    (tmp_path / "d" / "full.txt").write_text("some words")
+    docs, report = read_all(tmp_path / "d")
+    assert len(docs) == 1 and report.skipped["empty file"] == 1
+
+
+def test_default_corpus_has_distinct_domains_and_is_deterministic():
+    a = [(d.name, d.domain, len(d.text)) for d in iter_default_corpus(0.05, ReadReport())]
+    b = [(d.name, d.domain, len(d.text)) for d in iter_default_corpus(0.05, ReadReport())]
+    assert a == b
+    assert len({domain for _, domain, _ in a}) >= 4
+    assert {domain for _, domain, _ in a} <= set(DOMAINS)
+
+
+def test_split_is_stable_by_name():
+    names = [f"doc-{i}" for i in range(2000)]
+    val = [n for n in names if is_validation(n, 0.1)]
+    assert 150 < len(val) < 250
+    assert val == [n for n in names if is_validation(n, 0.1)]
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    corpus = write_folder_corpus(tmp_path / "corpus")
+    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "prepared"), val_fraction=0.2)
+    return cfg, prepare_data(cfg, vocab_size=300, log=lambda s: None)
+
+
+def test_prepare_writes_shards_with_document_and_domain_indices(prepared):
+    cfg, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert meta["domains"] == sorted(WORDS)
+    sp = load_tokenizer(out / "tokenizer.model")
+    texts = {e["name"]: e for e in manifest["documents"]}
+    n_seen = 0
+    for split in ("train", "val"):
+        shard = load_split(out, split)
+        names = shard.doc_names()
+        assert shard.doc_offsets[-1] == len(shard.tokens) == meta["tokens"][split]
+        for d in range(shard.n_docs):
+            doc = shard.document(d)
+            assert doc[0] == BOS_ID  # every document starts with BOS
+            entry = texts[names[d]]
+            assert entry["split"] == split and shard.domains[shard.doc_domain[d]] == entry["domain"]
+            # the shard holds exactly the tokens of the source document
+            source = open(names[d]).read()
+            assert sp.decode(doc[1:].tolist()) == source
+            n_seen += 1
+    assert n_seen == len(manifest["documents"]) == 36
+    # every domain has validation documents, and the split is the stable one by name
+    val = load_split(out, "val")
+    assert {val.domains[i] for i in val.doc_domain} == set(WORDS)
+
+
+def test_prepare_skips_when_done_and_refuses_silent_overwrite(prepared):
+    cfg, out = prepared
+    stamp = (out / "meta.json").stat().st_mtime_ns
+    logs = []
+    prepare_data(cfg, vocab_size=300, log=logs.append)
+    assert "up to date" in logs[0] and (out / "meta.json").stat().st_mtime_ns == stamp
+    with pytest.raises(DataError, match="other settings.*vocab_size"):
+        prepare_data(cfg, vocab_size=320, log=lambda s: None)
+    prepare_data(cfg, vocab_size=320, force=True, log=lambda s: None)
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == 320
+
+
+def test_prepare_is_deterministic(tmp_path, prepared):
+    cfg, out = prepared
+    cfg2 = DataConfig(sources=cfg.sources, out_dir=str(tmp_path / "again"), val_fraction=0.2)
+    out2 = prepare_data(cfg2, vocab_size=300, log=lambda s: None)
+    for split in ("train", "val"):
+        assert np.array_equal(load_split(out, split).tokens, load_split(out2, split).tokens)
+    sp1, sp2 = load_tokenizer(out / "tokenizer.model"), load_tokenizer(out2 / "tokenizer.model")
+    assert [sp1.id_to_piece(i) for i in range(300)] == [sp2.id_to_piece(i) for i in range(300)]
+
+
+def test_vocab_too_large_for_the_data_is_a_clear_error(tmp_path):
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=2)
+    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "p"))
+    with pytest.raises(DataError, match=r"model.vocab_size=50000 is larger than this corpus supports"):
+        prepare_data(cfg, vocab_size=50000, log=lambda s: None)
+    assert not (tmp_path / "p").exists()  # nothing half-written where the data would be
+
+
+def test_missing_prepared_data_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="prepare_data.py"):
+        load_split(tmp_path, "train")
+
+
+def test_train_windows_are_a_pure_function_of_the_sample_index(prepared):
+    cfg, out = prepared
+    shard = load_split(out, "train")
+    w = TrainWindows(shard, seq_len=16, seed=3)
+    a = w.batch(5, 4)
+    assert a.shape == (4, 17)
+    assert np.array_equal(a.numpy(), TrainWindows(shard, 16, seed=3).batch(5, 4).numpy())
+    # one epoch visits every window exactly once
+    every = sorted(tuple(shard.tokens[j * 16 : j * 16 + 17]) for j in range(w.n_windows))
+    assert sorted(tuple(w.sample(i)) for i in range(w.n_windows)) == every
+
+
+def test_eval_windows_stay_inside_their_domain(prepared):
+    cfg, out = prepared
+    val = load_split(out, "val")
+    sets = eval_windows(val, seq_len=16, per_domain=3)
+    for domain, windows in sets.items():
+        stream = np.concatenate([val.document(d) for d in val.domain_docs(domain)])
+        assert np.array_equal(windows[0].numpy(), stream[:17])
