@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_lm.config import ModelConfig, MoEConfig  # noqa: E402
+from moe_lm.interop.hf import to_hf_config  # noqa: E402
 from moe_lm.model import MoE  # noqa: E402
 from moe_lm.model.layers import MLP  # noqa: E402
 
@@ -27,24 +28,12 @@ from moe_lm.model.layers import MLP  # noqa: E402
 SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
 
 
-def hf_moe(ours: MoE, impl: str, dtype: torch.dtype, device: str):
+def hf_moe(cfg: ModelConfig, ours: MoE, impl: str, dtype: torch.dtype, device: str):
     """HF DeepseekV3MoE with our weights copied in (key names are identical)."""
-    from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    c = ours.cfg
-    hf_cfg = DeepseekV3Config(
-        hidden_size=ours.gate.weight.shape[1],
-        moe_intermediate_size=c.moe_inter_dim,
-        n_routed_experts=c.n_routed_experts,
-        n_shared_experts=c.n_shared_experts,
-        num_experts_per_tok=c.num_experts_per_tok,
-        n_group=c.n_group,
-        topk_group=c.topk_group,
-        routed_scaling_factor=c.routed_scaling_factor,
-        norm_topk_prob=c.norm_topk_prob,
-        experts_implementation=impl,
-    )
+    hf_cfg = to_hf_config(cfg)
+    hf_cfg._experts_implementation = impl
     hf = DeepseekV3MoE(hf_cfg)
     hf.load_state_dict(ours.state_dict(), strict=True)
     return hf.to(device=device, dtype=dtype)
@@ -107,8 +96,8 @@ def main() -> None:
         dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=args.device, dtype=dtype)
         fns = {"ours": ours, "dense": dense, "loop": loop}
         if not args.no_hf:
-            fns["hf_eager"] = hf_moe(ours, "eager", dtype, args.device)
-            fns["hf_grouped"] = hf_moe(ours, "grouped_mm", dtype, args.device)
+            fns["hf_eager"] = hf_moe(cfg, ours, "eager", dtype, args.device)
+            fns["hf_grouped"] = hf_moe(cfg, ours, "grouped_mm", dtype, args.device)
         x = torch.randn(args.tokens // args.seq_len, args.seq_len, dim, device=args.device, dtype=dtype)
         grad = torch.randn_like(x)
         t = time_fwd_bwd(fns, x, grad, args.reps, args.warmup)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,7 @@ def _init_wandb(log_cfg: LoggingConfig, cfg: Config, run_dir: Path):
     import wandb
 
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     wandb.init(
         project=log_cfg.wandb_project,
