@@ -244,8 +244,12 @@ class ParallelConfig:
     zero_stage: int = 2
     # "auto": bf16 on CUDA, fp32 on CPU (bf16 is not faster on CPU).
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    # Expert parallelism: routed experts are sharded over groups of ep_size ranks (must divide the world size and
+    # the number of routed experts); everything else stays data-parallel over the whole world.
+    ep_size: int = 1
 
     def validate(self, path: str = "parallel") -> None:
+        _require(self.ep_size >= 1, f"{path}.ep_size", "must be >= 1")
         _require(
             self.zero_stage in (1, 2),
             f"{path}.zero_stage",
@@ -287,6 +291,11 @@ class Config:
         self.optim.validate("optim")
         self.train.validate("train")
         self.parallel.validate("parallel")
+        _require(
+            self.model.moe.n_routed_experts % self.parallel.ep_size == 0,
+            "parallel.ep_size",
+            f"= {self.parallel.ep_size} must divide model.moe.n_routed_experts={self.model.moe.n_routed_experts}",
+        )
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",

@@ -37,39 +37,42 @@ class Experts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's K experts: x [T, D], idx/weight [T, K] -> [T, D]."""
-        if self.impl == "loop":
-            return self.forward_loop(x_TD, idx_TK, weight_TK)
         T, K = idx_TK.shape
-        flat_idx = idx_TK.flatten()
-        order_N = flat_idx.argsort(stable=True)  # token-slots grouped by expert
-        token_N = order_N // K
-        counts_E = torch.bincount(flat_idx, minlength=self.num_experts)
-        w_N = weight_TK.flatten().index_select(0, order_N).to(x_TD.dtype)
-        if x_TD.is_cuda and hasattr(torch, "_grouped_mm"):
+        rows_N = torch.arange(T, device=x_TD.device).repeat_interleave(K)
+        return self.forward_slots(x_TD, rows_N, idx_TK.flatten(), weight_TK.flatten())
+
+    def forward_slots(
+        self, x_MD: torch.Tensor, rows_N: torch.Tensor, expert_N: torch.Tensor, w_N: torch.Tensor
+    ) -> torch.Tensor:
+        """y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]) for N token-slots: x [M, D] -> y [M, D].
+
+        The general entry point: an expert-parallel dispatcher calls it on the rows it received.
+        """
+        if self.impl == "loop":
+            return self._forward_loop(x_MD, rows_N, expert_N, w_N)
+        order_N = expert_N.argsort(stable=True)  # token-slots grouped by expert
+        token_N = rows_N.index_select(0, order_N)
+        counts_E = torch.bincount(expert_N, minlength=self.num_experts)
+        w_N = w_N.index_select(0, order_N).to(x_MD.dtype)
+        if x_MD.is_cuda and hasattr(torch, "_grouped_mm"):
             # why index_select/index_add and not x[idx]: advanced indexing backpropagates through a serial
             # accumulating put; these two are each other's backward.
-            y_ND = grouped_mm_segments(x_TD.index_select(0, token_N), counts_E, self.gate_up_proj, self.down_proj, w_N)
-            return x_TD.new_zeros(x_TD.shape).index_add(0, token_N, y_ND)
-        return SegmentMLP.apply(x_TD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
+            gate_up, down = self.gate_up_proj, self.down_proj
+            y_ND = grouped_mm_segments(x_MD.index_select(0, token_N), counts_E, gate_up, down, w_N)
+            return x_MD.new_zeros(x_MD.shape).index_add(0, token_N, y_ND)
+        return SegmentMLP.apply(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
 
-    def forward_sorted(
-        self, x_ND: torch.Tensor, counts_E: torch.Tensor, w_N: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Run expert e over the e-th contiguous segment of x [N, D] (counts [E] sum to N), scaled by w [N]."""
-        if x_ND.is_cuda and hasattr(torch, "_grouped_mm"):
-            return grouped_mm_segments(x_ND, counts_E, self.gate_up_proj, self.down_proj, w_N)
-        return SegmentMLP.apply(x_ND, None, counts_E, w_N, self.gate_up_proj, self.down_proj)
-
-    def forward_loop(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
-        """Reference path: for each expert, its tokens, its MLP, weighted index_add back."""
-        y_TD = torch.zeros_like(x_TD)
+    def _forward_loop(self, x_MD, rows_N, expert_N, w_N) -> torch.Tensor:
+        """Reference path: for each expert, its slots' rows, its MLP, weighted index_add back."""
+        y_MD = torch.zeros_like(x_MD)
         for e, (gate_up, down) in enumerate(zip(self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True)):
-            token, slot = torch.where(idx_TK == e)
-            if token.numel() == 0:
+            (sel,) = torch.where(expert_N == e)
+            if sel.numel() == 0:
                 continue
-            h = _swiglu(x_TD[token] @ gate_up.T) @ down.T
-            y_TD.index_add_(0, token, h * weight_TK[token, slot, None].to(h.dtype))
-        return y_TD
+            rows = rows_N[sel]
+            h = _swiglu(x_MD[rows] @ gate_up.T) @ down.T
+            y_MD.index_add_(0, rows, h * w_N[sel, None].to(h.dtype))
+        return y_MD
 
 
 class SegmentMLP(torch.autograd.Function):

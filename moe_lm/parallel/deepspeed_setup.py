@@ -12,6 +12,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from moe_lm.config import Config
 
@@ -78,8 +79,10 @@ def build_engine(model: torch.nn.Module, cfg: Config):
     bf16 = use_bf16(cfg, dev)
     model = model.to(dev)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-    )
+    groups = param_groups(model, o.weight_decay)
+    if any(is_moe_param(p) for p in model.parameters()):
+        # expert parameters get their own groups so ZeRO reduces them over the expert-data-parallel group only
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, bf16))
     return engine

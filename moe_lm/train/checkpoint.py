@@ -19,7 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_lm.config import Config, dump_config
+from moe_lm.config import Config, dump_config, load_config
+from moe_lm.model import Transformer
+from moe_lm.parallel.expert_parallel import plain_state_dict
 
 COMPLETE = "COMPLETE"
 
@@ -67,10 +69,12 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
     return tag
 
 
-def load(engine, run_dir: Path, tag: str) -> dict:
+def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
     """Restore engine state and this rank's RNG from checkpoint `tag`; returns the client state."""
     root = ckpt_root(run_dir)
-    path, client_state = engine.load_checkpoint(str(root), tag=tag)
+    path, client_state = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=False
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{_rank()}.pt"
@@ -107,17 +111,16 @@ def _set_rng_state(state: dict) -> None:
 def load_model(run_dir: str | Path, tag: str | None = None):
     """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
     without DeepSpeed: for generation, analytics and export."""
-    from moe_lm.config import load_config
-    from moe_lm.model import Transformer
-
     run_dir = Path(run_dir)
     tag = tag or latest_tag(run_dir)
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {run_dir / 'checkpoints'} (train first, or check the path)")
     folder = ckpt_root(run_dir) / tag
     cfg = load_config(folder / "config.yaml")
-    # DeepSpeed's own file; it holds non-tensor objects, hence weights_only=False (it is the user's own checkpoint)
+    # DeepSpeed's own files; they hold non-tensor objects, hence weights_only=False (the user's own checkpoint)
     state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    for expert_file in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
+        state.update(torch.load(expert_file, map_location="cpu", weights_only=False))
     model = Transformer(cfg.model)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
     return cfg, model.eval(), tag

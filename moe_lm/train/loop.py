@@ -26,6 +26,7 @@ from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
+from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.train import checkpoint
 from moe_lm.train.balance import balance_step, moe_layer_ids
 from moe_lm.train.flops import peak_flops, train_flops_per_token
@@ -49,11 +50,15 @@ def train(cfg: Config) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model)
+    model = apply_expert_parallel(Transformer(cfg.model), cfg.parallel.ep_size)  # every rank builds the same model
     engine = build_engine(model, cfg)
     start_step, sample_base = 0, 0
     if tag is not None:
-        state = checkpoint.load(engine, run_dir, tag)
+        saved_ep = load_config(run_dir / "checkpoints" / tag / "config.yaml").parallel.ep_size
+        if saved_ep != cfg.parallel.ep_size and rank == 0:
+            print(f"warning: {tag} was saved at parallel.ep_size={saved_ep}; loading its weights at "
+                  f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it)")
+        state = checkpoint.load(engine, run_dir, tag, load_optimizer_states=saved_ep == cfg.parallel.ep_size)
         start_step, sample_base = state["step"], state["samples"]
         if rank == 0:
             print(f"resumed from {run_dir / 'checkpoints' / tag} at step {start_step}", flush=True)
@@ -76,6 +81,8 @@ def train(cfg: Config) -> dict:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         engine.train()
+        for d in dispatchers(model):
+            d.reset_stats()
         ce_sum = torch.zeros((), device=dev)
         aux_sum = torch.zeros((), device=dev)
         first = sample_base + (step - start_step) * G

@@ -47,19 +47,20 @@ def test_grouped_matches_in_fp32():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_sorted_segments_entry_point():
-    """forward_sorted (what an expert-parallel dispatcher calls) equals running each expert on its segment."""
-    experts = Experts(4, 16, 12).double()
-    counts = torch.tensor([3, 0, 5, 2])
-    x = torch.randn(10, 16, dtype=torch.float64)
-    y = experts.forward_sorted(x, counts)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        seg = x[start : start + n]
-        g, u = (seg @ experts.gate_up_proj[e].T).chunk(2, -1)
-        ref = (torch.nn.functional.silu(g) * u) @ experts.down_proj[e].T
-        torch.testing.assert_close(y[start : start + n], ref)
-        start += n
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_slots_entry_point(impl):
+    """forward_slots (what an expert-parallel dispatcher calls) equals running each slot's expert directly."""
+    experts = Experts(4, 16, 12, impl).double()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    rows = torch.tensor([0, 0, 2, 5, 5, 5, 3])
+    expert = torch.tensor([1, 3, 0, 0, 2, 3, 3])
+    w = torch.rand(7, dtype=torch.float64)
+    y = experts.forward_slots(x, rows, expert, w)
+    ref = torch.zeros_like(x)
+    for r, e, wn in zip(rows.tolist(), expert.tolist(), w, strict=True):
+        g, u = (x[r] @ experts.gate_up_proj[e].T).chunk(2, -1)
+        ref[r] += wn * ((torch.nn.functional.silu(g) * u) @ experts.down_proj[e].T)
+    torch.testing.assert_close(y, ref)
 
 
 def test_grouped_mm_kernel_matches_cpu_kernel():

@@ -1,0 +1,131 @@
+"""Expert parallelism, applied to a built model from outside (the model code stays single-device).
+
+`apply_expert_parallel(model, ep_size)` keeps each rank's slice of every MoE layer's routed experts, wraps it in
+an `ExpertShell`, and swaps in the all-to-all dispatcher. Router, shared experts, attention and embeddings stay
+replicated and data-parallel over the whole world.
+
+Why a shell of DeepSpeed's `MoE` type (DEEPSPEED_NOTES §1, §3): the engine turns on its MoE handling only for
+`isinstance(module, deepspeed.moe.layer.MoE)`: expert gradients are then reduced over the expert-data-parallel
+group only (and divided by the full data-parallel size, which is already the global-batch mean, so we add no
+scaling), the clip norm counts them once, and `save_checkpoint` writes one file per *global* expert, which is
+what lets a checkpoint saved at one `ep_size` load at another. The shell holds no DeepSpeed gate or dispatch:
+our router decides, our dispatcher moves tokens. It is applied at every `ep_size`, including 1, so checkpoints
+always have the same per-expert layout.
+
+DeepSpeed finds expert tensors by the name `<moe>.deepspeed_moe.experts.deepspeed_experts.<local id>.<param>`;
+our experts are stacked [E_local, ...], so state-dict hooks present them per expert and stack them back on load.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE as DeepSpeedMoE
+from deepspeed.utils import groups
+from torch import nn
+
+from moe_lm.model import Experts, Transformer
+from moe_lm.model.moe import local_dispatch
+from moe_lm.parallel.dispatch import AllToAllDispatcher
+
+STACKED = ("gate_up_proj", "down_proj")
+PER_EXPERT = re.compile(r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$")
+
+
+class ExpertShell(DeepSpeedMoE):
+    """This rank's routed experts of one MoE layer, typed as DeepSpeed's MoE. forward = the local experts."""
+
+    def __init__(self, local_experts: Experts, num_experts: int, ep_size: int) -> None:
+        nn.Module.__init__(self)  # not DeepSpeedMoE.__init__: no DeepSpeed gate or experts are built
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.deepspeed_moe = nn.Module()
+        self.deepspeed_moe.experts = local_experts
+        for p in local_experts.parameters():
+            p.allreduce = False  # what deepspeed.moe.utils.is_moe_param reads
+            p.group_name = self.expert_group_name
+        self.register_state_dict_post_hook(_per_expert_keys)
+        self.register_load_state_dict_pre_hook(_stacked_keys)
+
+    @property
+    def local(self) -> Experts:
+        return self.deepspeed_moe.experts
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Called by the engine: make sure DeepSpeed's expert / expert-data-parallel groups exist."""
+        ensure_groups(self.ep_size, use_data_before_expert_parallel_)
+
+    def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        return self.local(x_TD, idx_TK, weight_TK)
+
+
+def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False):
+    """DeepSpeed's expert-parallel group of this rank (created on first use)."""
+    name = f"ep_size_{ep_size}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+    return groups._get_expert_parallel_group(name)
+
+
+def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
+    """Shard every MoE layer's routed experts over `ep_size` ranks (in place; all ranks built the same model)."""
+    world = dist.get_world_size()
+    E = model.cfg.moe.n_routed_experts
+    if world % ep_size or E % ep_size:
+        raise ValueError(
+            f"parallel.ep_size={ep_size} must divide both the world size ({world}) and "
+            f"model.moe.n_routed_experts ({E})"
+        )
+    group = ensure_groups(ep_size)
+    ep_rank = dist.get_rank(group=group)
+    n_local = E // ep_size
+    for moe in model.moe_layers():
+        full: Experts = moe.experts
+        local = Experts(n_local, full.gate_up_proj.shape[2], full.down_proj.shape[2], full.impl)
+        with torch.no_grad():
+            keep = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
+            local.gate_up_proj.copy_(full.gate_up_proj[keep])
+            local.down_proj.copy_(full.down_proj[keep])
+        moe.experts = ExpertShell(local, E, ep_size)
+        moe.dispatch = AllToAllDispatcher(group, ep_size, n_local) if ep_size > 1 else local_dispatch
+    return model
+
+
+def dispatchers(model: Transformer) -> list[AllToAllDispatcher]:
+    return [moe.dispatch for moe in model.moe_layers() if isinstance(moe.dispatch, AllToAllDispatcher)]
+
+
+def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Turn per-global-expert keys (`...experts.deepspeed_moe.experts.deepspeed_experts.<e>.<w>`) into the plain
+    model's stacked `...experts.<w>` tensors; `layout` is the plain model's state dict (for shapes)."""
+    out, pieces = {}, {}
+    for key, value in sharded.items():
+        m = PER_EXPERT.match(key)
+        if m is None:
+            out[key] = value
+        else:
+            pieces.setdefault(m["prefix"] + m["name"], {})[int(m["e"])] = value
+    for key, by_expert in pieces.items():
+        expected = layout[key].shape[0]
+        if sorted(by_expert) != list(range(expected)):
+            raise KeyError(f"checkpoint has experts {sorted(by_expert)} of {key}, expected 0..{expected - 1}")
+        out[key] = torch.stack([by_expert[e] for e in range(expected)])
+    return out
+
+
+def _per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
+    for name in STACKED:
+        stacked = state_dict.pop(f"{prefix}deepspeed_moe.experts.{name}")
+        for e, tensor in enumerate(stacked.unbind(0)):
+            state_dict[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = tensor
+
+
+def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for name in STACKED:
+        keys = [f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}" for e in range(module.num_local_experts)]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}deepspeed_moe.experts.{name}"] = torch.stack([state_dict.pop(k) for k in keys])
