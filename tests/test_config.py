@@ -21,8 +21,8 @@ def test_presets_load_and_validate():
 def test_yaml_scientific_notation_is_a_float():
     # PyYAML reads `1e-3` (no dot) as a string; the field type must win.
     cfg = load_config(TINY)
-    assert cfg.model.moe.bias_update_speed == pytest.approx(1e-3)
-    assert isinstance(cfg.model.moe.bias_update_speed, float)
+    assert cfg.model.moe.bias_update_speed == pytest.approx(1e-2)
+    assert cfg.optim.lr == pytest.approx(3e-3) and isinstance(cfg.optim.lr, float)
 
 
 def test_overrides_are_coerced_by_field_type():

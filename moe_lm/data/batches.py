@@ -21,7 +21,9 @@ class TrainWindows:
         self.seed = seed
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"the training split has {len(self.tokens)} tokens, fewer than one window of {seq_len + 1}")
+            raise ValueError(
+                f"the training split has {len(self.tokens)} tokens, fewer than one window of {seq_len + 1}"
+            )
         self._perm_epoch, self._perm = -1, None
 
     def sample(self, i: int) -> np.ndarray:
@@ -48,5 +50,7 @@ def eval_windows(shard: TokenShard, seq_len: int, per_domain: int) -> dict[str, 
         stream = np.concatenate([np.asarray(shard.document(d), dtype=np.int64) for d in docs])
         n = min(per_domain, (len(stream) - 1) // seq_len)
         if n > 0:
-            out[domain] = torch.from_numpy(np.stack([stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]))
+            out[domain] = torch.from_numpy(
+                np.stack([stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
+            )
     return out

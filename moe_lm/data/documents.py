@@ -43,8 +43,10 @@ class ReadReport:
             self.examples[reason].append(where)
 
     def summary(self) -> str:
-        lines = [f"read {sum(self.documents.values())} documents in {len(self.documents)} domains: "
-                 + ", ".join(f"{d}={n}" for d, n in sorted(self.documents.items()))]
+        lines = [
+            f"read {sum(self.documents.values())} documents in {len(self.documents)} domains: "
+            + ", ".join(f"{d}={n}" for d, n in sorted(self.documents.items()))
+        ]
         if self.repaired:
             lines.append(f"  {self.repaired} documents had undecodable bytes, replaced by U+FFFD")
         for reason, n in sorted(self.skipped.items()):

@@ -84,7 +84,9 @@ def prepare_data(
                 continue
             seen.add(digest)
             split = "val" if is_validation(doc.name, cfg.val_fraction) else "train"
-            entries.append({"name": doc.name, "domain": doc.domain, "split": split, "bytes": len(doc.text), "sha256": digest[:16]})
+            entries.append(
+                {"name": doc.name, "domain": doc.domain, "split": split, "bytes": len(doc.text), "sha256": digest[:16]}
+            )
             f.write(json.dumps({"name": doc.name, "domain": doc.domain, "text": doc.text}) + "\n")
     log(report.summary())
     _check_and_balance_split(entries, cfg)
@@ -167,7 +169,7 @@ def _check_and_balance_split(entries: list[dict], cfg: DataConfig) -> None:
             f"the default corpus found only {len(by_domain)} domains ({', '.join(sorted(by_domain))}) in this Python "
             f"installation; at least {MIN_DEFAULT_DOMAINS} are needed: point data.sources at your own text instead"
         )
-    for domain, docs in by_domain.items():
+    for docs in by_domain.values():
         val = [e for e in docs if e["split"] == "val"]
         if len(docs) >= 2 and not val:
             min(docs, key=lambda e: e["sha256"])["split"] = "val"  # deterministic choice

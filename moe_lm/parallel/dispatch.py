@@ -45,16 +45,18 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
         Q = sum(recv)
-        x_QD = dist_fn.all_to_all_single(x_TD.new_empty(Q, x_TD.shape[1]), x_TD.index_select(0, token_P), recv, send,
-                                         group=self.group)
+        x_QD = dist_fn.all_to_all_single(
+            x_TD.new_empty(Q, x_TD.shape[1]), x_TD.index_select(0, token_P), recv, send, group=self.group
+        )
         w_QK = dist_fn.all_to_all_single(w_PK.new_empty(Q, K), w_PK, recv, send, group=self.group)
         local_QK = local_PK.new_empty(Q, K)
         dist.all_to_all_single(local_QK, local_PK, recv, send, group=self.group)
 
         row_N, k_N = (local_QK >= 0).nonzero(as_tuple=True)
         y_QD = shell.local.forward_slots(x_QD, row_N, local_QK[row_N, k_N], w_QK[row_N, k_N])
-        y_PD = dist_fn.all_to_all_single(y_QD.new_empty(len(token_P), x_TD.shape[1]), y_QD, send, recv,
-                                         group=self.group)
+        y_PD = dist_fn.all_to_all_single(
+            y_QD.new_empty(len(token_P), x_TD.shape[1]), y_QD, send, recv, group=self.group
+        )
 
         slots_sent = int(on_rank_PK.sum())
         if slots_sent != T * K:  # every token-slot is in exactly one pair

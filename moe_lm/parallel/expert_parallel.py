@@ -67,7 +67,9 @@ def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False):
     """DeepSpeed's expert-parallel group of this rank (created on first use)."""
     name = f"ep_size_{ep_size}"
     if name not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        groups._create_expert_and_data_parallel(
+            ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_
+        )
     return groups._get_expert_parallel_group(name)
 
 
@@ -77,8 +79,7 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
     E = model.cfg.moe.n_routed_experts
     if world % ep_size or E % ep_size:
         raise ValueError(
-            f"parallel.ep_size={ep_size} must divide both the world size ({world}) and "
-            f"model.moe.n_routed_experts ({E})"
+            f"parallel.ep_size={ep_size} must divide both the world size ({world}) and model.moe.n_routed_experts ({E})"
         )
     group = ensure_groups(ep_size)
     ep_rank = dist.get_rank(group=group)

@@ -56,8 +56,10 @@ def train(cfg: Config) -> dict:
     if tag is not None:
         saved_ep = load_config(run_dir / "checkpoints" / tag / "config.yaml").parallel.ep_size
         if saved_ep != cfg.parallel.ep_size and rank == 0:
-            print(f"warning: {tag} was saved at parallel.ep_size={saved_ep}; loading its weights at "
-                  f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it)")
+            print(
+                f"warning: {tag} was saved at parallel.ep_size={saved_ep}; loading its weights at "
+                f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it)"
+            )
         state = checkpoint.load(engine, run_dir, tag, load_optimizer_states=saved_ep == cfg.parallel.ep_size)
         start_step, sample_base = state["step"], state["samples"]
         if rank == 0:
@@ -134,6 +136,8 @@ def train(cfg: Config) -> dict:
                 "samples": first + G,
                 **balance,
             }
+            if cfg.parallel.ep_size > 1:
+                row["a2a_bytes_per_rank"] = sum(d.stats["bytes_sent"] for d in dispatchers(model))
             hist = {f"expert_load/layer_{i}": c.numpy() for i, c in zip(moe_layer_ids(model), counts, strict=True)}
             tracker.log(row, hist)
             maxvio = max((v for k, v in balance.items() if k.startswith("maxvio/")), default=0.0)

@@ -13,25 +13,7 @@ from moe_lm.data.default_corpus import DOMAINS, iter_default_corpus
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.prepare import is_validation, load_split, prepare_data
 from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
-
-WORDS = {
-    "cooking": "stir the onions slowly until golden then add garlic salt pepper and a splash of wine".split(),
-    "astronomy": "the telescope tracked a distant galaxy whose redshift revealed expansion of space".split(),
-    "finance": "the bond yield rose while equity markets priced in higher interest rates and inflation".split(),
-}
-
-
-def make_text(domain: str, i: int, n_words: int = 120) -> str:
-    rng = np.random.default_rng(i)
-    return " ".join(rng.choice(WORDS[domain], n_words)) + f"\nline {i}\n"
-
-
-def write_folder_corpus(root, n_docs=12):
-    for domain in WORDS:
-        (root / domain).mkdir(parents=True)
-        for i in range(n_docs):
-            (root / domain / f"doc{i}.txt").write_text(make_text(domain, i))
-    return root
+from tests.conftest import WORDS, write_folder_corpus
 
 
 def read_all(source):

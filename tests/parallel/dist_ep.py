@@ -21,7 +21,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe_lm.config import (  # noqa: E402
-    Config, LoggingConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig,
+    Config,
+    LoggingConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
 )
 from moe_lm.model import Transformer  # noqa: E402
 from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, param_groups  # noqa: E402
@@ -40,10 +46,24 @@ def main() -> None:
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = Config(
-        model=ModelConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=2, inter_dim=64, first_k_dense_replace=1,
-                          max_seq_len=SEQ,
-                          moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-                                        moe_inter_dim=16, seq_aux_alpha=1e-2, bias_update_speed=0.0)),
+        model=ModelConfig(
+            vocab_size=VOCAB,
+            dim=32,
+            n_layers=3,
+            n_heads=2,
+            inter_dim=64,
+            first_k_dense_replace=1,
+            max_seq_len=SEQ,
+            moe=MoEConfig(
+                n_routed_experts=8,
+                num_experts_per_tok=3,
+                n_group=4,
+                topk_group=2,
+                moe_inter_dim=16,
+                seq_aux_alpha=1e-2,
+                bias_update_speed=0.0,
+            ),
+        ),
         optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05, weight_decay=0.1),
         train=TrainConfig(micro_batch_size=MICRO, grad_accum_steps=1, seq_len=SEQ),
         parallel=ParallelConfig(zero_stage=args.zero, ep_size=args.ep),
@@ -86,8 +106,10 @@ def main() -> None:
                 expected = ref_params[name]
             worst["params"] = max(worst["params"], (p.detach() - expected.detach()).abs().max().item())
     # dispatcher bookkeeping over the last step's forward: conservation and the once-per-rank send
-    stats = torch.tensor([[d.stats[k] for k in ("slots_sent", "slots_computed", "pairs_sent")]
-                          for d in dispatchers(model)], dtype=torch.int64)
+    stats = torch.tensor(
+        [[d.stats[k] for k in ("slots_sent", "slots_computed", "pairs_sent")] for d in dispatchers(model)],
+        dtype=torch.int64,
+    )
     if args.ep > 1:
         dist.all_reduce(stats)
     result = {k: torch.tensor(v).max().item() for k, v in worst.items()}

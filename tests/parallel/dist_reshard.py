@@ -1,6 +1,6 @@
 """Load a run's checkpoint at another expert-parallel size (weights only) and write the logits on fixed tokens.
 
-    deepspeed --num_gpus N tests/parallel/dist_reshard.py --run RUN --ep EP --out logits.pt
+deepspeed --num_gpus N tests/parallel/dist_reshard.py --run RUN --ep EP --out logits.pt
 """
 
 from __future__ import annotations

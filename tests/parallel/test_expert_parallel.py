@@ -13,8 +13,8 @@ from moe_lm.config import dump_config
 from moe_lm.interop.hf import export_hf
 from moe_lm.train import loop
 from moe_lm.train.checkpoint import load_model
+from tests.conftest import tiny_train_cfg
 from tests.parallel.dist_reshard import fixed_tokens
-from tests.train.conftest import tiny_train_cfg
 from tests.train.test_distributed import launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,11 +46,14 @@ def train_rows(run_dir):
 
 @pytest.mark.parametrize("zero", [1, 2])
 def test_loss_trajectory_does_not_depend_on_ep_size(tiny_data, tmp_path, zero):
-    base = tiny_train_cfg(tiny_data, tmp_path / "ep1", max_steps=10, grad_accum_steps=2, ckpt_interval=100,
-                          eval_interval=100)
+    base = tiny_train_cfg(
+        tiny_data, tmp_path / "ep1", max_steps=10, grad_accum_steps=2, ckpt_interval=100, eval_interval=100
+    )
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, zero_stage=zero))
     loop.train(base)  # one process, ep_size 1, 2 micro-batches per step
-    ep2 = dataclasses.replace(base, train=dataclasses.replace(base.train, grad_accum_steps=1, out_dir=str(tmp_path / "ep2")))
+    ep2 = dataclasses.replace(
+        base, train=dataclasses.replace(base.train, grad_accum_steps=1, out_dir=str(tmp_path / "ep2"))
+    )
     dump_config(ep2, tmp_path / "ep2.yaml")
     launch("launch/train.py", "--config", str(tmp_path / "ep2.yaml"), "parallel.ep_size=2")  # same global batch
     a, b = train_rows(tmp_path / "ep1"), train_rows(tmp_path / "ep2")

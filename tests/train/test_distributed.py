@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_lm.config import dump_config
-from tests.train.conftest import tiny_train_cfg
+from tests.conftest import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")

@@ -14,7 +14,7 @@ import torch
 from moe_lm.config import load_config
 from moe_lm.train import checkpoint, loop
 from moe_lm.train.schedule import lr_at
-from tests.train.conftest import tiny_train_cfg
+from tests.conftest import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
