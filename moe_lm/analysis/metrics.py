@@ -1,6 +1,14 @@
-"""Routing metrics as pure functions of counts and traces."""
+"""Routing metrics as pure functions of arrays (a trace's columns), each with its uniform-routing baseline.
+
+Notation: N tokens, E experts, K experts per token, D documents. `experts` is [N, K] (first choice first).
+Definitions follow ANALYTICS_NOTES: Mixtral §5 (repetition), OLMoE §5 (co-activation, specialisation,
+saturation), DeepSeek-V3 §4.5 (relative load), Wang et al. 2024 (MaxVio).
+"""
 
 from __future__ import annotations
+
+from functools import lru_cache
+from math import comb
 
 import numpy as np
 
@@ -10,3 +18,228 @@ def max_vio(counts: np.ndarray) -> float:
     counts = np.asarray(counts, dtype=np.float64)
     mean = counts.mean()
     return float((counts.max() - mean) / mean) if mean > 0 else 0.0
+
+
+def expert_counts(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """Token-slots per expert [E]."""
+    return np.bincount(np.asarray(experts).ravel(), minlength=n_experts)
+
+
+def max_vio_floor(n_tokens: int, n_experts: int, k: int, trials: int = 200, seed: int = 0) -> float:
+    """Expected MaxVio of a perfectly uniform random router over n_tokens (the finite-sample floor)."""
+    rng = np.random.default_rng(seed)
+    vals = [max_vio(expert_counts(random_topk(rng, n_tokens, n_experts, k), n_experts)) for _ in range(trials)]
+    return float(np.mean(vals))
+
+
+def random_topk(rng: np.random.Generator, n: int, n_experts: int, k: int) -> np.ndarray:
+    """[n, k] uniform random k-subsets of experts (without replacement), in random order."""
+    return np.argsort(rng.random((n, n_experts)), axis=1)[:, :k]
+
+
+# ------------------------------------------------------------------------------------------ domains
+
+
+def domain_shares(experts: np.ndarray, domain: np.ndarray, n_domains: int, n_experts: int) -> dict[str, np.ndarray]:
+    """Per domain and expert [Dm, E]:
+    token_share: share of the domain's tokens whose top-k contains e (rows sum to K; uniform K/E);
+    assignment_share: share of the domain's assignments going to e (rows sum to 1; uniform 1/E);
+    relative_load: assignment_share * E, load over balanced load (rows average to 1; DeepSeek-V3 Fig. 9)."""
+    K = experts.shape[1]
+    counts = np.zeros((n_domains, n_experts), dtype=np.float64)
+    np.add.at(counts, (np.repeat(np.asarray(domain, np.int64), K), np.asarray(experts, np.int64).ravel()), 1.0)
+    tokens = np.bincount(np.asarray(domain, np.int64), minlength=n_domains).astype(np.float64)[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        token_share = counts / tokens
+        assignment = counts / (tokens * K)
+    return {"token_share": token_share, "assignment_share": assignment, "relative_load": assignment * n_experts}
+
+
+def js_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    """Jensen-Shannon divergence in bits between two distributions (0 = identical, 1 = disjoint)."""
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        mask = a > 0
+        return float((a[mask] * np.log2(a[mask] / b[mask])).sum())
+
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+
+
+def pairwise_jsd(dist: np.ndarray) -> np.ndarray:
+    """[Dm, Dm] JSD (bits) between the rows of a [Dm, E] matrix of distributions."""
+    n = len(dist)
+    out = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            out[i, j] = out[j, i] = js_divergence(dist[i], dist[j])
+    return out
+
+
+def mean_pairwise(matrix: np.ndarray) -> float:
+    n = len(matrix)
+    return float(matrix[np.triu_indices(n, 1)].mean()) if n > 1 else 0.0
+
+
+def shuffle_domains_within_token(token: np.ndarray, domain: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Domain labels permuted among the occurrences of each token id (baseline N2): keeps every token id's
+    domain mix, destroys any context-dependent domain signal beyond the token's identity."""
+    rng = np.random.default_rng(seed)
+    token = np.asarray(token)
+    order = np.argsort(token, kind="stable")
+    sorted_tokens = token[order]
+    shuffled = np.asarray(domain).copy()
+    bounds = np.flatnonzero(np.diff(sorted_tokens)) + 1
+    for group in np.split(order, bounds):
+        shuffled[group] = shuffled[rng.permutation(group)]
+    return shuffled
+
+
+# ---------------------------------------------------------------------------------------- token ids
+
+
+def token_expert_share(experts: np.ndarray, token: np.ndarray, token_id: int, n_experts: int) -> tuple[np.ndarray, int]:
+    """Share of token_id's occurrences whose top-k contains each expert [E] (sums to K), and the count."""
+    sel = np.asarray(token) == token_id
+    n = int(sel.sum())
+    if n == 0:
+        return np.zeros(n_experts), 0
+    return expert_counts(experts[sel], n_experts) / n, n
+
+
+@lru_cache(maxsize=4096)
+def max_share_null(n: int, n_experts: int, k: int, trials: int = 400) -> float:
+    """Expected max over experts of the share of n random top-k routings that contain the expert."""
+    rng = np.random.default_rng(n * 7919 + n_experts * 31 + k)
+    picks = random_topk(rng, n * trials, n_experts, k).reshape(trials, n, k)
+    counts = np.zeros((trials, n_experts))
+    for t in range(trials):
+        counts[t] = np.bincount(picks[t].ravel(), minlength=n_experts)
+    return float((counts.max(1) / n).mean())
+
+
+def vocabulary_specialisation(
+    experts: np.ndarray, token: np.ndarray, n_experts: int, min_count: int = 20
+) -> dict[str, float]:
+    """For token ids seen at least min_count times: the max over experts of the share of the id's occurrences
+    routed to the expert (1.0 = every occurrence goes to the same expert), against the finite-sample null of a
+    uniform random router with the same count, and the chance-corrected score (obs - null) / (1 - null)."""
+    K = experts.shape[1]
+    token = np.asarray(token)
+    ids, inverse, counts = np.unique(token, return_inverse=True, return_counts=True)
+    keep = counts >= min_count
+    if not keep.any():
+        return {"tokens": 0, "observed": float("nan"), "null": float("nan"), "corrected": float("nan")}
+    per = np.zeros((len(ids), n_experts))
+    np.add.at(per, (np.repeat(inverse, K), np.asarray(experts, np.int64).ravel()), 1.0)
+    obs = per.max(1) / counts
+    null = np.array([max_share_null(int(min(c, 2000)), n_experts, K) for c in counts[keep]])
+    o = obs[keep]
+    w = counts[keep] / counts[keep].sum()
+    return {
+        "tokens": int(keep.sum()),
+        "min_count": min_count,
+        "observed": float((w * o).sum()),
+        "null": float((w * null).sum()),
+        "corrected": float((w * (o - null) / (1 - null)).sum()),
+    }
+
+
+# ------------------------------------------------------------------------------------ consecutive tokens
+
+
+def consecutive_pairs(doc: np.ndarray) -> np.ndarray:
+    """Indices t such that tokens t and t + 1 are adjacent in the same document (N - D of them)."""
+    doc = np.asarray(doc)
+    return np.flatnonzero(doc[1:] == doc[:-1])
+
+
+def repetition(experts: np.ndarray, doc: np.ndarray) -> dict[str, float]:
+    """Mixtral Table 5: share of adjacent tokens (same document) with the same first choice, and with
+    overlapping top-k sets; pairs never cross a document boundary."""
+    t = consecutive_pairs(doc)
+    a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
+    same_first = a[:, 0] == b[:, 0]
+    overlap = (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
+    return {"pairs": int(len(t)), "same_first": float(same_first.mean()), "topk_overlap": float(overlap.mean())}
+
+
+def repetition_baseline(n_experts: int, k: int) -> dict[str, float]:
+    """Uniform random routing: same first choice 1/E; overlapping top-k 1 - C(E-k, k) / C(E, k)."""
+    return {"same_first": 1 / n_experts, "topk_overlap": 1 - comb(n_experts - k, k) / comb(n_experts, k)}
+
+
+# ------------------------------------------------------------------------------- co-activation, entropy
+
+
+def coactivation(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """[E, E] N(i, j) / N(i) over all pairs in each token's top-k (OLMoE Eq. 4, every pair, not only adjacent
+    ranks); rows of active experts sum to K - 1; uniform baseline (K - 1) / (E - 1) off the diagonal."""
+    experts = np.asarray(experts, np.int64)
+    onehot = np.zeros((len(experts), n_experts), dtype=np.float64)
+    np.put_along_axis(onehot, experts, 1.0, axis=1)
+    joint = onehot.T @ onehot  # N(i, j), diagonal N(i)
+    n_i = np.diag(joint).copy()
+    np.fill_diagonal(joint, 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n_i[:, None] > 0, joint / n_i[:, None], 0.0)
+
+
+def load_entropy(counts: np.ndarray) -> float:
+    """Entropy (nats) of the expert-load distribution; ln E when perfectly balanced."""
+    p = np.asarray(counts, np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def dead_experts(counts: np.ndarray, threshold: float = 0.01) -> list[int]:
+    """Experts whose load is below `threshold` of the balanced load."""
+    counts = np.asarray(counts, np.float64)
+    return np.flatnonzero(counts < threshold * counts.mean()).tolist()
+
+
+def saturation(experts_a: np.ndarray, experts_b: np.ndarray) -> float:
+    """Router saturation (OLMoE Eq. 5): mean over tokens of |topk_a ∩ topk_b| / K for the same tokens routed by
+    two checkpoints; 1 = identical decisions, uniform baseline K / E."""
+    a, b = np.asarray(experts_a), np.asarray(experts_b)
+    return float((a[:, :, None] == b[:, None, :]).any(axis=2).sum(1).mean() / a.shape[1])
+
+
+# -------------------------------------------------------------------------------------------- bootstrap
+
+
+def per_document_sums(values: np.ndarray, doc_of_value: np.ndarray, n_docs: int) -> np.ndarray:
+    """Sum of `values` per document [D] (for bootstrap intervals over documents)."""
+    return np.bincount(np.asarray(doc_of_value, np.int64), weights=np.asarray(values, np.float64), minlength=n_docs)
+
+
+def bootstrap_ratio(numer: np.ndarray, denom: np.ndarray, n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of sum(numer) / sum(denom) resampling whole documents (their tokens are correlated, so a
+    bootstrap over tokens would be too narrow). numer/denom: per-document sums [D]."""
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(numer), (n_boot, len(numer)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratios = numer[pick].sum(1) / denom[pick].sum(1)
+    lo, hi = np.nanpercentile(ratios, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def repetition_with_ci(experts: np.ndarray, doc: np.ndarray, n_boot: int = 1000) -> dict[str, float]:
+    """repetition() plus document-bootstrap 95 % intervals for both rates."""
+    result = repetition(experts, doc)
+    t = consecutive_pairs(doc)
+    if len(t) == 0:
+        return result
+    a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
+    pair_doc = np.asarray(doc)[t]
+    n_docs = int(np.asarray(doc).max()) + 1
+    pairs = per_document_sums(np.ones(len(t)), pair_doc, n_docs)
+    has = pairs > 0
+    for name, hit in (
+        ("same_first", a[:, 0] == b[:, 0]),
+        ("topk_overlap", (a[:, :, None] == b[:, None, :]).any((1, 2))),
+    ):
+        lo, hi = bootstrap_ratio(per_document_sums(hit, pair_doc, n_docs)[has], pairs[has], n_boot)
+        result[f"{name}_ci95"] = [lo, hi]
+    return result

@@ -10,6 +10,9 @@ os.replace only after all ranks finished writing, and older checkpoints are prun
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -58,6 +61,7 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
     _barrier()
     if _rank() == 0:
         dump_config(cfg, root / tag / "config.yaml")
+        (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
         (root / tag / COMPLETE).touch()
         tmp = root / "latest.tmp"
         tmp.write_text(tag)
@@ -108,6 +112,35 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def data_reference(cfg: Config) -> dict:
+    """Where the run's data and tokenizer are (absolute), and the tokenizer's hash."""
+    data_dir = Path(cfg.data.out_dir).resolve()
+    tok = data_dir / "tokenizer.model"
+    return {
+        "data_dir": str(data_dir),
+        "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None,
+    }
+
+
+def _resolve_data(cfg: Config, folder: Path) -> Config:
+    """The checkpoint's config with data.out_dir pointing at the data it was trained on, wherever we run from."""
+    ref_file = folder / "data_ref.json"
+    if not ref_file.is_file():
+        return cfg
+    ref = json.loads(ref_file.read_text())
+    tok = Path(ref["data_dir"]) / "tokenizer.model"
+    if (
+        ref["tokenizer_sha256"]
+        and tok.is_file()
+        and hashlib.sha256(tok.read_bytes()).hexdigest() != ref["tokenizer_sha256"]
+    ):
+        raise ValueError(
+            f"{tok} is not the tokenizer this checkpoint was trained with (the data was rebuilt); "
+            f"prepare the data again with the run's config.yaml"
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, out_dir=ref["data_dir"]))
+
+
 def load_model(run_dir: str | Path, tag: str | None = None):
     """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
     without DeepSpeed: for generation, analytics and export."""
@@ -116,7 +149,7 @@ def load_model(run_dir: str | Path, tag: str | None = None):
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {run_dir / 'checkpoints'} (train first, or check the path)")
     folder = ckpt_root(run_dir) / tag
-    cfg = load_config(folder / "config.yaml")
+    cfg = _resolve_data(load_config(folder / "config.yaml"), folder)
     # DeepSpeed's own files; they hold non-tensor objects, hence weights_only=False (the user's own checkpoint)
     state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     for expert_file in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):

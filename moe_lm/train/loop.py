@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_lm.analysis.metrics import max_vio
+from moe_lm.analysis.metrics import max_vio, mean_pairwise, pairwise_jsd
+from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
+from moe_lm.data.tokenizer import BOS_ID
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
@@ -162,36 +164,39 @@ def train(cfg: Config) -> dict:
 
 @torch.no_grad()
 def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micro: int, dev) -> dict[str, float]:
-    """Per-domain and overall loss/perplexity, and MaxVio_global per MoE layer, over the fixed eval windows."""
+    """Per-domain and overall loss/perplexity over the fixed eval windows, and the headline routing metrics per MoE
+    layer from what the routers chose there: MaxVio_global, mean pairwise domain JSD (bits), and the share of
+    adjacent tokens (same document) with the same first choice / overlapping top-k."""
     rank, world = dist.get_rank(), dist.get_world_size()
     engine.eval()
     layers = moe_layer_ids(model)
     E = model.cfg.moe.n_routed_experts
-    counts = torch.zeros(len(layers), E, dtype=torch.int64)
-
-    def count_hook(i: int):
-        def hook(module, inputs, routing) -> None:
-            counts[i] += torch.bincount(routing.topk_idx.flatten().cpu(), minlength=E)
-
-        return hook
-
-    hooks = [router.register_forward_hook(count_hook(i)) for i, router in enumerate(model.routers())]
+    counts = torch.zeros(len(layers), len(evalsets), E, dtype=torch.float64)  # [layer, domain, expert]
+    pairs = torch.zeros(len(layers), 3, dtype=torch.float64)  # [layer, (pairs, same first, overlap)]
     sums = torch.zeros(len(evalsets), 2, dtype=torch.float64)  # [domain, (loss sum, tokens)]
-    try:
+    with RoutingRecorder(model) as recorder:
         for d, windows in enumerate(evalsets.values()):
             # every rank runs the same number of forward passes (expert parallelism needs all ranks in each one)
             mine = windows[rank::world][: len(windows) // world] if len(windows) >= world else windows[:0]
             for chunk in mine.split(micro):
                 chunk = chunk.to(dev)
-                logits = engine(chunk[:, :-1]).logits.float()
+                inputs = chunk[:, :-1]
+                logits = engine(inputs).logits.float()
                 ce = F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
                 sums[d, 0] += ce.item()
                 sums[d, 1] += chunk[:, 1:].numel()
-    finally:
-        for h in hooks:
-            h.remove()
-    dist.all_reduce(sums)
-    dist.all_reduce(counts)
+                B, S = inputs.shape
+                same_doc = (inputs[:, 1:] != BOS_ID).cpu()  # a BOS starts a new document: no pair across it
+                for i, layer in enumerate(layers):
+                    idx = recorder.last[layer][0].view(B, S, -1).cpu()
+                    counts[i, d] += torch.bincount(idx.flatten(), minlength=E)
+                    a, b = idx[:, :-1], idx[:, 1:]
+                    overlap = (a[..., :, None] == b[..., None, :]).any(-1).any(-1)
+                    pairs[i] += torch.stack(
+                        [same_doc.sum(), (same_doc & (a[..., 0] == b[..., 0])).sum(), (same_doc & overlap).sum()]
+                    ).double()
+    for t in (sums, counts, pairs):
+        dist.all_reduce(t)
     result = {}
     for (domain, _), (loss_sum, n) in zip(evalsets.items(), sums.tolist(), strict=True):
         if n > 0:
@@ -200,8 +205,13 @@ def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micr
     total = sums.sum(0).tolist()
     result["loss"] = total[0] / max(total[1], 1)
     result["ppl"] = math.exp(result["loss"])
-    for layer, c in zip(layers, counts, strict=True):
-        result[f"maxvio_global/layer_{layer}"] = max_vio(c.numpy())
+    for i, layer in enumerate(layers):
+        result[f"maxvio_global/layer_{layer}"] = max_vio(counts[i].sum(0).numpy())
+        share = counts[i] / counts[i].sum(1, keepdim=True).clamp_min(1)
+        result[f"domain_jsd/layer_{layer}"] = mean_pairwise(pairwise_jsd(share.numpy()))
+        n_pairs = max(pairs[i, 0].item(), 1)
+        result[f"same_first/layer_{layer}"] = pairs[i, 1].item() / n_pairs
+        result[f"topk_overlap/layer_{layer}"] = pairs[i, 2].item() / n_pairs
     engine.train()
     return result
 
@@ -268,5 +278,11 @@ def _print_header(cfg: Config, model: Transformer, world: int, G: int, data_meta
 
 def _eval_line(ev: dict) -> str:
     domains = " ".join(f"{k[5:]}={v:.3f}" for k, v in ev.items() if k.startswith("loss/"))
-    maxvio = max((v for k, v in ev.items() if k.startswith("maxvio_global/")), default=0.0)
-    return f"eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.1f}) | {domains} | max MaxVio_global {maxvio:.3f}"
+
+    def worst(prefix: str) -> float:
+        return max((v for k, v in ev.items() if k.startswith(prefix)), default=0.0)
+
+    return (
+        f"eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.1f}) | {domains} | max MaxVio_global "
+        f"{worst('maxvio_global/'):.3f} | max domain JSD {worst('domain_jsd/'):.3f} bits"
+    )

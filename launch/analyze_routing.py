@@ -1,0 +1,154 @@
+"""Record which expert every token chose and draw the figures MoE papers report, with baselines.
+
+    python launch/analyze_routing.py --run runs/tiny --out runs/tiny/analysis
+    python launch/analyze_routing.py --run runs/tiny --data my_corpus/ --out analysis_mine --tokens . , the what
+    python launch/analyze_routing.py --run runs/tiny --compare runs/tiny:step_00000250 --out analysis  # saturation
+
+Default data: the run's validation split (documents with their domains). --data takes .txt/.jsonl files or
+folders (a sub-folder per domain), tokenised with the run's tokenizer. Writes into --out: trace/ (the recorded
+routing, see moe_lm/analysis/trace.py), trace_init/ (the same tokens through the untrained model: baseline N1),
+figures/*.png, routing.html and metrics.json; and logs the figures to the run's wandb if it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_lm.analysis.report import build_report  # noqa: E402
+from moe_lm.analysis.trace import record_trace  # noqa: E402
+from moe_lm.data.documents import DataError, ReadReport, iter_source  # noqa: E402
+from moe_lm.data.prepare import load_split  # noqa: E402
+from moe_lm.data.tokenizer import BOS_ID, load_tokenizer  # noqa: E402
+from moe_lm.model import Transformer  # noqa: E402
+from moe_lm.train.checkpoint import load_model  # noqa: E402
+
+DEFAULT_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
+
+
+def split_run(spec: str) -> tuple[str, str | None]:
+    run, _, tag = spec.partition(":")
+    return run, tag or None
+
+
+def user_documents(paths: list[str], sp, domains: list[str]):
+    """(domain index, token ids) for every document of the user's files; `domains` fills as names appear."""
+    report = ReadReport()
+    for path in paths:
+        for doc in iter_source(path, report):
+            if doc.domain not in domains:
+                domains.append(doc.domain)
+            yield domains.index(doc.domain), np.array([BOS_ID, *sp.encode(doc.text)], dtype=np.int64)
+    print(report.summary(), file=sys.stderr)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="run folder, optionally RUN:TAG for a specific checkpoint")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default: the run's validation split)")
+    ap.add_argument("--compare", help="another checkpoint (RUN or RUN:TAG) routed on the same tokens: saturation")
+    ap.add_argument("--tokens", nargs="*", default=DEFAULT_TOKENS, help="tokens for per-token charts")
+    ap.add_argument("--max-tokens", type=int, default=200_000)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--min-count", type=int, default=20, help="minimum occurrences for vocabulary specialisation")
+    ap.add_argument("--no-init-baseline", action="store_true", help="skip the untrained-model baseline (N1)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    run, tag = split_run(args.run)
+    try:
+        cfg, model, tag = load_model(run, tag)
+        sp = load_tokenizer(Path(cfg.data.out_dir) / "tokenizer.model")
+    except (FileNotFoundError, DataError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+    def documents():
+        if args.data:
+            return user_documents(args.data, sp, domains)
+        return ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
+
+    if args.data:
+        domains: list[str] = []
+        source = {"data": args.data}
+    else:
+        shard = load_split(cfg.data.out_dir, "val")
+        domains = list(shard.domains)
+        source = {"data": f"{cfg.data.out_dir} (validation split)"}
+    common = dict(seq_len=cfg.train.seq_len, batch_size=args.batch_size, max_tokens=args.max_tokens)
+    trace = record_trace(
+        model, documents(), out / "trace", domains, source={**source, "run": run, "tag": tag}, **common
+    )
+    print(f"recorded {trace.n:,} tokens in {trace.meta['n_docs']} documents at {trace.meta['tokens_per_s']:,.0f} tok/s")
+    init_trace = None
+    if not args.no_init_baseline:
+        torch.manual_seed(cfg.seed)  # the same initial weights the run started from
+        init_trace = record_trace(
+            Transformer(cfg.model),
+            documents(),
+            out / "trace_init",
+            domains,
+            source={**source, "model": "initialisation"},
+            **common,
+        )
+    compare_trace, label = None, ""
+    if args.compare:
+        crun, ctag = split_run(args.compare)
+        _, cmodel, ctag = load_model(crun, ctag)
+        label = f"{crun}:{ctag}"
+        compare_trace = record_trace(
+            cmodel, documents(), out / "trace_compare", domains, source={**source, "run": label}, **common
+        )
+    metrics_file = Path(run) / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else None
+    result = build_report(trace, out, sp, args.tokens, init_trace, compare_trace, label, rows, args.min_count)
+    _log_wandb(cfg, Path(run), out, result)
+    base = result["baseline_uniform_N0"]
+    for layer, lm in result["layers"].items():
+        r = lm["repetition"]
+        print(
+            f"layer {layer}: MaxVio_global {lm['maxvio_global']:.3f} (floor {base['maxvio_floor']:.3f}) | domain JSD "
+            f"{lm['mean_domain_jsd_bits']:.4f} bits (token-shuffled "
+            f"{lm['mean_domain_jsd_bits_token_shuffled_N2']:.4f}) | "
+            f"same first choice {r['same_first']:.3f} (random {base['same_first']:.3f}) | top-k overlap "
+            f"{r['topk_overlap']:.3f} (random {base['topk_overlap']:.3f})"
+        )
+    print(
+        f"wrote {out / 'metrics.json'}, {out / 'routing.html'} and {len(list((out / 'figures').glob('*.png')))} figures"
+    )
+
+
+def _log_wandb(cfg, run: Path, out: Path, result: dict) -> None:
+    """Attach figures and the per-domain shares to the run's own wandb run (offline runs sync later)."""
+    id_file = run / "wandb_id"
+    if cfg.logging.wandb_mode == "disabled" or not id_file.is_file():
+        return
+    import wandb
+
+    wandb.init(
+        project=cfg.logging.wandb_project,
+        id=id_file.read_text().strip(),
+        resume="allow",
+        dir=str(run),
+        mode=cfg.logging.wandb_mode,
+    )
+    data = {f"routing/{p.stem}": wandb.Image(str(p)) for p in sorted((out / "figures").glob("*.png"))}
+    domains = result["trace"]["domains"]
+    table = wandb.Table(columns=["layer", "domain", "expert", "token_share", "relative_load"])
+    for layer, lm in result["layers"].items():
+        for d, name in enumerate(domains):
+            for e, share in enumerate(lm["domain_token_share"][d]):
+                table.add_data(int(layer), name, e, share, lm["domain_relative_load"][d][e])
+    data["routing/domain_shares"] = table
+    wandb.log(data)
+    wandb.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""From traces to the report: metrics JSON, PNG figures, the HTML token view (and wandb, if the run has it).
+
+Baselines drawn next to every number: (N0) the analytic uniform router, (N1) the same architecture at
+initialisation (a trace of the untrained model on the same tokens), and (N2) domain labels shuffled among the
+occurrences of each token id (what is left of domain specialisation once the token's identity is accounted for).
+"""
+
+from __future__ import annotations
+
+import json
+from math import log
+from pathlib import Path
+
+import numpy as np
+
+from moe_lm.analysis import metrics as M
+from moe_lm.analysis import plots
+from moe_lm.analysis.html import routing_page
+from moe_lm.analysis.trace import Trace
+
+
+def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int) -> dict:
+    experts = np.asarray(trace.experts(layer))
+    counts = M.expert_counts(experts, trace.n_experts)
+    shares = M.domain_shares(experts, trace.domain, len(trace.domains), trace.n_experts)
+    present = [d for d in range(len(trace.domains)) if (np.asarray(trace.domain) == d).any()]
+    jsd = M.pairwise_jsd(shares["assignment_share"][present])
+    shuffled = M.shuffle_domains_within_token(trace.token, trace.domain)
+    jsd_n2 = M.pairwise_jsd(
+        M.domain_shares(experts, shuffled, len(trace.domains), trace.n_experts)["assignment_share"][present]
+    )
+    coact = M.coactivation(experts, trace.n_experts)
+    return {
+        "maxvio_global": M.max_vio(counts),
+        "load": counts.tolist(),
+        "load_entropy": M.load_entropy(counts),
+        "dead_experts": M.dead_experts(counts),
+        "repetition": M.repetition_with_ci(experts, trace.doc, n_boot),
+        "domain_token_share": shares["token_share"].tolist(),
+        "domain_relative_load": shares["relative_load"].tolist(),
+        "domain_jsd_bits": jsd.tolist(),
+        "mean_domain_jsd_bits": M.mean_pairwise(jsd),
+        "mean_domain_jsd_bits_token_shuffled_N2": M.mean_pairwise(jsd_n2),
+        "vocabulary_specialisation": M.vocabulary_specialisation(experts, trace.token, trace.n_experts, min_count),
+        "coactivation": coact.tolist(),
+    }
+
+
+def mean_domain_jsd(trace: Trace, layer: int) -> float:
+    """Mean pairwise JSD (bits) between the domains' expert-assignment distributions in one layer."""
+    shares = M.domain_shares(np.asarray(trace.experts(layer)), trace.domain, len(trace.domains), trace.n_experts)
+    present = [d for d in range(len(trace.domains)) if (np.asarray(trace.domain) == d).any()]
+    return M.mean_pairwise(M.pairwise_jsd(shares["assignment_share"][present]))
+
+
+def chosen_token_ids(sp, texts: list[str]) -> dict[str, int]:
+    """Token ids for the requested tokens, by piece (e.g. '▁the') or by text that encodes to one piece."""
+    found = {}
+    for text in texts:
+        for candidate in (text, "\u2581" + text):
+            pid = sp.piece_to_id(candidate)
+            if pid != sp.unk_id() and sp.id_to_piece(pid) == candidate:
+                found[candidate] = pid
+                break
+        else:
+            ids = sp.encode(text)
+            if len(ids) == 1:
+                found[sp.id_to_piece(ids[0])] = ids[0]
+    return found
+
+
+def build_report(
+    trace: Trace,
+    out: Path,
+    sp,
+    tokens: list[str],
+    init_trace: Trace | None = None,
+    compare_trace: Trace | None = None,
+    compare_label: str = "",
+    metrics_rows: list[dict] | None = None,
+    min_count: int = 20,
+    n_boot: int = 500,
+    html_tokens: int = 250,
+) -> dict:
+    """Write metrics.json, figures/*.png and routing.html into `out`; returns the metrics."""
+    out.mkdir(parents=True, exist_ok=True)
+    figs = out / "figures"
+    figs.mkdir(exist_ok=True)
+    E, K, layers, domains = trace.n_experts, trace.k, trace.layers, trace.domains
+    n_per_domain = np.bincount(np.asarray(trace.domain, np.int64), minlength=len(domains))
+    result: dict = {
+        "trace": {
+            "tokens": trace.n,
+            "documents": trace.meta["n_docs"],
+            "layers": layers,
+            "n_experts": E,
+            "k": K,
+            "domains": domains,
+            "tokens_per_domain": n_per_domain.tolist(),
+            "recording_tokens_per_s": trace.meta.get("tokens_per_s"),
+        },
+        "baseline_uniform_N0": {
+            **M.repetition_baseline(E, K),
+            "token_share": K / E,
+            "assignment_share": 1 / E,
+            "coactivation": (K - 1) / (E - 1) if E > 1 else 0.0,
+            "load_entropy": log(E),
+            "mean_domain_jsd_bits": 0.0,
+            "maxvio_floor": M.max_vio_floor(trace.n, E, K, trials=50),
+        },
+        "layers": {},
+    }
+    for layer in layers:
+        lm = layer_metrics(trace, layer, min_count, n_boot)
+        result["layers"][str(layer)] = lm
+        plots.save(
+            plots.domain_expert_bars(np.array(lm["domain_token_share"]), domains, K, layer, n_per_domain),
+            figs / f"domain_experts_L{layer}.png",
+        )
+        plots.save(
+            plots.relative_load_heatmap(np.array(lm["domain_relative_load"]), domains, layer),
+            figs / f"relative_load_L{layer}.png",
+        )
+        plots.save(
+            plots.coactivation_heatmap(np.array(lm["coactivation"]), layer, K), figs / f"coactivation_L{layer}.png"
+        )
+    if init_trace is not None:
+        result["init_N1"] = {
+            str(layer): {
+                "repetition": M.repetition(np.asarray(init_trace.experts(layer)), init_trace.doc),
+                "mean_domain_jsd_bits": mean_domain_jsd(init_trace, layer),
+                "vocabulary_specialisation": M.vocabulary_specialisation(
+                    np.asarray(init_trace.experts(layer)), init_trace.token, E, min_count
+                ),
+            }
+            for layer in layers
+        }
+    init_rep = {layer: result["init_N1"][str(layer)]["repetition"] for layer in layers} if init_trace else None
+    plots.save(
+        plots.repetition_by_layer(
+            layers,
+            {layer: result["layers"][str(layer)]["repetition"] for layer in layers},
+            result["baseline_uniform_N0"],
+            init_rep,
+        ),
+        figs / "repetition.png",
+    )
+    result["tokens"] = {}
+    for piece, token_id in chosen_token_ids(sp, tokens).items():
+        rows, count = [], 0
+        for layer in layers:
+            share, count = M.token_expert_share(np.asarray(trace.experts(layer)), trace.token, token_id, E)
+            rows.append(share)
+        if count == 0:
+            continue
+        result["tokens"][piece] = {"id": token_id, "count": count, "share_by_layer": np.array(rows).tolist()}
+        safe = "".join(c if c.isalnum() else f"_{ord(c):x}" for c in piece)
+        plots.save(plots.token_across_layers(np.array(rows), layers, piece, count, K), figs / f"token_{safe}.png")
+    if compare_trace is not None:
+        sat = {
+            layer: M.saturation(np.asarray(trace.experts(layer)), np.asarray(compare_trace.experts(layer)))
+            for layer in layers
+        }
+        result["saturation"] = {"against": compare_label, **{str(k): v for k, v in sat.items()}, "baseline": K / E}
+        plots.save(plots.saturation_by_layer(layers, sat, K, E, compare_label), figs / "saturation.png")
+    if metrics_rows:
+        train = [r for r in metrics_rows if r["kind"] == "train"]
+        evals = [r for r in metrics_rows if r["kind"] == "eval"]
+        plots.save(plots.load_over_training(train, evals, layers), figs / "load_over_training.png")
+    (out / "routing.html").write_text(
+        routing_page(_samples(trace, sp, html_tokens), layers, E, "Routing: first-choice expert per token")
+    )
+    (out / "metrics.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _samples(trace: Trace, sp, n_tokens: int) -> list[dict]:
+    """The first document (up to n_tokens) of each domain, with its routing in every layer."""
+    samples = []
+    domain = np.asarray(trace.domain)
+    doc = np.asarray(trace.doc)
+    for d, name in enumerate(trace.domains):
+        rows = np.flatnonzero(domain == d)
+        if len(rows) == 0:
+            continue
+        rows = rows[doc[rows] == doc[rows[0]]][:n_tokens]
+        samples.append(
+            {
+                "domain": name,
+                "pieces": [sp.id_to_piece(int(t)) for t in np.asarray(trace.token)[rows]],
+                "experts": {layer: np.asarray(trace.experts(layer))[rows].tolist() for layer in trace.layers},
+                "weights": {
+                    layer: np.asarray(trace.weights(layer))[rows].astype(float).tolist() for layer in trace.layers
+                },
+            }
+        )
+    return samples

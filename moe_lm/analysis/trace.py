@@ -1,0 +1,232 @@
+"""Routing traces: what the router actually chose for every token, streamed to disk, memory-mapped to read.
+
+Format (a folder, append-only while recording; `meta.json` is written last and names the row count):
+    meta.json              layers, n_experts, k, domains, n_tokens, n_docs, source, format version
+    token.u32              token id                     [N] uint32
+    doc.u32                document index (0..D-1)      [N] uint32
+    pos.u32                position in the document     [N] uint32
+    domain.u16             domain index into meta       [N] uint16
+    experts_L{l}.u8/u16    chosen experts, rank order   [N, K] uint8 (E <= 256) or uint16, one file per MoE layer
+    weights_L{l}.f16       their gate weights            [N, K] float16
+Tokens of one document are contiguous and in order, so consecutive rows with the same doc are neighbours.
+
+Recording uses forward hooks on the routers' outputs (the `Routing` they return), never a recomputation from
+logits: under biased, group-limited routing only the router knows what it chose.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from moe_lm.model import Transformer
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class DocChunk:
+    doc: int  # document index in the trace
+    domain: int
+    start: int  # position of tokens[0] in the document
+    tokens: np.ndarray
+
+
+class Trace:
+    """Read side: memory-mapped columns of a recorded trace."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        meta_path = self.folder / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{self.folder} is not a complete trace (no meta.json)")
+        self.meta = json.loads(meta_path.read_text())
+        self.n = self.meta["n_tokens"]
+        self.layers: list[int] = self.meta["layers"]
+        self.n_experts: int = self.meta["n_experts"]
+        self.k: int = self.meta["k"]
+        self.domains: list[str] = self.meta["domains"]
+        self.token = self._col("token.u32", np.uint32)
+        self.doc = self._col("doc.u32", np.uint32)
+        self.pos = self._col("pos.u32", np.uint32)
+        self.domain = self._col("domain.u16", np.uint16)
+
+    def _col(self, name: str, dtype, width: int | None = None) -> np.ndarray:
+        shape = (self.n,) if width is None else (self.n, width)
+        if self.n == 0:
+            return np.zeros(shape, dtype)
+        return np.memmap(self.folder / name, dtype=dtype, mode="r", shape=shape)
+
+    def experts(self, layer: int) -> np.ndarray:
+        """[N, K] chosen experts of MoE layer `layer` (a model layer index), first choice first."""
+        return self._col(f"experts_L{layer}.{_expert_suffix(self.n_experts)}", _expert_dtype(self.n_experts), self.k)
+
+    def weights(self, layer: int) -> np.ndarray:
+        return self._col(f"weights_L{layer}.f16", np.float16, self.k)
+
+
+class TraceWriter:
+    def __init__(self, folder: Path, layers: list[int], n_experts: int, k: int, domains: list[str], source: dict):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "meta.json").unlink(missing_ok=True)
+        self.folder, self.layers, self.n_experts, self.k, self.domains, self.source = (
+            folder,
+            layers,
+            n_experts,
+            k,
+            domains,
+            source,
+        )
+        suffix = _expert_suffix(n_experts)
+        names = ["token.u32", "doc.u32", "pos.u32", "domain.u16"]
+        names += [f"experts_L{layer}.{suffix}" for layer in layers] + [f"weights_L{layer}.f16" for layer in layers]
+        self.files = {name: open(folder / name, "wb") for name in names}  # noqa: SIM115 - closed in close()
+        self.n = 0
+        self.docs = set()
+
+    def append(self, token, doc, pos, domain, experts: dict[int, np.ndarray], weights: dict[int, np.ndarray]) -> None:
+        f = self.files
+        np.asarray(token, np.uint32).tofile(f["token.u32"])
+        np.asarray(doc, np.uint32).tofile(f["doc.u32"])
+        np.asarray(pos, np.uint32).tofile(f["pos.u32"])
+        np.asarray(domain, np.uint16).tofile(f["domain.u16"])
+        suffix = _expert_suffix(self.n_experts)
+        for layer in self.layers:
+            np.asarray(experts[layer], _expert_dtype(self.n_experts)).tofile(f[f"experts_L{layer}.{suffix}"])
+            np.asarray(weights[layer], np.float16).tofile(f[f"weights_L{layer}.f16"])
+        self.n += len(token)
+        self.docs.update(np.unique(doc).tolist())
+
+    def close(self, extra: dict | None = None) -> Trace:
+        for fh in self.files.values():
+            fh.close()
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "layers": self.layers,
+            "n_experts": self.n_experts,
+            "k": self.k,
+            "domains": self.domains,
+            "n_tokens": self.n,
+            "n_docs": len(self.docs),
+            "source": self.source,
+            **(extra or {}),
+        }
+        (self.folder / "meta.json").write_text(json.dumps(meta, indent=1))
+        return Trace(self.folder)
+
+
+class RoutingRecorder:
+    """Context manager: forward hooks that keep each MoE layer's last Routing (what the router returned)."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.layers = [i for i, layer in enumerate(model.layers) if i >= model.cfg.first_k_dense_replace]
+        self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks = []
+
+    def __enter__(self) -> RoutingRecorder:
+        for layer_id, router in zip(self.layers, self.model.routers(), strict=True):
+            self._hooks.append(router.register_forward_hook(self._hook(layer_id)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _hook(self, layer_id: int):
+        def hook(module, inputs, routing) -> None:
+            self.last[layer_id] = (routing.topk_idx.detach(), routing.topk_weight.detach())
+
+        return hook
+
+
+def document_chunks(docs: Iterable[tuple[int, np.ndarray]], seq_len: int) -> Iterator[DocChunk]:
+    """Cut each (domain, tokens) document into chunks of at most seq_len tokens (context restarts per chunk)."""
+    for d, (domain, tokens) in enumerate(docs):
+        for start in range(0, len(tokens), seq_len):
+            yield DocChunk(d, domain, start, np.asarray(tokens[start : start + seq_len]))
+
+
+@torch.no_grad()
+def record_trace(
+    model: Transformer,
+    docs: Iterable[tuple[int, np.ndarray]],
+    out: str | Path,
+    domains: list[str],
+    seq_len: int,
+    batch_size: int = 16,
+    max_tokens: int | None = None,
+    source: dict | None = None,
+    progress: bool = True,
+) -> Trace:
+    """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`."""
+    model.eval()
+    recorder = RoutingRecorder(model)
+    writer = TraceWriter(
+        Path(out),
+        recorder.layers,
+        model.cfg.moe.n_routed_experts,
+        model.cfg.moe.num_experts_per_tok,
+        domains,
+        source or {},
+    )
+    t0 = time.perf_counter()
+    bar = tqdm(total=max_tokens, desc="recording routing", unit="tok", disable=not progress, leave=False)
+    batch: list[DocChunk] = []
+
+    def flush() -> None:
+        S = max(len(c.tokens) for c in batch)
+        tokens = torch.zeros(len(batch), S, dtype=torch.long)  # right padding: causal, so it cannot affect real tokens
+        for b, c in enumerate(batch):
+            tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
+        model(tokens)
+        valid = torch.zeros(len(batch), S, dtype=torch.bool)
+        for b, c in enumerate(batch):
+            valid[b, : len(c.tokens)] = True
+        flat = valid.flatten()
+        experts = {layer: idx[flat].numpy() for layer, (idx, _) in recorder.last.items()}
+        weights = {layer: w[flat].numpy() for layer, (_, w) in recorder.last.items()}
+        writer.append(
+            np.concatenate([c.tokens for c in batch]),
+            np.concatenate([np.full(len(c.tokens), c.doc) for c in batch]),
+            np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in batch]),
+            np.concatenate([np.full(len(c.tokens), c.domain) for c in batch]),
+            experts,
+            weights,
+        )
+        bar.update(int(flat.sum()))
+        batch.clear()
+
+    if model.cfg.attn_mask != "causal":
+        raise ValueError("recording needs a causal model (padding would leak into a bidirectional prefix)")
+    with recorder:
+        for chunk in document_chunks(docs, seq_len):
+            if max_tokens is not None:
+                room = max_tokens - writer.n - sum(len(c.tokens) for c in batch)
+                if room <= 0:
+                    break
+                chunk.tokens = chunk.tokens[:room]
+            batch.append(chunk)
+            if len(batch) == batch_size:
+                flush()
+        if batch:
+            flush()
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9)})
+
+
+def _expert_dtype(n_experts: int):
+    return np.uint8 if n_experts <= 256 else np.uint16
+
+
+def _expert_suffix(n_experts: int) -> str:
+    return "u8" if n_experts <= 256 else "u16"

@@ -1,0 +1,151 @@
+"""The recorder stores exactly what the router chose; analyze_routing.py produces the whole report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_lm.analysis.trace import Trace, record_trace
+from moe_lm.model import Transformer
+from moe_lm.model.router import gate_weights, select_experts
+from moe_lm.train import loop
+from tests.conftest import replace_moe, tiny_model_cfg, tiny_train_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def biased_grouped_model():
+    cfg = replace_moe(tiny_model_cfg(), n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for r in model.routers():
+            r.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
+def test_trace_holds_exactly_the_routers_decisions(tmp_path):
+    model = biased_grouped_model()
+    gen = torch.Generator().manual_seed(0)
+    docs = [(i % 2, torch.randint(2, 97, (n,), generator=gen).numpy()) for i, n in enumerate([5, 40, 17, 70, 3])]
+    trace = record_trace(model, docs, tmp_path / "trace", ["a", "b"], seq_len=32, batch_size=3, progress=False)
+    assert trace.n == sum(len(t) for _, t in docs) and trace.meta["n_docs"] == 5
+    assert trace.experts(1).dtype == np.uint8 and trace.weights(1).dtype == np.float16
+    # reference: each document chunk alone (no padding), the router's inputs captured, its maths called directly
+    inputs = {}
+    hooks = [
+        moe.gate.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
+        for i, moe in zip(trace.layers, model.moe_layers(), strict=True)
+    ]
+    row = 0
+    for d, (domain, tokens) in enumerate(docs):
+        for start in range(0, len(tokens), 32):
+            chunk = torch.from_numpy(tokens[start : start + 32].astype(np.int64))[None]
+            with torch.no_grad():
+                model(chunk)
+            rows = slice(row, row + chunk.shape[1])
+            assert (trace.doc[rows] == d).all() and (trace.domain[rows] == domain).all()
+            assert np.array_equal(trace.pos[rows], np.arange(start, start + chunk.shape[1]))
+            assert np.array_equal(trace.token[rows], chunk[0].numpy())
+            for layer, moe in zip(trace.layers, model.moe_layers(), strict=True):
+                g, c = moe.gate, moe.gate.cfg
+                scores = torch.sigmoid(inputs[layer].float() @ g.weight.detach().float().T)
+                idx = select_experts(scores, g.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group)
+                w = gate_weights(scores, idx, c.norm_topk_prob, c.routed_scaling_factor)
+                assert np.array_equal(trace.experts(layer)[rows], idx.numpy())  # same experts, same rank order
+                np.testing.assert_allclose(trace.weights(layer)[rows], w.numpy(), atol=2e-3)  # fp16 storage
+            row += chunk.shape[1]
+    for h in hooks:
+        h.remove()
+    assert row == trace.n
+    reopened = Trace(tmp_path / "trace")
+    assert np.array_equal(reopened.experts(2), trace.experts(2))
+
+
+def test_trace_streams_to_disk_without_holding_rows(tmp_path):
+    model = biased_grouped_model()
+    docs = ((0, np.random.default_rng(i).integers(2, 97, 60)) for i in range(50))  # a generator: nothing kept
+    trace = record_trace(model, docs, tmp_path / "t", ["x"], seq_len=16, batch_size=8, max_tokens=1000, progress=False)
+    assert 0 < trace.n <= 1000
+    assert (tmp_path / "t" / "token.u32").stat().st_size == 4 * trace.n
+    assert trace.meta["tokens_per_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_data):
+    run = tmp_path_factory.mktemp("analysis") / "run"
+    cfg = tiny_train_cfg(tiny_data, run, max_steps=4, ckpt_interval=2, eval_interval=2)
+    loop.train(cfg)
+    return run
+
+
+def test_training_evaluation_logs_headline_routing_metrics(tiny_run):
+    rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    ev = [r for r in rows if r["kind"] == "eval"][-1]
+    for key in ("maxvio_global/layer_1", "domain_jsd/layer_1", "same_first/layer_1", "topk_overlap/layer_1"):
+        assert key in ev
+    assert 0 <= ev["same_first/layer_1"] <= ev["topk_overlap/layer_1"] <= 1
+
+
+def run_analysis(*args):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, tmp_path):
+    out = tmp_path / "report"
+    run_analysis(
+        "--run",
+        tiny_run,
+        "--out",
+        out,
+        "--compare",
+        f"{tiny_run}:step_00000002",
+        "--tokens",
+        "he",
+        "on",
+        "--min-count",
+        "5",
+    )
+    figs = {p.name for p in (out / "figures").glob("*.png")}
+    for layer in (1,):
+        assert {f"domain_experts_L{layer}.png", f"relative_load_L{layer}.png", f"coactivation_L{layer}.png"} <= figs
+    assert {"repetition.png", "load_over_training.png", "saturation.png"} <= figs
+    assert any(name.startswith("token_") for name in figs)
+    m = json.loads((out / "metrics.json").read_text())
+    layer = m["layers"]["1"]
+    assert set(m["trace"]["domains"]) == {"astronomy", "cooking", "finance"}
+    np.testing.assert_allclose(np.array(layer["domain_token_share"]).sum(1), 2)  # shares sum to k
+    assert {"same_first", "topk_overlap", "same_first_ci95"} <= set(layer["repetition"])
+    assert "init_N1" in m and "maxvio_floor" in m["baseline_uniform_N0"] and "1" in m["saturation"]
+    page = (out / "routing.html").read_text()
+    assert '<select id="layer"' in page and page.count("class='t'") > 100 and "L1: e" in page
+
+
+def test_analyze_routing_on_the_users_own_files(tiny_run, tmp_path):
+    data = tmp_path / "mine"
+    (data / "poetry").mkdir(parents=True)
+    (data / "poetry" / "a.txt").write_text("the stars tracked the onion galaxy " * 30)
+    (data / "notes.jsonl").write_text(json.dumps({"text": "bond yield rose " * 40, "domain": "money"}) + "\n")
+    out = tmp_path / "report"
+    run_analysis("--run", tiny_run, "--data", data / "poetry", data / "notes.jsonl", "--out", out, "--no-init-baseline")
+    m = json.loads((out / "metrics.json").read_text())
+    assert set(m["trace"]["domains"]) == {"poetry", "money"}
+
+
+def test_prefix_models_are_refused_for_recording(tmp_path):
+    cfg = dataclasses.replace(tiny_model_cfg(), attn_mask="prefix")
+    with pytest.raises(ValueError, match="causal"):
+        record_trace(Transformer(cfg), [(0, np.arange(5))], tmp_path / "t", ["x"], seq_len=8, progress=False)
