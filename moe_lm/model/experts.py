@@ -84,8 +84,8 @@ class SegmentMLP(torch.autograd.Function):
     threshold is page-faulted in anew, and every elementwise pass over it runs from DRAM); per-expert blocks
     stay in cache and in the allocator's reused heap.
 
-    Shapes: x [M, D]; token [N] (row of x for each sorted slot, None = the slots are x's rows in order);
-    counts [E]; w [N] or None; gate_up [E, 2I, D]; down [E, D, I] -> y [M, D].
+    Shapes: x [M, D]; token [N] (the row of x of each slot, slots sorted by expert); counts [E]; w [N];
+    gate_up [E, 2I, D]; down [E, D, I] -> y [M, D].
     """
 
     @staticmethod
@@ -97,12 +97,10 @@ class SegmentMLP(torch.autograd.Function):
             if start == end:
                 saved.append(None)
                 continue
-            x = _rows(x_MD, start, end, tok)
+            x = x_MD.index_select(0, tok)
             h = x @ gate_up.T
-            a = _swiglu(h)
-            if w_N is not None:
-                a.mul_(w_N[start:end, None])
-            _add_rows(y_MD, start, end, tok, a @ down.T)
+            a = _swiglu(h).mul_(w_N[start:end, None])
+            y_MD.index_add_(0, tok, a @ down.T)
             saved.append((x, h))
         ctx.blocks, ctx.saved_blocks = blocks, saved
         ctx.save_for_backward(w_N, gate_up_EFD, down_EDI)
@@ -116,8 +114,7 @@ class SegmentMLP(torch.autograd.Function):
         dx_MD = dy_MD.new_zeros(ctx.x_shape)
         d_gate_up = torch.empty_like(gate_up_EFD)
         d_down = torch.empty_like(down_EDI)
-        want_dw = w_N is not None and ctx.needs_input_grad[3]
-        dw_N = torch.empty_like(w_N) if want_dw else None
+        dw_N = torch.empty_like(w_N) if ctx.needs_input_grad[3] else None
         I = down_EDI.shape[2]
         for e, ((start, end, tok), block) in enumerate(zip(ctx.blocks, ctx.saved_blocks, strict=True)):
             if block is None:  # an expert that received no token has zero gradient
@@ -126,49 +123,35 @@ class SegmentMLP(torch.autograd.Function):
                 continue
             x, h = block
             gate, up = h[:, :I], h[:, I:]
-            dy = _rows(dy_MD, start, end, tok)
+            dy = dy_MD.index_select(0, tok)
             g = dy @ down_EDI[e]  # dL/d(weighted activation)          [n, I]
             silu = F.silu(gate)
             a = silu * up
-            if w_N is not None:
-                w = w_N[start:end, None]
-                if want_dw:
-                    dw_N[start:end] = torch.linalg.vecdot(g, a)
-                a.mul_(w)
-                g.mul_(w)
+            w = w_N[start:end, None]
+            if dw_N is not None:
+                dw_N[start:end] = torch.linalg.vecdot(g, a)
+            a.mul_(w)
+            g.mul_(w)
             torch.mm(dy.T, a, out=d_down[e])
             # SwiGLU backward: d up = g * silu(gate), d gate = silu'(gate) * g * up.
             dh = torch.cat((torch.ops.aten.silu_backward(g * up, gate), g.mul_(silu)), dim=-1)
             torch.mm(dh.T, x, out=d_gate_up[e])
-            _add_rows(dx_MD, start, end, tok, dh @ gate_up_EFD[e])
+            dx_MD.index_add_(0, tok, dh @ gate_up_EFD[e])
         ctx.saved_blocks = None
         return dx_MD, None, None, dw_N, d_gate_up, d_down
 
 
-def _blocks(counts_E: torch.Tensor, token_N: torch.Tensor | None) -> list[tuple[int, int, torch.Tensor | None]]:
-    """(start, end, token rows) of each expert's slots."""
+def _blocks(counts_E: torch.Tensor, token_N: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """(start, end, rows of x) of each expert's slots."""
     ends = counts_E.cumsum(0).tolist()
     starts = [0, *ends[:-1]]
-    return [(s, e, None if token_N is None else token_N[s:e]) for s, e in zip(starts, ends, strict=True)]
+    return [(s, e, token_N[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
-def _rows(x: torch.Tensor, start: int, end: int, tok: torch.Tensor | None) -> torch.Tensor:
-    return x[start:end] if tok is None else x.index_select(0, tok)
-
-
-def _add_rows(y: torch.Tensor, start: int, end: int, tok: torch.Tensor | None, rows: torch.Tensor) -> None:
-    if tok is None:
-        y[start:end] += rows
-    else:
-        y.index_add_(0, tok, rows)
-
-
-def grouped_mm_segments(x_ND, counts_E, gate_up_EFD, down_EDI, w_N=None):
+def grouped_mm_segments(x_ND, counts_E, gate_up_EFD, down_EDI, w_N):
     """Segment compute with `torch._grouped_mm` (one kernel per projection; bf16 on CUDA), autograd backward."""
     offs = counts_E.cumsum(0).to(torch.int32)
-    a_NI = _swiglu(torch._grouped_mm(x_ND, gate_up_EFD.transpose(-2, -1), offs=offs))
-    if w_N is not None:
-        a_NI = a_NI * w_N[:, None]
+    a_NI = _swiglu(torch._grouped_mm(x_ND, gate_up_EFD.transpose(-2, -1), offs=offs)) * w_N[:, None]
     return torch._grouped_mm(a_NI, down_EDI.transpose(-2, -1), offs=offs)
 
 

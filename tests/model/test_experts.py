@@ -75,7 +75,10 @@ def test_grouped_mm_kernel_matches_cpu_kernel():
     dn = torch.randn(E, D, I, requires_grad=True)
     grad = torch.randn(16, D)
     outs = []
-    for fn in (lambda: grouped_mm_segments(x, counts, gu, dn, w), lambda: SegmentMLP.apply(x, None, counts, w, gu, dn)):
+    for fn in (
+        lambda: grouped_mm_segments(x, counts, gu, dn, w),
+        lambda: SegmentMLP.apply(x, torch.arange(16), counts, w, gu, dn),
+    ):
         for t in (x, w, gu, dn):
             t.grad = None
         y = fn()
