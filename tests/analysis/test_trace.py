@@ -149,3 +149,17 @@ def test_prefix_models_are_refused_for_recording(tmp_path):
     cfg = dataclasses.replace(tiny_model_cfg(), attn_mask="prefix")
     with pytest.raises(ValueError, match="causal"):
         record_trace(Transformer(cfg), [(0, np.arange(5))], tmp_path / "t", ["x"], seq_len=8, progress=False)
+
+
+def test_analysis_is_logged_to_the_runs_wandb(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_mode="offline"))
+    loop.train(cfg)
+    wandb_dir = next((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    before = sum(f.stat().st_size for f in wandb_dir.glob("*.wandb"))
+    run_analysis("--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline")
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    # the figures went to the same wandb run id (a resumed offline run), with image files
+    assert all(r.name.endswith((tmp_path / "run" / "wandb_id").read_text()) for r in runs)
+    assert sum(f.stat().st_size for r in runs for f in r.glob("*.wandb")) > before
+    assert list((tmp_path / "run" / "wandb").rglob("*.png"))
