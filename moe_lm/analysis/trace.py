@@ -127,7 +127,7 @@ class RoutingRecorder:
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
-        self.layers = [i for i, layer in enumerate(model.layers) if i >= model.cfg.first_k_dense_replace]
+        self.layers = model.moe_layer_ids()
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = []
 

@@ -87,6 +87,10 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
+    def moe_layer_ids(self) -> list[int]:
+        """Indices (in `layers`) of the MoE blocks; analytics and metrics name layers by them."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+
     def routers(self) -> list[Router]:
         """Every MoE router, in layer order (the bias update must reach all of them)."""
         return [moe.gate for moe in self.moe_layers()]

@@ -37,7 +37,7 @@ def balance_step(model: Transformer, speed: float, apply: bool = True) -> tuple[
     for r in routers:
         r.tokens_per_expert.zero_()
     metrics = {}
-    for layer, router, c in zip(moe_layer_ids(model), routers, counts, strict=True):
+    for layer, router, c in zip(model.moe_layer_ids(), routers, counts, strict=True):
         b = router.e_score_correction_bias
         metrics[f"maxvio/layer_{layer}"] = max_vio(c.numpy())
         metrics[f"bias_mean/layer_{layer}"] = b.mean().item()
@@ -45,7 +45,3 @@ def balance_step(model: Transformer, speed: float, apply: bool = True) -> tuple[
         metrics[f"bias_min/layer_{layer}"] = b.min().item()
         metrics[f"bias_max/layer_{layer}"] = b.max().item()
     return metrics, counts
-
-
-def moe_layer_ids(model: Transformer) -> list[int]:
-    return [i for i in range(model.cfg.n_layers) if i >= model.cfg.first_k_dense_replace]

@@ -30,7 +30,7 @@ from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.train import checkpoint
-from moe_lm.train.balance import balance_step, moe_layer_ids
+from moe_lm.train.balance import balance_step
 from moe_lm.train.flops import peak_flops, train_flops_per_token
 from moe_lm.train.schedule import lr_at
 from moe_lm.train.tracker import Tracker
@@ -140,7 +140,7 @@ def train(cfg: Config) -> dict:
             }
             if cfg.parallel.ep_size > 1:
                 row["a2a_bytes_per_rank"] = sum(d.stats["bytes_sent"] for d in dispatchers(model))
-            hist = {f"expert_load/layer_{i}": c.numpy() for i, c in zip(moe_layer_ids(model), counts, strict=True)}
+            hist = {f"expert_load/layer_{i}": c.numpy() for i, c in zip(model.moe_layer_ids(), counts, strict=True)}
             tracker.log(row, hist)
             maxvio = max((v for k, v in balance.items() if k.startswith("maxvio/")), default=0.0)
             tracker.console(
@@ -169,7 +169,7 @@ def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micr
     adjacent tokens (same document) with the same first choice / overlapping top-k."""
     rank, world = dist.get_rank(), dist.get_world_size()
     engine.eval()
-    layers = moe_layer_ids(model)
+    layers = model.moe_layer_ids()
     E = model.cfg.moe.n_routed_experts
     counts = torch.zeros(len(layers), len(evalsets), E, dtype=torch.float64)  # [layer, domain, expert]
     pairs = torch.zeros(len(layers), 3, dtype=torch.float64)  # [layer, (pairs, same first, overlap)]
