@@ -1,12 +1,16 @@
 """Export a model to a Hugging Face `transformers` checkpoint (MLA -> DeepseekV3ForCausalLM, GQA -> Glm4MoeForCausalLM).
 
-python launch/export_hf.py --config configs/tiny.yaml --out exports/tiny-hf            # random init
-python launch/export_hf.py --weights model.pt --config configs/tiny.yaml --out DIR     # a saved state_dict
+    python launch/export_hf.py --run runs/tiny --out exports/tiny-hf                  # a run's latest checkpoint
+    python launch/export_hf.py --run runs/tiny:step_00000500 --out exports/tiny-500   # a given checkpoint
+    python launch/export_hf.py --config configs/tiny.yaml --out exports/random        # random init (for testing)
+
+Checkpoints of any parallel.ep_size export the same model. The run's tokenizer.model is copied alongside.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,27 +18,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_lm.config import load_config  # noqa: E402
+from moe_lm.config import ConfigError, load_config  # noqa: E402
 from moe_lm.interop.hf import export_hf  # noqa: E402
 from moe_lm.model import Transformer  # noqa: E402
+from moe_lm.train.checkpoint import load_model  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="YAML preset of the model")
-    ap.add_argument("--weights", help="a torch state_dict of moe_lm.model.Transformer (default: random init)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="a run folder, optionally RUN:TAG for a specific checkpoint")
+    src.add_argument("--config", help="a YAML preset: export a randomly initialised model")
     ap.add_argument("--out", required=True, help="output directory (safetensors + config.json)")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.dim=256")
+    ap.add_argument("overrides", nargs="*", help="config overrides with --config, e.g. model.dim=256")
     args = ap.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    torch.manual_seed(cfg.seed)
-    model = Transformer(cfg.model)
-    if args.weights:
-        path = Path(args.weights)
-        if not path.is_file():
-            sys.exit(f"error: weights file not found: {path}")
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    out = export_hf(model.eval(), args.out)
+    try:
+        if args.run:
+            run, _, tag = args.run.partition(":")
+            cfg, model, tag = load_model(run, tag or None)
+        else:
+            cfg = load_config(args.config, args.overrides)
+            torch.manual_seed(cfg.seed)
+            model = Transformer(cfg.model)
+        out = export_hf(model.eval(), args.out)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    tokenizer = Path(cfg.data.out_dir) / "tokenizer.model"
+    if args.run and tokenizer.is_file():
+        shutil.copy(tokenizer, out / "tokenizer.model")
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
 

@@ -112,3 +112,35 @@ def test_unsupported_features_are_clear_errors():
     prefix = Transformer(dataclasses.replace(tiny_model_cfg(), attn_mask="prefix"))
     with pytest.raises(ValueError, match="causal only"):
         export_hf(prefix, "/nonexistent")
+
+
+def test_export_cli_from_a_training_run(tiny_data, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from moe_lm.train import loop
+    from moe_lm.train.checkpoint import load_model
+    from tests.conftest import tiny_train_cfg
+
+    loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "launch" / "export_hf.py"),
+            "--run",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "tokenizer.model").is_file()
+    _, model, _ = load_model(tmp_path / "run")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (2, 16))
+    assert (hf(tokens).logits - logits(model, tokens)).abs().max().item() <= 1e-4
