@@ -19,17 +19,19 @@ from moe_lm.analysis.html import routing_page
 from moe_lm.analysis.trace import Trace
 
 
-def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int) -> dict:
+def domain_jsd(experts: np.ndarray, domain: np.ndarray, trace: Trace) -> np.ndarray:
+    """Pairwise JSD (bits) between the expert-assignment distributions of the domains present in `domain`."""
+    shares = M.domain_shares(experts, domain, len(trace.domains), trace.n_experts)["assignment_share"]
+    present = np.unique(np.asarray(domain))
+    return M.pairwise_jsd(shares[present])
+
+
+def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffled_domain: np.ndarray) -> dict:
+    """Every per-layer number of the report; `shuffled_domain` is the N2 baseline's labels (drawn once)."""
     experts = np.asarray(trace.experts(layer))
     counts = M.expert_counts(experts, trace.n_experts)
     shares = M.domain_shares(experts, trace.domain, len(trace.domains), trace.n_experts)
-    present = [d for d in range(len(trace.domains)) if (np.asarray(trace.domain) == d).any()]
-    jsd = M.pairwise_jsd(shares["assignment_share"][present])
-    shuffled = M.shuffle_domains_within_token(trace.token, trace.domain)
-    jsd_n2 = M.pairwise_jsd(
-        M.domain_shares(experts, shuffled, len(trace.domains), trace.n_experts)["assignment_share"][present]
-    )
-    coact = M.coactivation(experts, trace.n_experts)
+    jsd = domain_jsd(experts, trace.domain, trace)
     return {
         "maxvio_global": M.max_vio(counts),
         "load": counts.tolist(),
@@ -40,17 +42,10 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int) -> dict
         "domain_relative_load": shares["relative_load"].tolist(),
         "domain_jsd_bits": jsd.tolist(),
         "mean_domain_jsd_bits": M.mean_pairwise(jsd),
-        "mean_domain_jsd_bits_token_shuffled_N2": M.mean_pairwise(jsd_n2),
+        "mean_domain_jsd_bits_token_shuffled_N2": M.mean_pairwise(domain_jsd(experts, shuffled_domain, trace)),
         "vocabulary_specialisation": M.vocabulary_specialisation(experts, trace.token, trace.n_experts, min_count),
-        "coactivation": coact.tolist(),
+        "coactivation": M.coactivation(experts, trace.n_experts).tolist(),
     }
-
-
-def mean_domain_jsd(trace: Trace, layer: int) -> float:
-    """Mean pairwise JSD (bits) between the domains' expert-assignment distributions in one layer."""
-    shares = M.domain_shares(np.asarray(trace.experts(layer)), trace.domain, len(trace.domains), trace.n_experts)
-    present = [d for d in range(len(trace.domains)) if (np.asarray(trace.domain) == d).any()]
-    return M.mean_pairwise(M.pairwise_jsd(shares["assignment_share"][present]))
 
 
 def chosen_token_ids(sp, texts: list[str]) -> dict[str, int]:
@@ -110,8 +105,9 @@ def build_report(
         },
         "layers": {},
     }
+    shuffled = M.shuffle_domains_within_token(trace.token, trace.domain)  # one N2 draw for every layer
     for layer in layers:
-        lm = layer_metrics(trace, layer, min_count, n_boot)
+        lm = layer_metrics(trace, layer, min_count, n_boot, shuffled)
         result["layers"][str(layer)] = lm
         plots.save(
             plots.domain_expert_bars(np.array(lm["domain_token_share"]), domains, K, layer, n_per_domain),
@@ -128,7 +124,9 @@ def build_report(
         result["init_N1"] = {
             str(layer): {
                 "repetition": M.repetition(np.asarray(init_trace.experts(layer)), init_trace.doc),
-                "mean_domain_jsd_bits": mean_domain_jsd(init_trace, layer),
+                "mean_domain_jsd_bits": M.mean_pairwise(
+                    domain_jsd(np.asarray(init_trace.experts(layer)), init_trace.domain, init_trace)
+                ),
                 "vocabulary_specialisation": M.vocabulary_specialisation(
                     np.asarray(init_trace.experts(layer)), init_trace.token, E, min_count
                 ),
