@@ -12,7 +12,7 @@ CONFIG ?= configs/tiny.yaml
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
-.PHONY: setup test train data bench lint clean
+.PHONY: setup test train data bench lint clean megablocks
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ data: setup
 
 bench: setup
 	$(BIN)/python launch/bench_moe.py
+
+# Optional GPU expert backend (model.moe.experts_impl=megablocks), on a CUDA machine only. --no-deps: MegaBlocks
+# pins an old torch and would replace the one installed; it builds its CUDA extensions against the torch here.
+megablocks: setup
+	$(BIN)/pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
 
 lint: setup
 	$(BIN)/ruff check moe_lm launch tests

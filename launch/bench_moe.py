@@ -1,7 +1,7 @@
 """Benchmark the MoE layer against a dense SwiGLU of equal active FLOPs and HF's DeepseekV3MoE, side by side.
 
     python launch/bench_moe.py                       # CPU fp32, the three reference shapes, T=4096
-    python launch/bench_moe.py --device cuda --dtype bfloat16
+    python launch/bench_moe.py --device cuda --dtype bfloat16   # adds MegaBlocks' kernels where installed
 
 Every row times forward+backward of each implementation on identical inputs in the same process, interleaved
 round by round so that machine noise hits all of them alike, and reports medians and ratios.
@@ -13,6 +13,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from moe_lm.config import ModelConfig, MoEConfig  # noqa: E402
 from moe_lm.interop.hf import to_hf_config  # noqa: E402
 from moe_lm.model import MoE  # noqa: E402
 from moe_lm.model.layers import MLP  # noqa: E402
+from moe_lm.model.megablocks import BackendUnavailable, load_megablocks  # noqa: E402
 
 # (dim, moe_inter_dim, n_routed_experts, num_experts_per_tok, n_group, topk_group)
 SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
@@ -57,6 +59,15 @@ def time_fwd_bwd(fns: dict, x: torch.Tensor, grad: torch.Tensor, reps: int, warm
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _megablocks_available() -> bool:
+    try:
+        load_megablocks()
+        return True
+    except BackendUnavailable as e:
+        print(f"# megablocks not timed: {e}")
+        return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -73,8 +84,10 @@ def main() -> None:
         f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
         f"T={args.tokens}, fwd+bwd median of {args.reps} (ms)"
     )
+    megablocks = args.device.startswith("cuda") and _megablocks_available()
     header = (
         "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager | HF grouped_mm | ours/best HF |"
+        + (" megablocks | megablocks/ours |" if megablocks else "")
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -95,6 +108,10 @@ def main() -> None:
         loop.experts.impl = "loop"
         dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=args.device, dtype=dtype)
         fns = {"ours": ours, "dense": dense, "loop": loop}
+        if megablocks:
+            fns["megablocks"] = MoE(replace(cfg, moe=replace(moe_cfg, experts_impl="megablocks")))
+            fns["megablocks"].load_state_dict(ours.state_dict())
+            fns["megablocks"].to(device=args.device, dtype=dtype).train()
         if not args.no_hf:
             fns["hf_eager"] = hf_moe(cfg, ours, "eager", dtype, args.device)
             fns["hf_grouped"] = hf_moe(cfg, ours, "grouped_mm", dtype, args.device)
@@ -106,7 +123,8 @@ def main() -> None:
         print(
             f"| {dim} | {inter} | {E} | {k} | {groups} | {t['ours']:.1f} | {t['dense']:.1f} | "
             f"{t['ours'] / t['dense']:.2f} | {t['loop']:.1f} | {t.get('hf_eager', float('nan')):.1f} | "
-            f"{t.get('hf_grouped', float('nan')):.1f} | {t['ours'] / best_hf:.2f} |",
+            f"{t.get('hf_grouped', float('nan')):.1f} | {t['ours'] / best_hf:.2f} |"
+            + (f" {t['megablocks']:.1f} | {t['megablocks'] / t['ours']:.2f} |" if megablocks else ""),
             flush=True,
         )
 

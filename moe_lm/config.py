@@ -66,8 +66,9 @@ class MoEConfig:
     norm_topk_prob: bool = True
     # Width of one routed (and one shared) expert.
     moe_inter_dim: int = 64
-    # Local expert compute: "loop" (the reference) or "grouped" (sorted segments, dropless, the fast path).
-    experts_impl: Literal["loop", "grouped"] = "grouped"
+    # Local expert compute: "loop" (the reference), "grouped" (sorted segments, dropless, the fast path) or
+    # "megablocks" (MegaBlocks' dropless kernels on the same weights; CUDA and the optional extra only).
+    experts_impl: Literal["loop", "grouped", "megablocks"] = "grouped"
     # Auxiliary-loss-free balancing speed gamma (DeepSeek-V3: 0.001); 0 switches the bias update off.
     bias_update_speed: float = 1e-3
     # Complementary sequence-wise balance loss weight alpha (DeepSeek-V3: 1e-4); 0 switches it off.

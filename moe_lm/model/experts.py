@@ -11,6 +11,7 @@ Paths (all dropless: no capacity factor, no token ever dropped):
 - "grouped": sort token-slots by expert once, run every expert over its contiguous segment, scale by the gate
              weights and add back. Segments run as `torch._grouped_mm` on CUDA and as `SegmentMLP`, per-expert
              matmuls with a hand-written backward, on CPU, where that is faster (see DEEPSPEED_NOTES §6).
+- "megablocks": MegaBlocks' permutation kernels and grouped GEMM on these same weights (CUDA only; megablocks.py).
 """
 
 from __future__ import annotations
@@ -19,15 +20,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lm.model.megablocks import load_megablocks, megablocks_experts
+
+IMPLS = ("loop", "grouped", "megablocks")
+
 
 class Experts(nn.Module):
     """E routed SwiGLU experts: y = down(silu(gate x) * up x), stacked weights."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int, impl: str = "grouped", init_std: float = 0.02):
         super().__init__()
-        if impl not in ("loop", "grouped"):
-            raise ValueError(f"experts_impl must be 'loop' or 'grouped', got {impl!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"experts_impl must be one of {IMPLS}, got {impl!r}")
         self.impl = impl
+        # why at construction: a run that cannot use MegaBlocks fails before data loading and engine set-up.
+        if impl == "megablocks":
+            load_megablocks()
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim).normal_(0.0, init_std))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim).normal_(0.0, init_std))
 
@@ -37,6 +45,8 @@ class Experts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's K experts: x [T, D], idx/weight [T, K] -> [T, D]."""
+        if self.impl == "megablocks":
+            return self._forward_megablocks(x_TD, idx_TK, weight_TK)
         T, K = idx_TK.shape
         rows_N = torch.arange(T, device=x_TD.device).repeat_interleave(K)
         return self.forward_slots(x_TD, rows_N, idx_TK.flatten(), weight_TK.flatten())
@@ -50,6 +60,11 @@ class Experts(nn.Module):
         """
         if self.impl == "loop":
             return self._forward_loop(x_MD, rows_N, expert_N, w_N)
+        if self.impl == "megablocks":
+            # MegaBlocks' kernels take K slots per row; received rows carry a varying number of local slots, so
+            # each slot becomes a row of its own (K = 1) and the results are summed back per row.
+            y_ND = self._forward_megablocks(x_MD.index_select(0, rows_N), expert_N[:, None], w_N[:, None])
+            return x_MD.new_zeros(x_MD.shape).index_add(0, rows_N, y_ND)
         order_N = expert_N.argsort(stable=True)  # token-slots grouped by expert
         token_N = rows_N.index_select(0, order_N)
         counts_E = torch.bincount(expert_N, minlength=self.num_experts)
@@ -61,6 +76,14 @@ class Experts(nn.Module):
             y_ND = grouped_mm_segments(x_MD.index_select(0, token_N), counts_E, gate_up, down, w_N)
             return x_MD.new_zeros(x_MD.shape).index_add(0, token_N, y_ND)
         return SegmentMLP.apply(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
+
+    def _forward_megablocks(self, x_TD, idx_TK, weight_TK) -> torch.Tensor:
+        if not x_TD.is_cuda:
+            raise RuntimeError(
+                f"experts_impl='megablocks' runs on CUDA tensors, got {x_TD.device}: move the model to the GPU, "
+                "or use experts_impl='grouped' (same weights)"
+            )
+        return megablocks_experts(load_megablocks(), x_TD, idx_TK, weight_TK, self.gate_up_proj, self.down_proj)
 
     def _forward_loop(self, x_MD, rows_N, expert_N, w_N) -> torch.Tensor:
         """Reference path: for each expert, its slots' rows, its MLP, weighted index_add back."""

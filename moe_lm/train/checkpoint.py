@@ -154,6 +154,9 @@ def load_model(run_dir: str | Path, tag: str | None = None):
     state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     for expert_file in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
         state.update(torch.load(expert_file, map_location="cpu", weights_only=False))
+    if cfg.model.moe.experts_impl == "megablocks":
+        # why: offline tools run on CPU, and the weights do not depend on the expert backend
+        cfg.model.moe.experts_impl = "grouped"
     model = Transformer(cfg.model)
     model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
     return cfg, model.eval(), tag

@@ -1,0 +1,90 @@
+"""The `megablocks` expert backend (CUDA only): MegaBlocks' dropless kernels, driven by our router's decisions.
+
+Shape legend: T = tokens (rows of x), D = model dim, I = expert width, E = (local) experts, K = slots per row,
+N = T*K token-slots.
+
+What is MegaBlocks' here: the body of its dMoE with `mlp_impl="grouped"` - `ops.sort` and `ops.histogram` bin the
+token-slots by expert, `ops.gather` permutes the rows into expert order, grouped GEMMs (`grouped_gemm.ops.gmm`,
+the kernel behind MegaBlocks' GroupedMLP) run the SwiGLU of every expert, and `ops.scatter` un-permutes and sums
+each token's K outputs scaled by its gate weights (its backward gives the gate-weight gradient, so the router
+learns through it). What is not: MegaBlocks' router, its load-balancing loss and its `ParallelDroplessMLP`
+parameters. Our router stays the single source of truth, and the weights stay our stacked gate_up_proj
+[E, 2I, D] / down_proj [E, D, I] tensors, which `gmm(..., trans_b=True)` takes as they are; so checkpoints,
+expert-parallel sharding and HF export do not depend on the backend, and MegaBlocks' expert-parallel gradient
+scaling (`scale_grad`, 1/ep_size) never applies: DeepSpeed reduces expert gradients over the expert-data-parallel
+group, unscaled (DEEPSPEED_NOTES §2).
+
+Installed as an optional GPU extra, never a dependency (it pins an old torch and builds only with CUDA); see the
+README. Imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+INSTALL_HINT = (
+    "on a CUDA machine: pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 "
+    "grouped_gemm==0.3.0 (or `make megablocks`)"
+)
+
+
+class BackendUnavailable(RuntimeError):
+    """The selected expert backend cannot run on this machine; the message says what is missing."""
+
+
+@functools.cache  # failures are not cached: an error is raised anew on each call
+def load_megablocks() -> SimpleNamespace:
+    """MegaBlocks' ops and the grouped GEMM, imported on first use, or a clear error naming what is missing."""
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(
+            f"model.moe.experts_impl='megablocks' needs a CUDA GPU, and torch {torch.__version__} sees none "
+            "(torch.cuda.is_available() is False). Use experts_impl='grouped' on this machine: same weights, "
+            "same results."
+        )
+    try:
+        import megablocks.ops as mb_ops
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"model.moe.experts_impl='megablocks' needs the megablocks package, which does not import ({e}). "
+            f"Install it {INSTALL_HINT}, or use experts_impl='grouped'."
+        ) from e
+    try:
+        import grouped_gemm.ops as gg_ops
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"model.moe.experts_impl='megablocks' needs MegaBlocks' grouped GEMM (package grouped_gemm), which does "
+            f"not import ({e}). Install it {INSTALL_HINT}."
+        ) from e
+    return SimpleNamespace(ops=mb_ops, gmm=gg_ops.gmm)
+
+
+def megablocks_experts(
+    backend: SimpleNamespace,
+    x_TD: torch.Tensor,
+    idx_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    gate_up_EFD: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """y[t] = sum_k w[t,k] * Expert_{idx[t,k]}(x[t]) through MegaBlocks' kernels: x [T, D] -> y [T, D]."""
+    ops = backend.ops
+    T, K = idx_TK.shape
+    E = gate_up_EFD.shape[0]
+    with torch.no_grad():
+        # MegaBlocks' indices_and_bins: slots sorted by expert (its radix sort needs the bit width of E).
+        expert_N = idx_TK.flatten().int()
+        bin_ids, indices = ops.sort(expert_N, max(math.ceil(math.log2(E)), 1))
+        tokens_per_expert = ops.histogram(expert_N, E)
+        bins = ops.inclusive_cumsum(tokens_per_expert, 0).view(-1)
+        # The grouped GEMM takes the group sizes on the host.
+        batch_sizes = tokens_per_expert.cpu().to(torch.long)
+    x_ND = ops.gather(x_TD, indices, bin_ids, bins, K)
+    h_NF = backend.gmm(x_ND, gate_up_EFD, batch_sizes, trans_b=True)
+    gate, up = h_NF.chunk(2, dim=-1)
+    y_ND = backend.gmm(F.silu(gate) * up, down_EDI, batch_sizes, trans_b=True)
+    return ops.scatter(y_ND, indices, bin_ids, w_TK.flatten().to(x_TD.dtype), bins, K)
