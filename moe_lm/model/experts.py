@@ -139,6 +139,8 @@ class SegmentMLP(torch.autograd.Function):
         d_down = torch.empty_like(down_EDI)
         dw_N = torch.empty_like(w_N) if ctx.needs_input_grad[3] else None
         I = down_EDI.shape[2]
+        # one [rows, 2I] buffer for every expert's pre-activation gradient (no per-expert concatenation)
+        dh_buf = dy_MD.new_empty(max((b[1] - b[0] for b in ctx.blocks), default=0), 2 * I)
         for e, ((start, end, tok), block) in enumerate(zip(ctx.blocks, ctx.saved_blocks, strict=True)):
             if block is None:  # an expert that received no token has zero gradient
                 d_gate_up[e].zero_()
@@ -157,7 +159,11 @@ class SegmentMLP(torch.autograd.Function):
             g.mul_(w)
             torch.mm(dy.T, a, out=d_down[e])
             # SwiGLU backward: d up = g * silu(gate), d gate = silu'(gate) * g * up.
-            dh = torch.cat((torch.ops.aten.silu_backward(g * up, gate), g.mul_(silu)), dim=-1)
+            dh = dh_buf[: end - start]
+            d_gate, d_up = dh[:, :I], dh[:, I:]
+            torch.mul(g, up, out=d_gate)
+            torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+            torch.mul(g, silu, out=d_up)
             torch.mm(dh.T, x, out=d_gate_up[e])
             dx_MD.index_add_(0, tok, dh @ gate_up_EFD[e])
         ctx.saved_blocks = None

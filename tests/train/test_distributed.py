@@ -26,8 +26,13 @@ def free_port() -> int:
 
 
 def launch(script: str, *args: str, n: int = 2, timeout: int = 420) -> subprocess.CompletedProcess:
-    cmd = [DEEPSPEED, "--num_gpus", str(n), "--master_port", str(free_port()), script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    for attempt in range(2):
+        cmd = [DEEPSPEED, "--num_gpus", str(n), "--master_port", str(free_port()), script, *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        # why one retry: the free port can be taken between our probe and the launcher's bind. Nothing else
+        # (a failed check, any other error) is retried.
+        if "address already in use" not in (proc.stdout + proc.stderr).lower() or attempt == 1:
+            break
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
