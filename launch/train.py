@@ -35,12 +35,14 @@ def main() -> None:
     import numpy as np
 
     from moe_lm.data.prepare import load_split
+    from moe_lm.parallel.deepspeed_setup import shutdown_distributed
     from moe_lm.train.loop import train, unigram_entropy
 
     try:
         final = train(cfg)
     except (ConfigError, DataError) as e:
         sys.exit(f"error: {e}")
+    shutdown_distributed()
     if int(os.environ.get("RANK", 0)) == 0 and final:
         tokens = np.asarray(load_split(cfg.data.out_dir, "train").tokens)
         h = unigram_entropy(tokens, cfg.model.vocab_size)

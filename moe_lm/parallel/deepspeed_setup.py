@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -27,6 +28,30 @@ def init_distributed() -> None:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     deepspeed.init_distributed(verbose=False)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly at the end of a process.
+
+    why: a rank that exits while gloo's threads still run can abort ("terminate called without an active
+    exception"), failing a run that had finished its work.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            remove_shm_buffers(os.environ.get("MASTER_PORT", ""))
+        dist.destroy_process_group()
+
+
+def remove_shm_buffers(master_port: str) -> None:
+    """Delete the /dev/shm files of DeepSpeed's CPU shared-memory all-reduce for the job on this port.
+
+    why: DeepSpeed creates one 66 MB file per rank and never removes it (deepspeedai/DeepSpeed#4115); they pile
+    up run after run until /dev/shm is full and later runs abort. Unlinking a mapped file is safe: the memory
+    lives until the last process unmaps it.
+    """
+    for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{master_port}_*"):
+        f.unlink(missing_ok=True)
 
 
 def device() -> torch.device:

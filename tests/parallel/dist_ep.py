@@ -30,7 +30,7 @@ from moe_lm.config import (  # noqa: E402
     TrainConfig,
 )
 from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, param_groups  # noqa: E402
+from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, param_groups, shutdown_distributed  # noqa: E402
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers, ensure_groups  # noqa: E402
 
 MICRO, SEQ, VOCAB = 2, 12, 64
@@ -124,3 +124,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe_lm.config import load_config  # noqa: E402
 from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed  # noqa: E402
+from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, shutdown_distributed  # noqa: E402
 from moe_lm.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
 from moe_lm.train import checkpoint  # noqa: E402
 
@@ -49,3 +49,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe_lm.config import Config, LoggingConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig  # noqa: E402
 from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed  # noqa: E402
+from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, shutdown_distributed  # noqa: E402
 from moe_lm.train.balance import balance_step  # noqa: E402
 
 
@@ -80,3 +80,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_lm.config import dump_config
+from moe_lm.parallel.deepspeed_setup import remove_shm_buffers
 from tests.conftest import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +28,12 @@ def free_port() -> int:
 
 def launch(script: str, *args: str, n: int = 2, timeout: int = 420) -> subprocess.CompletedProcess:
     for attempt in range(2):
-        cmd = [DEEPSPEED, "--num_gpus", str(n), "--master_port", str(free_port()), script, *args]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        port = str(free_port())
+        cmd = [DEEPSPEED, "--num_gpus", str(n), "--master_port", port, script, *args]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        finally:
+            remove_shm_buffers(port)  # also when the job crashed before its own clean-up
         # why one retry: the free port can be taken between our probe and the launcher's bind. Nothing else
         # (a failed check, any other error) is retried.
         if "address already in use" not in (proc.stdout + proc.stderr).lower() or attempt == 1:
