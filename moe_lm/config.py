@@ -27,6 +27,22 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class RopeScalingConfig:
+    """Context extension of RoPE: "default" (none) or "yarn", as DeepSeek-V3 ships it and HF computes it."""
+
+    rope_type: Literal["default", "yarn"] = "default"
+    factor: float = 1.0
+    # The context the model was pretrained with; YaRN keeps the dims that rotate fast within it unchanged.
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # cos/sin are scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) and MLA's softmax scale by
+    # mscale(factor, mscale_all_dim)^2, with mscale(s, m) = 0.1 m ln(s) + 1 (DeepSeek-V3: both 1.0).
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3)."""
 
@@ -115,6 +131,7 @@ class ModelConfig:
     attn_mask: Literal["causal", "prefix"] = "causal"
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_eps: float = 1e-6
     init_std: float = 0.02
     mla: MLAConfig = field(default_factory=MLAConfig)
@@ -146,6 +163,14 @@ class ModelConfig:
                 rot > 0 and rot % 2 == 0,
                 f"{path}.gqa.partial_rotary_factor",
                 f"head_dim * factor = {rot} must be a positive even number of rotary dims",
+            )
+        r = self.rope_scaling
+        if r.rope_type == "yarn":
+            _require(r.factor >= 1.0, f"{path}.rope_scaling.factor", "must be >= 1 for yarn")
+            _require(
+                r.original_max_position_embeddings > 0,
+                f"{path}.rope_scaling.original_max_position_embeddings",
+                "must be positive",
             )
         self.moe.validate(f"{path}.moe")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig
+from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
 from moe_lm.model import Transformer
 
 
@@ -69,7 +69,7 @@ def to_hf_config(cfg: ModelConfig):
             qk_rope_head_dim=a.qk_rope_head_dim,
             v_head_dim=a.v_head_dim,
             rope_interleave=False,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            rope_parameters=_rope_parameters(cfg),
         )
     g = cfg.gqa
     return tf.Glm4MoeConfig(
@@ -78,11 +78,43 @@ def to_hf_config(cfg: ModelConfig):
         head_dim=g.head_dim,
         use_qk_norm=False,
         partial_rotary_factor=g.partial_rotary_factor,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": cfg.rope_theta,
-            "partial_rotary_factor": g.partial_rotary_factor,
-        },
+        rope_parameters={**_rope_parameters(cfg), "partial_rotary_factor": g.partial_rotary_factor},
+    )
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    r = cfg.rope_scaling
+    if r.rope_type == "default":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **{k: getattr(r, k) for k in YARN_KEYS}}
+
+
+def _rope_scaling(hf, rope: dict, problems: list[str]) -> RopeScalingConfig:
+    """Our RopeScalingConfig from HF's rope_parameters; what we cannot reproduce goes into `problems`."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return RopeScalingConfig()
+    if kind != "yarn":
+        problems.append(f"rope scaling {kind!r} (implemented: plain RoPE and yarn)")
+        return RopeScalingConfig()
+    if rope.get("attention_factor") is not None:
+        problems.append("yarn with an explicit attention_factor")
+    if rope.get("truncate", True) is False:
+        problems.append("yarn with truncate=False")
+    original = int(rope["original_max_position_embeddings"])
+    # as HF: DeepSeek-style configs may leave factor out and mean the ratio of the two context lengths
+    factor = rope.get("factor") or hf.max_position_embeddings / original
+    return RopeScalingConfig(
+        rope_type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=float(rope.get("mscale") or 0.0),
+        mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
     )
 
 
@@ -93,8 +125,7 @@ def from_hf_config(hf) -> ModelConfig:
         raise ValueError(f"cannot import model_type {kind!r}: supported are deepseek_v3 and glm4_moe")
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     problems = []
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope scaling {rope.get('rope_type')!r} (only plain RoPE is implemented)")
+    rope_scaling = _rope_scaling(hf, rope, problems)
     if getattr(hf, "attention_bias", False):
         problems.append("attention_bias=True")
     if getattr(hf, "tie_word_embeddings", False):
@@ -124,6 +155,7 @@ def from_hf_config(hf) -> ModelConfig:
         first_k_dense_replace=hf.first_k_dense_replace,
         max_seq_len=hf.max_position_embeddings,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling,
         norm_eps=float(hf.rms_norm_eps),
         init_std=float(hf.initializer_range),
         moe=moe,

@@ -9,29 +9,57 @@ permutation applied to both.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lm.config import ModelConfig
+from moe_lm.config import ModelConfig, RopeScalingConfig
 from moe_lm.model.layers import RMSNorm
 
 # why fixed: DeepSeek-V3 and HF build the latent norms with the RMSNorm default eps, not the model's norm_eps.
 LATENT_NORM_EPS = 1e-6
 
 
-def rope_inv_freq(rot_dim: int, theta: float) -> torch.Tensor:
-    """Inverse frequencies [R/2] of standard RoPE."""
-    return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+def rope_inv_freq(rot_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [R/2] and the factor applied to cos/sin: plain RoPE, or YaRN (arXiv 2309.00071).
+
+    YaRN keeps the dims that turn more than beta_fast times within the original context (high frequencies),
+    divides the frequencies of those that turn fewer than beta_slow times by `factor`, and ramps linearly between.
+    """
+    freq_base = theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    if scaling is None or scaling.rope_type == "default":
+        return 1.0 / freq_base, 1.0
+    s = scaling
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times within the original context
+        return (
+            rot_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        )
+
+    low = max(math.floor(dim_of(s.beta_fast)), 0)
+    high = min(math.ceil(dim_of(s.beta_slow)), rot_dim - 1)
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = (1.0 / (s.factor * freq_base)) * ramp + (1.0 / freq_base) * (1 - ramp)
+    if s.mscale and s.mscale_all_dim:
+        factor = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    else:
+        factor = yarn_mscale(s.factor)
+    return inv_freq, factor
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, R] for integer positions [S] (computed in fp32)."""
+    """cos, sin [S, R] for integer positions [S] (computed in fp32), times `factor` (YaRN's attention factor)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,6 +138,9 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * m.v_head_dim, D, bias=False)
         self.scale = qk_head**-0.5
+        r = cfg.rope_scaling
+        if r.rope_type == "yarn" and r.mscale_all_dim:  # DeepSeek-V3 sharpens the softmax with the context
+            self.scale *= yarn_mscale(r.factor, r.mscale_all_dim) ** 2
         self.rot_dim = m.qk_rope_head_dim
 
     def forward(self, x_BSD, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:

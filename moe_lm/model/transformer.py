@@ -58,7 +58,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         rot_dim = self.layers[0].self_attn.rot_dim
-        self.register_buffer("inv_freq", rope_inv_freq(rot_dim, cfg.rope_theta), persistent=False)
+        inv_freq, self.rope_factor = rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, cfg.init_std)
@@ -71,7 +72,8 @@ class Transformer(nn.Module):
         if start + S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {start + S} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed_tokens(tokens_BS)
-        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(start, start + S, device=x.device), x.dtype)
+        positions = torch.arange(start, start + S, device=x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_factor)
         if start == 0:
             mask = attention_mask(self.cfg.attn_mask, S, prefix_len, x.device)
         else:  # new tokens after a cached context (a prefix, if any, was the first chunk) see all of it

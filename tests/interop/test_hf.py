@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
 from moe_lm.model import Transformer
 from tests.conftest import replace_moe, tiny_model_cfg
@@ -98,17 +99,84 @@ def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
     assert diff <= 1e-4, diff
 
 
-def test_unsupported_features_are_clear_errors():
+YARN = RopeScalingConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0)
+
+
+@pytest.mark.parametrize("attention, mscale_all_dim", [("mla", 1.0), ("mla", 0.0), ("gqa", 0.0)])
+def test_yarn_rope_export_matches_transformers(tmp_path, attention, mscale_all_dim):
+    """YaRN as DeepSeek-V3 ships it (mscale_all_dim=1 also sharpens MLA's softmax), past the original context."""
+    model = random_model(attention)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0) if p.dim() > 1 else None  # std 0.1: attention far from uniform, so positions matter
+    cfg = dataclasses.replace(model.cfg, rope_scaling=dataclasses.replace(YARN, mscale_all_dim=mscale_all_dim))
+    yarn = Transformer(cfg).eval()
+    yarn.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 97, (2, 40))
+    assert (logits(yarn, tokens) - logits(model, tokens)).abs().max() > 1e-2  # the scaling changes the model
+    export_hf(yarn, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    diff = (hf(tokens).logits - logits(yarn, tokens)).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert import_hf(tmp_path).cfg.rope_scaling == cfg.rope_scaling
+
+
+def test_import_native_yarn_checkpoint(tmp_path):
+    """A transformers-made DeepseekV3 checkpoint with DeepSeek-V3's rope settings (yarn, interleaved) imports."""
     hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        rope_interleave=True,
+        max_position_embeddings=64,
         rope_parameters={
             "rope_type": "yarn",
-            "factor": 4.0,
             "rope_theta": 10000.0,
-            "original_max_position_embeddings": 4096,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
         },
     )
-    with pytest.raises(ValueError, match="yarn"):
-        from_hf_config(hf_cfg)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.1) if p.dim() > 1 else None
+    hf.save_pretrained(tmp_path)
+    ours = import_hf(tmp_path).eval()
+    assert ours.cfg.rope_scaling.rope_type == "yarn"
+    tokens = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    diff = (logits(ours, tokens) - expected).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_unsupported_features_are_clear_errors():
+    for rope in (
+        {"rope_type": "dynamic", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 0.5},
+    ):
+        hf_cfg = transformers.DeepseekV3Config(rope_parameters={"rope_theta": 10000.0, **rope})
+        with pytest.raises(ValueError, match="does not implement: .*(dynamic|attention_factor)"):
+            from_hf_config(hf_cfg)
     prefix = Transformer(dataclasses.replace(tiny_model_cfg(), attn_mask="prefix"))
     with pytest.raises(ValueError, match="causal only"):
         export_hf(prefix, "/nonexistent")
