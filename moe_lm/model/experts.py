@@ -83,6 +83,12 @@ class Experts(nn.Module):
                 f"experts_impl='megablocks' runs on CUDA tensors, got {x_TD.device}: move the model to the GPU, "
                 "or use experts_impl='grouped' (same weights)"
             )
+        if x_TD.dtype != torch.bfloat16 or self.gate_up_proj.dtype != torch.bfloat16:
+            raise RuntimeError(
+                f"experts_impl='megablocks' runs in bf16 (MegaBlocks' grouped GEMM), got activations "
+                f"{x_TD.dtype} and weights {self.gate_up_proj.dtype}: train with parallel.dtype=bf16 (the GPU "
+                "default), or use experts_impl='grouped'"
+            )
         return megablocks_experts(load_megablocks(), x_TD, idx_TK, weight_TK, self.gate_up_proj, self.down_proj)
 
     def _forward_loop(self, x_MD, rows_N, expert_N, w_N) -> torch.Tensor:

@@ -91,6 +91,14 @@ def test_without_the_package_the_error_names_it_and_how_to_install(monkeypatch, 
         Experts(4, 16, 8, "megablocks")
 
 
+def test_cpu_tensors_are_a_clear_error(monkeypatch):
+    monkeypatch.setattr(experts_module, "load_megablocks", lambda: STAND_IN)
+    experts = Experts(4, 16, 8, "megablocks")
+    x, idx, w = torch.randn(6, 16), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors.*experts_impl='grouped'"):
+        experts(x, idx, w)
+
+
 @pytest.mark.parametrize("E, K", [(4, 1), (8, 2), (16, 5)])
 def test_glue_equals_loop_outputs_and_gradients(E, K):
     torch.manual_seed(E + K)
