@@ -58,10 +58,9 @@ def test_export_import_round_trip(tmp_path, attention):
     torch.testing.assert_close(logits(back, tokens), logits(model, tokens), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 16])
-def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
-    """A checkpoint made by transformers itself (interleaved RoPE, as DeepSeek publishes) imports exactly."""
-    hf_cfg = transformers.DeepseekV3Config(
+def native_deepseek_config(**overrides):
+    """A tiny transformers DeepseekV3Config with DeepSeek's interleaved RoPE and group-limited routing."""
+    base = dict(
         vocab_size=101,
         hidden_size=32,
         intermediate_size=48,
@@ -76,7 +75,6 @@ def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
         topk_group=2,
         routed_scaling_factor=2.5,
         kv_lora_rank=16,
-        q_lora_rank=q_lora_rank,
         qk_rope_head_dim=8,
         qk_nope_head_dim=8,
         v_head_dim=8,
@@ -84,6 +82,13 @@ def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
         rope_interleave=True,
         max_position_embeddings=64,
     )
+    return transformers.DeepseekV3Config(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16])
+def test_import_native_deepseek_v3_checkpoint(tmp_path, q_lora_rank):
+    """A checkpoint made by transformers itself (interleaved RoPE, as DeepSeek publishes) imports exactly."""
+    hf_cfg = native_deepseek_config(q_lora_rank=q_lora_rank)
     hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
     with torch.no_grad():
         for layer in hf.model.layers[1:]:
@@ -124,26 +129,8 @@ def test_yarn_rope_export_matches_transformers(tmp_path, attention, mscale_all_d
 
 def test_import_native_yarn_checkpoint(tmp_path):
     """A transformers-made DeepseekV3 checkpoint with DeepSeek-V3's rope settings (yarn, interleaved) imports."""
-    hf_cfg = transformers.DeepseekV3Config(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        kv_lora_rank=16,
+    hf_cfg = native_deepseek_config(
         q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        first_k_dense_replace=1,
-        rope_interleave=True,
-        max_position_embeddings=64,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 10000.0,
