@@ -70,11 +70,7 @@ class Experts(nn.Module):
         counts_E = torch.bincount(expert_N, minlength=self.num_experts)
         w_N = w_N.index_select(0, order_N).to(x_MD.dtype)
         if x_MD.is_cuda and hasattr(torch, "_grouped_mm"):
-            # why index_select/index_add and not x[idx]: advanced indexing backpropagates through a serial
-            # accumulating put; these two are each other's backward.
-            gate_up, down = self.gate_up_proj, self.down_proj
-            y_ND = grouped_mm_segments(x_MD.index_select(0, token_N), counts_E, gate_up, down, w_N)
-            return x_MD.new_zeros(x_MD.shape).index_add(0, token_N, y_ND)
+            return grouped_mm_experts(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
         return SegmentMLP.apply(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
 
     def _forward_megablocks(self, x_TD, idx_TK, weight_TK) -> torch.Tensor:
@@ -183,11 +179,31 @@ def _blocks(counts_E: torch.Tensor, token_N: torch.Tensor) -> list[tuple[int, in
     return [(s, e, token_N[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
-def grouped_mm_segments(x_ND, counts_E, gate_up_EFD, down_EDI, w_N):
-    """Segment compute with `torch._grouped_mm` (one kernel per projection; bf16 on CUDA), autograd backward."""
-    offs = counts_E.cumsum(0).to(torch.int32)
-    a_NI = _swiglu(torch._grouped_mm(x_ND, gate_up_EFD.transpose(-2, -1), offs=offs)) * w_N[:, None]
-    return torch._grouped_mm(a_NI, down_EDI.transpose(-2, -1), offs=offs)
+def grouped_mm_experts(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI):
+    """The segments with `torch._grouped_mm` (one kernel per projection; bf16 on CUDA), autograd backward.
+
+    Each expert's rows start at a multiple of 16 bytes' worth of rows, padded with zero rows. why: the weight
+    gradients contract over each expert's token rows, and CUDA's grouped GEMM needs every group there 16-byte
+    aligned (torchtitan pads its token groups for the same reason). The padded buffer has a fixed size, N plus
+    E*(align-1) rows, so no count travels to the host; rows past the last offset are never read.
+    Shapes as `SegmentMLP`; P = padded rows.
+    """
+    N, E = token_N.numel(), counts_E.numel()
+    align = max(16 // x_MD.element_size(), 1)
+    padded_E = (counts_E + align - 1) // align * align
+    pad_end_E = padded_E.cumsum(0)
+    expert_N = torch.repeat_interleave(torch.arange(E, device=x_MD.device), counts_E, output_size=N)
+    rank_N = torch.arange(N, device=x_MD.device) - (counts_E.cumsum(0) - counts_E)[expert_N]
+    row_N = (pad_end_E - padded_E)[expert_N] + rank_N  # each slot's row in the padded buffer
+    P = N + E * (align - 1)
+    # why index_select/index_copy/index_add and not x[idx]: advanced indexing backpropagates through a serial
+    # accumulating put; these are each other's backward.
+    x_PD = x_MD.new_zeros(P, x_MD.shape[1]).index_copy(0, row_N, x_MD.index_select(0, token_N))
+    w_P = w_N.new_zeros(P).index_copy(0, row_N, w_N)
+    offs = pad_end_E.to(torch.int32)
+    a_PI = _swiglu(torch._grouped_mm(x_PD, gate_up_EFD.transpose(-2, -1), offs=offs)) * w_P[:, None]
+    y_PD = torch._grouped_mm(a_PI, down_EDI.transpose(-2, -1), offs=offs)
+    return x_MD.new_zeros(x_MD.shape).index_add(0, token_N, y_PD.index_select(0, row_N))
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_lm.model import Experts
-from moe_lm.model.experts import SegmentMLP, grouped_mm_segments
+from moe_lm.model.experts import SegmentMLP, grouped_mm_experts
 
 
 def routed_batch(T, E, K, unused=(), dtype=torch.float64):
@@ -64,20 +64,21 @@ def test_slots_entry_point(impl):
 
 
 def test_grouped_mm_kernel_matches_cpu_kernel():
-    """The CUDA route (torch._grouped_mm) is checked here on CPU against SegmentMLP, values and gradients."""
+    """The CUDA route (torch._grouped_mm, groups padded to 16-byte starts) checked on CPU against SegmentMLP."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm not in this torch build")
     E, D, I = 4, 16, 8
-    counts = torch.tensor([5, 0, 7, 4])
-    x = torch.randn(16, D, requires_grad=True)
+    counts = torch.tensor([5, 0, 7, 4])  # fp32 aligns groups to 4 rows: experts 0 and 2 get padding rows
+    x = torch.randn(20, D, requires_grad=True)  # rows 16.. are never routed
+    token = torch.randperm(20)[:16]
     w = torch.rand(16, requires_grad=True)
     gu = torch.randn(E, 2 * I, D, requires_grad=True)
     dn = torch.randn(E, D, I, requires_grad=True)
-    grad = torch.randn(16, D)
+    grad = torch.randn(20, D)
     outs = []
     for fn in (
-        lambda: grouped_mm_segments(x, counts, gu, dn, w),
-        lambda: SegmentMLP.apply(x, torch.arange(16), counts, w, gu, dn),
+        lambda: grouped_mm_experts(x, token, counts, w, gu, dn),
+        lambda: SegmentMLP.apply(x, token, counts, w, gu, dn),
     ):
         for t in (x, w, gu, dn):
             t.grad = None
