@@ -22,14 +22,14 @@ from moe_lm.model.layers import RMSNorm
 LATENT_NORM_EPS = 1e-6
 
 
-def rope_inv_freq(rot_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(rot_dim: int, theta: float, scaling: RopeScalingConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [R/2] and the factor applied to cos/sin: plain RoPE, or YaRN (arXiv 2309.00071).
 
     YaRN keeps the dims that turn more than beta_fast times within the original context (high frequencies),
     divides the frequencies of those that turn fewer than beta_slow times by `factor`, and ramps linearly between.
     """
     freq_base = theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
-    if scaling is None or scaling.rope_type == "default":
+    if scaling.rope_type == "default":
         return 1.0 / freq_base, 1.0
     s = scaling
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lm.model.layers import swiglu
 from moe_lm.model.megablocks import load_megablocks, megablocks_experts
 
 IMPLS = ("loop", "grouped", "megablocks")
@@ -95,7 +96,7 @@ class Experts(nn.Module):
             if sel.numel() == 0:
                 continue
             rows = rows_N[sel]
-            h = _swiglu(x_MD[rows] @ gate_up.T) @ down.T
+            h = swiglu(x_MD[rows] @ gate_up.T) @ down.T
             y_MD.index_add_(0, rows, h * w_N[sel, None].to(h.dtype))
         return y_MD
 
@@ -124,7 +125,7 @@ class SegmentMLP(torch.autograd.Function):
                 continue
             x = x_MD.index_select(0, tok)
             h = x @ gate_up.T
-            a = _swiglu(h).mul_(w_N[start:end, None])
+            a = swiglu(h).mul_(w_N[start:end, None])
             y_MD.index_add_(0, tok, a @ down.T)
             saved.append((x, h))
         ctx.blocks, ctx.saved_blocks = blocks, saved
@@ -201,11 +202,6 @@ def grouped_mm_experts(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI):
     x_PD = x_MD.new_zeros(P, x_MD.shape[1]).index_copy(0, row_N, x_MD.index_select(0, token_N))
     w_P = w_N.new_zeros(P).index_copy(0, row_N, w_N)
     offs = pad_end_E.to(torch.int32)
-    a_PI = _swiglu(torch._grouped_mm(x_PD, gate_up_EFD.transpose(-2, -1), offs=offs)) * w_P[:, None]
+    a_PI = swiglu(torch._grouped_mm(x_PD, gate_up_EFD.transpose(-2, -1), offs=offs)) * w_P[:, None]
     y_PD = torch._grouped_mm(a_PI, down_EDI.transpose(-2, -1), offs=offs)
     return x_MD.new_zeros(x_MD.shape).index_add(0, token_N, y_PD.index_select(0, row_N))
-
-
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

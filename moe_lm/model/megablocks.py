@@ -25,7 +25,8 @@ import math
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
+
+from moe_lm.model.layers import swiglu
 
 INSTALL_HINT = (
     "on a CUDA machine: pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 "
@@ -84,7 +85,6 @@ def megablocks_experts(
         # The grouped GEMM takes the group sizes on the host.
         batch_sizes = tokens_per_expert.cpu().to(torch.long)
     x_ND = ops.gather(x_TD, indices, bin_ids, bins, K)
-    h_NF = backend.gmm(x_ND, gate_up_EFD, batch_sizes, trans_b=True)
-    gate, up = h_NF.chunk(2, dim=-1)
-    y_ND = backend.gmm(F.silu(gate) * up, down_EDI, batch_sizes, trans_b=True)
+    a_NI = swiglu(backend.gmm(x_ND, gate_up_EFD, batch_sizes, trans_b=True))
+    y_ND = backend.gmm(a_NI, down_EDI, batch_sizes, trans_b=True)
     return ops.scatter(y_ND, indices, bin_ids, w_TK.flatten().to(x_TD.dtype), bins, K)
