@@ -1,12 +1,24 @@
-"""Expert compute paths: the fast "grouped" path equals the "loop" reference in outputs and all gradients."""
+"""Expert compute paths: the fast "grouped" path equals the "loop" reference in outputs and all gradients.
+
+The grouped path runs on CPU as the compiled kernel (fp32) or as the PyTorch `SegmentMLP` (other dtypes, or
+when the kernel is off); both are checked here against the loop.
+"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from moe_lm.model import Experts
-from moe_lm.model.experts import SegmentMLP, grouped_mm_experts
+from moe_lm.model import segment_mlp as seg
+from moe_lm.model.experts import grouped_mm_experts
+from moe_lm.model.segment_mlp import SegmentMLP, SegmentMLPKernel, load_segment_kernel
 
 
 def routed_batch(T, E, K, unused=(), dtype=torch.float64):
@@ -100,3 +112,147 @@ def test_no_token_dropped_at_extreme_imbalance():
     experts.impl = "loop"
     torch.testing.assert_close(y, experts(x, idx, w))
     assert y.abs().sum(-1).gt(0).all()
+
+
+# ---- the compiled CPU kernel -------------------------------------------------------------------------------------
+
+KERNEL_EXPECTED = sys.platform.startswith("linux") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def kernel():
+    if os.environ.get(seg.KERNEL_ENV) == "0" or not KERNEL_EXPECTED:
+        pytest.skip("the compiled CPU kernel is switched off or not built on this platform")
+    module = load_segment_kernel()
+    assert module is not None, "the CPU expert kernel failed to build here (see the warning): g++ and ninja needed"
+    return module
+
+
+def kernel_vs_loop(T, E, K, idx=None, D=24, I=20, threads=None):
+    """Kernel outputs and gradients against the loop path in float64 on the same weights."""
+    torch.manual_seed(0)
+    experts = Experts(E, D, I)
+    if idx is None:
+        idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    x, w = torch.randn(T, D), torch.rand(T, K)
+    grad = torch.randn(T, D)
+    ref = run(experts.double(), "loop", x.double().requires_grad_(), idx, w.double().requires_grad_(), grad.double())
+    experts.float()
+    old = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        got = run(experts, "grouped", x.requires_grad_(), idx, w.requires_grad_(), grad)
+    finally:
+        torch.set_num_threads(old)
+    for name, a, b in zip(["y", "dx", "dw", "d_gate_up", "d_down"], got, ref, strict=True):
+        torch.testing.assert_close(a, b.float(), atol=2e-5, rtol=1e-4, msg=name)
+    return got
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("E, K", [(4, 1), (8, 2), (16, 5)])
+def test_kernel_equals_loop(E, K, threads):
+    kernel()
+    kernel_vs_loop(96, E, K, threads=threads)
+
+
+def test_kernel_splits_experts_over_threads_only_when_balanced():
+    module = kernel()
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert module.plan(torch.tensor([10, 10, 10, 10])) == [[0, 2], [1, 3]]
+        assert module.plan(torch.tensor([30, 10, 0, 10, 10])) == [[0], [1, 3, 4]]  # idle expert 2 skipped
+        assert module.plan(torch.tensor([50, 5, 5])) == [[0, 1, 2]]  # a 2-way split would idle a thread
+        torch.set_num_threads(1)
+        assert module.plan(torch.tensor([10, 10])) == [[0, 1]]
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_both_schedules_with_idle_and_skewed_experts(threads):
+    """Balanced counts run experts on separate threads, skewed ones in turn; idle experts get zero gradient."""
+    kernel()
+    T, E = 64, 6
+    balanced = torch.stack([torch.tensor([0, 3]), torch.tensor([4, 5])]).repeat(T // 2, 1)
+    skewed = torch.tensor([[1, 0]]).repeat(T, 1)
+    skewed[:4, 1] = 2
+    for idx in (balanced, skewed):
+        got = kernel_vs_loop(T, E, 2, idx=idx, threads=threads)
+        for e in set(range(E)) - set(idx.flatten().tolist()):
+            assert got[3][e].abs().sum() == 0 and got[4][e].abs().sum() == 0
+
+
+def test_kernel_row_repeated_within_an_expert():
+    """forward_slots may hand one row to one expert twice (expert parallelism); the scatter-add must sum both."""
+    kernel()
+    experts = Experts(3, 16, 8)
+    x = torch.randn(4, 16)
+    rows, expert = torch.tensor([1, 1, 2, 1, 0]), torch.tensor([2, 2, 2, 0, 0])
+    w = torch.rand(5)
+    ref = Experts(3, 16, 8, "loop")
+    ref.load_state_dict(experts.state_dict())
+    torch.testing.assert_close(experts.forward_slots(x, rows, expert, w), ref.forward_slots(x, rows, expert, w))
+
+
+def test_kernel_rejects_bad_slots():
+    kernel()
+    x, gu, dn = torch.randn(4, 8), torch.randn(2, 6, 8), torch.randn(2, 8, 3)
+    w = torch.ones(3)
+    with pytest.raises(RuntimeError, match="out of range"):
+        SegmentMLPKernel.apply(x, torch.tensor([0, 9, 1]), torch.tensor([2, 1]), w, gu, dn)
+    with pytest.raises(RuntimeError, match="counts sum to 2"):
+        SegmentMLPKernel.apply(x, torch.tensor([0, 1, 1]), torch.tensor([1, 1]), w, gu, dn)
+
+
+def test_switched_off_kernel_falls_back_to_pytorch(monkeypatch):
+    monkeypatch.setenv(seg.KERNEL_ENV, "0")
+    load_segment_kernel.cache_clear()
+    try:
+        assert load_segment_kernel() is None
+        experts = Experts(4, 16, 12)
+        x, idx, w = routed_batch(32, 4, 2, dtype=torch.float32)
+        grad = torch.randn(32, 16)
+        for a, b in zip(run(experts, "grouped", x, idx, w, grad), run(experts, "loop", x, idx, w, grad), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        load_segment_kernel.cache_clear()
+
+
+def test_kernel_build_failure_warns_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(seg.sys, "platform", "linux")
+    monkeypatch.setattr(seg.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    load_segment_kernel.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not build the CPU expert kernel.*command not found"):
+            assert load_segment_kernel() is None
+    finally:
+        load_segment_kernel.cache_clear()
+
+
+def test_kernel_avx2_build_equals_loop():
+    """The AVX2 build (most laptops) on this machine, through torch's ATEN_CPU_CAPABILITY override."""
+    kernel()  # this machine runs AVX2 or AVX-512 code
+    script = textwrap.dedent(
+        """
+        import torch
+        from moe_lm.model.segment_mlp import load_segment_kernel
+        from tests.model.test_experts import kernel_vs_loop
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+        assert load_segment_kernel().__name__ == "moe_lm_segment_mlp_avx2"
+        kernel_vs_loop(96, 8, 2, threads=2)
+        kernel_vs_loop(64, 4, 2, idx=torch.tensor([[1, 0]]).repeat(64, 1))
+        print("ok")
+        """
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
