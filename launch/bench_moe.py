@@ -25,6 +25,7 @@ from moe_lm.interop.hf import to_hf_config  # noqa: E402
 from moe_lm.model import MoE  # noqa: E402
 from moe_lm.model.layers import MLP  # noqa: E402
 from moe_lm.model.megablocks import BackendUnavailable, load_megablocks  # noqa: E402
+from moe_lm.model.segment_mlp import load_segment_kernel  # noqa: E402
 
 # (dim, moe_inter_dim, n_routed_experts, num_experts_per_tok, n_group, topk_group)
 SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
@@ -84,6 +85,9 @@ def main() -> None:
         f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
         f"T={args.tokens}, fwd+bwd median of {args.reps} (ms)"
     )
+    if args.device == "cpu":
+        kernel = load_segment_kernel()
+        print(f"# grouped on CPU: {kernel.__name__ if kernel else 'PyTorch SegmentMLP (compiled kernel unavailable)'}")
     megablocks = args.device.startswith("cuda") and _megablocks_available()
     header = (
         "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager | HF grouped_mm | ours/best HF |"

@@ -44,35 +44,48 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
-    def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each token's K experts: x [T, D], idx/weight [T, K] -> [T, D]."""
+    def forward(
+        self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, shared: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Weighted sum of each token's K experts, plus `shared(x)` when given: x [T, D], idx/weight [T, K] -> [T, D].
+
+        why the shared experts come in here: the CPU kernel runs them beside the routed experts, in one pass.
+        """
         if self.impl == "megablocks":
-            return self._forward_megablocks(x_TD, idx_TK, weight_TK)
+            y_TD = self._forward_megablocks(x_TD, idx_TK, weight_TK)
+            return y_TD if shared is None else y_TD + shared(x_TD)
         T, K = idx_TK.shape
         rows_N = torch.arange(T, device=x_TD.device).repeat_interleave(K)
-        return self.forward_slots(x_TD, rows_N, idx_TK.flatten(), weight_TK.flatten())
+        return self.forward_slots(x_TD, rows_N, idx_TK.flatten(), weight_TK.flatten(), shared)
 
     def forward_slots(
-        self, x_MD: torch.Tensor, rows_N: torch.Tensor, expert_N: torch.Tensor, w_N: torch.Tensor
+        self,
+        x_MD: torch.Tensor,
+        rows_N: torch.Tensor,
+        expert_N: torch.Tensor,
+        w_N: torch.Tensor,
+        shared: nn.Module | None = None,
     ) -> torch.Tensor:
-        """y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]) for N token-slots: x [M, D] -> y [M, D].
+        """y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]) for N token-slots, plus shared(x): x [M, D] -> y [M, D].
 
         The general entry point: an expert-parallel dispatcher calls it on the rows it received.
         """
         if self.impl == "loop":
-            return self._forward_loop(x_MD, rows_N, expert_N, w_N)
-        if self.impl == "megablocks":
+            y_MD = self._forward_loop(x_MD, rows_N, expert_N, w_N)
+        elif self.impl == "megablocks":
             # MegaBlocks' kernels take K slots per row; received rows carry a varying number of local slots, so
             # each slot becomes a row of its own (K = 1) and the results are summed back per row.
             y_ND = self._forward_megablocks(x_MD.index_select(0, rows_N), expert_N[:, None], w_N[:, None])
-            return x_MD.new_zeros(x_MD.shape).index_add(0, rows_N, y_ND)
-        order_N = expert_N.argsort(stable=True)  # token-slots grouped by expert
-        token_N = rows_N.index_select(0, order_N)
-        counts_E = torch.bincount(expert_N, minlength=self.num_experts)
-        w_N = w_N.index_select(0, order_N).to(x_MD.dtype)
-        if x_MD.is_cuda and hasattr(torch, "_grouped_mm"):
-            return grouped_mm_experts(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
-        return segment_mlp(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
+            y_MD = x_MD.new_zeros(x_MD.shape).index_add(0, rows_N, y_ND)
+        else:
+            order_N = expert_N.argsort(stable=True)  # token-slots grouped by expert
+            token_N = rows_N.index_select(0, order_N)
+            counts_E = torch.bincount(expert_N, minlength=self.num_experts)
+            w_N = w_N.index_select(0, order_N).to(x_MD.dtype)
+            if not (x_MD.is_cuda and hasattr(torch, "_grouped_mm")):
+                return segment_mlp(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj, shared)
+            y_MD = grouped_mm_experts(x_MD, token_N, counts_E, w_N, self.gate_up_proj, self.down_proj)
+        return y_MD if shared is None else y_MD + shared(x_MD)
 
     def _forward_megablocks(self, x_TD, idx_TK, weight_TK) -> torch.Tensor:
         if not x_TD.is_cuda:

@@ -20,14 +20,21 @@ from moe_lm.model.router import Router, batch_balance_loss, sequence_balance_los
 
 
 class Dispatcher(Protocol):
+    """Routed experts' weighted outputs plus the shared experts' (None: no shared experts) for every token."""
+
     def __call__(
-        self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, experts: Experts
+        self,
+        x_TD: torch.Tensor,
+        idx_TK: torch.Tensor,
+        weight_TK: torch.Tensor,
+        experts: Experts,
+        shared: nn.Module | None,
     ) -> torch.Tensor: ...
 
 
-def local_dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, experts: Experts):
-    """Every expert lives on this device."""
-    return experts(x_TD, idx_TK, weight_TK)
+def local_dispatch(x_TD, idx_TK, weight_TK, experts: Experts, shared: nn.Module | None) -> torch.Tensor:
+    """Every expert lives on this device; the experts' CPU kernel runs the shared experts in the same pass."""
+    return experts(x_TD, idx_TK, weight_TK, shared)
 
 
 class MoE(nn.Module):
@@ -50,9 +57,7 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.gate(x_TD)
-        y_TD = self.dispatch(x_TD, routing.topk_idx, routing.topk_weight, self.experts)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+        y_TD = self.dispatch(x_TD, routing.topk_idx, routing.topk_weight, self.experts, self.shared_experts)
         return y_TD.view(B, S, D), self.balance_loss(routing.scores.view(B, S, -1), routing.topk_idx)
 
     def balance_loss(self, scores_BSE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:

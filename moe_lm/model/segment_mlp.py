@@ -3,7 +3,7 @@
     y[t_n] += w_n * down_e(silu(gate_e x[t_n]) * up_e x[t_n])      for token-slots n sorted by expert e
 
 Shapes: x [M, D]; token [N] (the row of x of each slot, slots sorted by expert); counts [E] (CPU int64); w [N];
-gate_up [E, 2I, D]; down [E, D, I] -> y [M, D].
+gate_up [E, 2I, D]; down [E, D, I] -> y [M, D]. The shared experts can ride along (`segment_mlp(..., shared)`).
 
 Two implementations with the same results and gradients:
 - the compiled kernel (csrc/segment_mlp.cpp, fp32): built on first use with torch's C++ extension loader
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from moe_lm.model.layers import swiglu
 
@@ -42,13 +43,21 @@ _CAPABILITY_FLAGS = {
 }
 
 
-def segment_mlp(x, token, counts, w, gate_up, down) -> torch.Tensor:
-    """The segments on CPU: the compiled kernel for fp32 where it is available, `SegmentMLP` otherwise."""
-    if x.dtype == torch.float32 and gate_up.dtype == torch.float32:
-        kernel = load_segment_kernel()
-        if kernel is not None:
-            return SegmentMLPKernel.apply(x.contiguous(), token, counts, w, gate_up.contiguous(), down.contiguous())
-    return SegmentMLP.apply(x, token, counts, w, gate_up, down)
+def segment_mlp(x, token, counts, w, gate_up, down, shared: nn.Module | None = None) -> torch.Tensor:
+    """The segments on CPU, plus `shared(x)` when given (the shared experts' MLP, every row, weight 1).
+
+    fp32 runs the compiled kernel where it is available, with the shared experts as one more work item beside
+    the routed ones; anything else runs `SegmentMLP` and adds `shared(x)`.
+    """
+    if x.dtype == torch.float32 and gate_up.dtype == torch.float32 and load_segment_kernel() is not None:
+        shared_weights = (None, None)
+        if shared is not None:  # the SwiGLU of `layers.MLP`, fused gate/up as the kernel takes it
+            shared_weights = (torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight)
+        return SegmentMLPKernel.apply(
+            x.contiguous(), token, counts, w, gate_up.contiguous(), down.contiguous(), *shared_weights
+        )
+    y = SegmentMLP.apply(x, token, counts, w, gate_up, down)
+    return y if shared is None else y + shared(x)
 
 
 @functools.cache
@@ -81,20 +90,31 @@ def load_segment_kernel():
 
 
 class SegmentMLPKernel(torch.autograd.Function):
-    """The compiled kernel as an autograd function (fp32). Saves h [N, 2I]; x rows are gathered again in backward."""
+    """The compiled kernel as an autograd function (fp32). Saves the gate/up pre-activations of each work item.
+
+    shared_gate_up [2S, D] and shared_down [D, S] are the shared experts' weights, or both None.
+    """
 
     @staticmethod
-    def forward(ctx, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI):
-        y_MD, h_NF = load_segment_kernel().forward(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI)
-        ctx.save_for_backward(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, h_NF)
+    def forward(ctx, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, shared_gate_up=None, shared_down=None):
+        y_MD, h_per_item = load_segment_kernel().forward(
+            x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, shared_gate_up, shared_down
+        )
+        ctx.has_shared = shared_gate_up is not None
+        shared = (shared_gate_up, shared_down) if ctx.has_shared else ()
+        ctx.save_for_backward(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *shared, *h_per_item)
         return y_MD
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_MD):
+        x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *rest = ctx.saved_tensors
+        shared, h_per_item = (rest[:2], rest[2:]) if ctx.has_shared else ((None, None), rest)
         need_dw = ctx.needs_input_grad[3]
-        dx, dw, d_gate_up, d_down = load_segment_kernel().backward(dy_MD, *ctx.saved_tensors, need_dw)
-        return dx, None, None, dw if need_dw else None, d_gate_up, d_down
+        dx, dw, d_gate_up, d_down, d_shared_gate_up, d_shared_down = load_segment_kernel().backward(
+            dy_MD, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *shared, h_per_item, need_dw
+        )
+        return dx, None, None, dw if need_dw else None, d_gate_up, d_down, d_shared_gate_up, d_shared_down
 
 
 class SegmentMLP(torch.autograd.Function):

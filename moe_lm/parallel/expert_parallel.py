@@ -59,8 +59,8 @@ class ExpertShell(DeepSpeedMoE):
         """Called by the engine: make sure DeepSpeed's expert / expert-data-parallel groups exist."""
         ensure_groups(self.ep_size, use_data_before_expert_parallel_)
 
-    def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
-        return self.local(x_TD, idx_TK, weight_TK)
+    def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, shared=None) -> torch.Tensor:
+        return self.local(x_TD, idx_TK, weight_TK, shared)
 
 
 def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False):

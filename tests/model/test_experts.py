@@ -156,16 +156,19 @@ def test_kernel_equals_loop(E, K, threads):
     kernel_vs_loop(96, E, K, threads=threads)
 
 
-def test_kernel_splits_experts_over_threads_only_when_balanced():
+def test_kernel_splits_work_over_threads_only_when_balanced():
     module = kernel()
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert module.plan(torch.tensor([10, 10, 10, 10])) == [[0, 2], [1, 3]]
-        assert module.plan(torch.tensor([30, 10, 0, 10, 10])) == [[0], [1, 3, 4]]  # idle expert 2 skipped
-        assert module.plan(torch.tensor([50, 5, 5])) == [[0, 1, 2]]  # a 2-way split would idle a thread
+        plan = module.plan
+        assert plan(torch.tensor([10, 10, 10, 10]), 8, 0, 0) == [[0, 2], [1, 3]]
+        assert plan(torch.tensor([30, 10, 0, 10, 10]), 8, 0, 0) == [[0], [1, 3, 4]]  # idle expert 2 has no item
+        assert plan(torch.tensor([50, 5, 5]), 8, 0, 0) == [[0, 1, 2]]  # a 2-way split would idle a thread
+        # the shared experts (-1) are one more item, weighted by rows * width: 40 rows of width 16 = 80 of 8
+        assert plan(torch.tensor([20, 20, 20, 20]), 8, 40, 16) == [[-1], [0, 1, 2, 3]]
         torch.set_num_threads(1)
-        assert module.plan(torch.tensor([10, 10])) == [[0, 1]]
+        assert plan(torch.tensor([10, 10]), 8, 5, 8) == [[-1, 0, 1]]  # the shared item first
     finally:
         torch.set_num_threads(old)
 
@@ -256,3 +259,42 @@ def test_kernel_avx2_build_equals_loop():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_moe_with_shared_experts_in_the_kernel_equals_separate_paths(n_shared, threads):
+    """The kernel runs the shared experts beside the routed ones; the MoE layer's outputs and every gradient
+    (router, shared and routed weights, input) equal the loop path plus a separate shared MLP, in float64."""
+    kernel()
+    from moe_lm.config import ModelConfig, MoEConfig
+    from moe_lm.model import MoE
+
+    cfg = ModelConfig(
+        dim=24,
+        moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_inter_dim=12, n_shared_experts=n_shared),
+    )
+    torch.manual_seed(0)
+    fused = MoE(cfg).train()
+    ref = MoE(cfg).double().train()
+    ref.load_state_dict(fused.state_dict())
+    ref.experts.impl = "loop"
+    x = torch.randn(2, 40, 24)
+    grad = torch.randn(2, 40, 24)
+
+    def run(moe, x):
+        x = x.clone().requires_grad_()
+        y, aux = moe(x)
+        (y * grad.to(y.dtype)).sum().add(aux).backward()
+        return {"y": y.detach(), "dx": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run(fused, x)
+    finally:
+        torch.set_num_threads(old)
+    want = run(ref, x.double())
+    assert set(got) == set(want) and any(k.startswith("shared_experts.") for k in got)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].float(), atol=2e-5, rtol=1e-4, msg=k)

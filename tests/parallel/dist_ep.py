@@ -64,7 +64,10 @@ def main() -> None:
                 bias_update_speed=0.0,
             ),
         ),
-        optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05, weight_decay=0.1),
+        # eps 1e-6, not 1e-8: where a gradient element is ~1e-8, Adam's update g/(|g|+eps) turns fp32 rounding
+        # differences (an expert's rows summed in another order) into ~1e-5 parameter differences, which would
+        # swamp the 1e-5 comparison below; 1e-6 keeps Adam well-conditioned there.
+        optim=OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=0.05, weight_decay=0.1, eps=1e-6),
         train=TrainConfig(micro_batch_size=MICRO, grad_accum_steps=1, seq_len=SEQ),
         parallel=ParallelConfig(zero_stage=args.zero, ep_size=args.ep),
         logging=LoggingConfig(wandb_mode="disabled"),
