@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_lm.config import ModelConfig, MoEConfig  # noqa: E402
 from moe_lm.interop.hf import to_hf_config  # noqa: E402
 from moe_lm.model import MoE  # noqa: E402
+from moe_lm.model.cpu_kernels import load_cpu_kernels  # noqa: E402
 from moe_lm.model.layers import MLP  # noqa: E402
 from moe_lm.model.megablocks import BackendUnavailable, load_megablocks  # noqa: E402
-from moe_lm.model.segment_mlp import load_segment_kernel  # noqa: E402
 
 # (dim, moe_inter_dim, n_routed_experts, num_experts_per_tok, n_group, topk_group)
 SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
@@ -86,8 +86,8 @@ def main() -> None:
         f"T={args.tokens}, fwd+bwd median of {args.reps} (ms)"
     )
     if args.device == "cpu":
-        kernel = load_segment_kernel()
-        print(f"# grouped on CPU: {kernel.__name__ if kernel else 'PyTorch SegmentMLP (compiled kernel unavailable)'}")
+        kernels = load_cpu_kernels()
+        print(f"# CPU kernels: {kernels.__name__ if kernels else 'unavailable, PyTorch fallback'}")
     megablocks = args.device.startswith("cuda") and _megablocks_available()
     header = (
         "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager | HF grouped_mm | ours/best HF |"

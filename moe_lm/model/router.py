@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lm.config import MoEConfig
+from moe_lm.model.cpu_kernels import cpu_kernels_for
 
 
 class Routing(NamedTuple):
@@ -33,13 +34,25 @@ class Routing(NamedTuple):
 
 def select_experts(
     scores_TE: torch.Tensor,
-    bias_E: torch.Tensor,
+    bias_E: torch.Tensor | None,
     k: int,
     n_group: int = 1,
     topk_group: int = 1,
 ) -> torch.Tensor:
-    """Chosen experts [T, K] (rank order) from biased scores, limited to the best `topk_group` groups."""
-    choice_TE = scores_TE + bias_E
+    """Chosen experts [T, K] (rank order) from biased scores, limited to the best `topk_group` groups.
+
+    On CPU the compiled kernel (csrc/route_topk.cpp) makes the same choice in one pass per token; ties, which
+    torch.topk leaves unordered, go to the lower index there.
+    """
+    kernels = cpu_kernels_for(scores_TE) if bias_E is None else cpu_kernels_for(scores_TE, bias_E)
+    if kernels is not None:
+        return kernels.topk_experts(scores_TE, bias_E, k, n_group, topk_group)
+    return select_experts_torch(scores_TE, bias_E, k, n_group, topk_group)
+
+
+def select_experts_torch(scores_TE, bias_E, k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """`select_experts` in PyTorch ops: any device and dtype, and the reference the kernel is tested against."""
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
     if n_group > 1:
         T, E = choice_TE.shape
         grouped_TGe = choice_TE.view(T, n_group, E // n_group)
@@ -120,7 +133,8 @@ def sequence_balance_loss(scores_BSE: torch.Tensor, k: int) -> torch.Tensor:
     """
     B, S, E = scores_BSE.shape
     with torch.no_grad():
-        hits_BSE = torch.zeros_like(scores_BSE).scatter_(-1, scores_BSE.topk(k, dim=-1).indices, 1.0)
+        top_TK = select_experts(scores_BSE.flatten(0, 1), None, k)  # unbiased, not group-limited
+        hits_BSE = torch.zeros_like(scores_BSE).scatter_(-1, top_TK.view(B, S, k), 1.0)
         f_BE = hits_BSE.sum(1) * (E / (k * S))
     p_BE = (scores_BSE / (scores_BSE.sum(-1, keepdim=True) + 1e-20)).mean(1)
     return (f_BE * p_BE).sum(-1).mean()

@@ -6,41 +6,19 @@ Shapes: x [M, D]; token [N] (the row of x of each slot, slots sorted by expert);
 gate_up [E, 2I, D]; down [E, D, I] -> y [M, D]. The shared experts can ride along (`segment_mlp(..., shared)`).
 
 Two implementations with the same results and gradients:
-- the compiled kernel (csrc/segment_mlp.cpp, fp32): built on first use with torch's C++ extension loader
-  (g++ and ninja; ~1 min, cached under ~/.cache/torch_extensions), for Linux CPUs with AVX2 or AVX-512.
+- the compiled kernel (csrc/segment_mlp.cpp, fp32; see cpu_kernels.py for where it is built and used).
 - `SegmentMLP`, per-expert PyTorch matmuls with a hand-written backward: the fallback for other dtypes and
   machines, or when `MOE_LM_CPU_KERNEL=0`.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-import warnings
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_lm.model.cpu_kernels import cpu_kernels_for, load_cpu_kernels
 from moe_lm.model.layers import swiglu
-
-KERNEL_ENV = "MOE_LM_CPU_KERNEL"
-_SOURCE = Path(__file__).with_name("csrc") / "segment_mlp.cpp"
-# torch's vectorised types (at::vec) are chosen by these macros; the flags match what torch dispatches to.
-_CAPABILITY_FLAGS = {
-    "AVX512": [
-        "-DCPU_CAPABILITY=AVX512",
-        "-DCPU_CAPABILITY_AVX512",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mfma",
-    ],
-    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"],
-}
 
 
 def segment_mlp(x, token, counts, w, gate_up, down, shared: nn.Module | None = None) -> torch.Tensor:
@@ -49,7 +27,7 @@ def segment_mlp(x, token, counts, w, gate_up, down, shared: nn.Module | None = N
     fp32 runs the compiled kernel where it is available, with the shared experts as one more work item beside
     the routed ones; anything else runs `SegmentMLP` and adds `shared(x)`.
     """
-    if x.dtype == torch.float32 and gate_up.dtype == torch.float32 and load_segment_kernel() is not None:
+    if cpu_kernels_for(x, gate_up) is not None:
         shared_weights = (None, None)
         if shared is not None:  # the SwiGLU of `layers.MLP`, fused gate/up as the kernel takes it
             shared_weights = (torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight)
@@ -60,35 +38,6 @@ def segment_mlp(x, token, counts, w, gate_up, down, shared: nn.Module | None = N
     return y if shared is None else y + shared(x)
 
 
-@functools.cache
-def load_segment_kernel():
-    """The compiled kernel's module, or None where it is switched off, unsupported, or fails to build (warned)."""
-    if os.environ.get(KERNEL_ENV, "1") == "0":
-        return None
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not sys.platform.startswith("linux") or capability not in _CAPABILITY_FLAGS:
-        return None  # why: only these builds are tested; elsewhere the PyTorch path is the safe choice
-    from torch.utils.cpp_extension import load
-
-    try:
-        return load(
-            name=f"moe_lm_segment_mlp_{capability.lower()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS[capability]],
-            extra_ldflags=["-fopenmp"],
-        )
-    except Exception as e:  # a missing compiler or ninja surfaces as several exception types
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(
-            f"moe_lm: could not build the CPU expert kernel ({reason}). The grouped expert path falls back to its "
-            f"PyTorch version: same results, slower. The kernel needs a C++ compiler (g++) and ninja; set "
-            f"{KERNEL_ENV}=0 to skip the build.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-
-
 class SegmentMLPKernel(torch.autograd.Function):
     """The compiled kernel as an autograd function (fp32). Saves the gate/up pre-activations of each work item.
 
@@ -97,7 +46,7 @@ class SegmentMLPKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, shared_gate_up=None, shared_down=None):
-        y_MD, h_per_item = load_segment_kernel().forward(
+        y_MD, h_per_item = load_cpu_kernels().segment_mlp_forward(
             x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, shared_gate_up, shared_down
         )
         ctx.has_shared = shared_gate_up is not None
@@ -111,7 +60,7 @@ class SegmentMLPKernel(torch.autograd.Function):
         x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *rest = ctx.saved_tensors
         shared, h_per_item = (rest[:2], rest[2:]) if ctx.has_shared else ((None, None), rest)
         need_dw = ctx.needs_input_grad[3]
-        dx, dw, d_gate_up, d_down, d_shared_gate_up, d_shared_down = load_segment_kernel().backward(
+        dx, dw, d_gate_up, d_down, d_shared_gate_up, d_shared_down = load_cpu_kernels().segment_mlp_backward(
             dy_MD, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *shared, h_per_item, need_dw
         )
         return dx, None, None, dw if need_dw else None, d_gate_up, d_down, d_shared_gate_up, d_shared_down

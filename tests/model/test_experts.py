@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from moe_lm.model import Experts
-from moe_lm.model import segment_mlp as seg
+from moe_lm.model import cpu_kernels as ck
+from moe_lm.model.cpu_kernels import load_cpu_kernels
 from moe_lm.model.experts import grouped_mm_experts
-from moe_lm.model.segment_mlp import SegmentMLP, SegmentMLPKernel, load_segment_kernel
+from moe_lm.model.segment_mlp import SegmentMLP, SegmentMLPKernel
 
 
 def routed_batch(T, E, K, unused=(), dtype=torch.float64):
@@ -120,9 +121,9 @@ KERNEL_EXPECTED = sys.platform.startswith("linux") and torch.backends.cpu.get_cp
 
 
 def kernel():
-    if os.environ.get(seg.KERNEL_ENV) == "0" or not KERNEL_EXPECTED:
+    if os.environ.get(ck.KERNEL_ENV) == "0" or not KERNEL_EXPECTED:
         pytest.skip("the compiled CPU kernel is switched off or not built on this platform")
-    module = load_segment_kernel()
+    module = load_cpu_kernels()
     assert module is not None, "the CPU expert kernel failed to build here (see the warning): g++ and ninja needed"
     return module
 
@@ -161,7 +162,7 @@ def test_kernel_splits_work_over_threads_only_when_balanced():
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        plan = module.plan
+        plan = module.segment_mlp_plan
         assert plan(torch.tensor([10, 10, 10, 10]), 8, 0, 0) == [[0, 2], [1, 3]]
         assert plan(torch.tensor([30, 10, 0, 10, 10]), 8, 0, 0) == [[0], [1, 3, 4]]  # idle expert 2 has no item
         assert plan(torch.tensor([50, 5, 5]), 8, 0, 0) == [[0, 1, 2]]  # a 2-way split would idle a thread
@@ -210,17 +211,17 @@ def test_kernel_rejects_bad_slots():
 
 
 def test_switched_off_kernel_falls_back_to_pytorch(monkeypatch):
-    monkeypatch.setenv(seg.KERNEL_ENV, "0")
-    load_segment_kernel.cache_clear()
+    monkeypatch.setenv(ck.KERNEL_ENV, "0")
+    load_cpu_kernels.cache_clear()
     try:
-        assert load_segment_kernel() is None
+        assert load_cpu_kernels() is None
         experts = Experts(4, 16, 12)
         x, idx, w = routed_batch(32, 4, 2, dtype=torch.float32)
         grad = torch.randn(32, 16)
         for a, b in zip(run(experts, "grouped", x, idx, w, grad), run(experts, "loop", x, idx, w, grad), strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     finally:
-        load_segment_kernel.cache_clear()
+        load_cpu_kernels.cache_clear()
 
 
 def test_kernel_build_failure_warns_and_falls_back(monkeypatch):
@@ -230,26 +231,28 @@ def test_kernel_build_failure_warns_and_falls_back(monkeypatch):
         raise RuntimeError("Error building extension: c++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(seg.sys, "platform", "linux")
-    monkeypatch.setattr(seg.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    load_segment_kernel.cache_clear()
+    monkeypatch.setattr(ck.sys, "platform", "linux")
+    monkeypatch.setattr(ck.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    load_cpu_kernels.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="could not build the CPU expert kernel.*command not found"):
-            assert load_segment_kernel() is None
+        with pytest.warns(RuntimeWarning, match="could not build the CPU kernels.*command not found"):
+            assert load_cpu_kernels() is None
     finally:
-        load_segment_kernel.cache_clear()
+        load_cpu_kernels.cache_clear()
 
 
-def test_kernel_avx2_build_equals_loop():
+def test_kernel_avx2_build_equals_reference():
     """The AVX2 build (most laptops) on this machine, through torch's ATEN_CPU_CAPABILITY override."""
     kernel()  # this machine runs AVX2 or AVX-512 code
     script = textwrap.dedent(
         """
         import torch
-        from moe_lm.model.segment_mlp import load_segment_kernel
+        from moe_lm.model.cpu_kernels import load_cpu_kernels
         from tests.model.test_experts import kernel_vs_loop
+        from tests.model.test_router import kernel_topk_vs_torch
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
-        assert load_segment_kernel().__name__ == "moe_lm_segment_mlp_avx2"
+        assert load_cpu_kernels().__name__ == "moe_lm_cpu_kernels_avx2"
+        kernel_topk_vs_torch(64, 64, 8, 4, 8)
         kernel_vs_loop(96, 8, 2, threads=2)
         kernel_vs_loop(64, 4, 2, idx=torch.tensor([[1, 0]]).repeat(64, 1))
         print("ok")

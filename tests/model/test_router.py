@@ -1,4 +1,8 @@
-"""The gate against HF's DeepseekV3TopkRouter / DeepseekV3MoE, and the invariants of DESIGN §3.2-3.3."""
+"""The gate against HF's DeepseekV3TopkRouter / DeepseekV3MoE, and the invariants of DESIGN §3.2-3.3.
+
+On this CPU the router's choice runs in the compiled kernel (csrc/route_topk.cpp), so the HF parity tests cover
+it; the kernel is also held to the PyTorch code directly, including its tie and NaN rules.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
 
 from moe_lm.model import MoE, Router, update_biases
-from moe_lm.model.router import batch_balance_loss, select_experts, sequence_balance_loss
+from moe_lm.model.router import batch_balance_loss, select_experts, select_experts_torch, sequence_balance_loss
 from tests.conftest import replace_moe, tiny_model_cfg
 
 
@@ -213,3 +217,59 @@ def test_layer_returns_alpha_weighted_losses():
     torch.testing.assert_close(aux, expected)
     off = MoE(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, seq_aux_alpha=0.0, aux_alpha=0.0))).train()
     assert off(x)[1].item() == 0.0
+
+
+# ---- the compiled top-k kernel ----------------------------------------------------------------------------------
+
+
+def topk_kernel():
+    from tests.model.test_experts import kernel
+
+    return kernel()
+
+
+def kernel_topk_vs_torch(T, E, G, keep, K, seed=0):
+    """The kernel's choice equals the PyTorch code's, in rank order, on untied random scores and biases."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(T, E, generator=gen).sigmoid()
+    bias = torch.randn(E, generator=gen) * 0.1
+    for b in (bias, None):
+        got = topk_kernel().topk_experts(scores, b, K, G, keep)
+        assert torch.equal(got, select_experts_torch(scores, b, K, G, keep)), (E, G, keep, K)
+
+
+@pytest.mark.parametrize("E, G, keep, K", [(8, 1, 1, 2), (16, 4, 2, 3), (64, 8, 4, 8), (64, 8, 8, 6), (12, 6, 1, 2)])
+def test_topk_kernel_equals_torch(E, G, keep, K):
+    kernel_topk_vs_torch(333, E, G, keep, K)
+
+
+def test_topk_kernel_breaks_ties_to_the_lower_index():
+    """Quantised scores tie everywhere; the reference is a stable sort (value descending, then index)."""
+    E, G, keep, K, T = 16, 4, 2, 5, 400
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 4, (T, E), generator=gen).float() / 4
+    bias = torch.randint(-1, 2, (E,), generator=gen).float() / 4
+    got = topk_kernel().topk_experts(scores, bias, K, G, keep)
+    c = (scores + bias).view(T, G, E // G)
+    top2 = c.sort(dim=-1, descending=True, stable=True).values[..., :2].sum(-1)
+    kept = top2.sort(dim=-1, descending=True, stable=True).indices[:, :keep]
+    mask = torch.zeros(T, G, dtype=torch.bool).scatter_(1, kept, True)
+    masked = c.masked_fill(~mask[..., None], float("-inf")).view(T, E)
+    want = masked.sort(dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(got, want)
+    assert (scores.view(T, -1) == scores[:, :1]).sum() > T  # the input really is full of ties
+
+
+def test_topk_kernel_ranks_nan_first_like_torch():
+    scores = torch.rand(5, 8)
+    scores[:, 3] = float("nan")
+    got = topk_kernel().topk_experts(scores, None, 2, 1, 1)
+    assert (got[:, 0] == 3).all()
+    assert torch.equal(got, scores.topk(2, dim=-1).indices)
+
+
+def test_topk_kernel_rejects_impossible_choices():
+    with pytest.raises(RuntimeError, match="k exceeds"):
+        topk_kernel().topk_experts(torch.rand(3, 8), None, 5, 4, 2)  # 2 kept groups of 2 experts
+    with pytest.raises(RuntimeError, match="n_group must divide"):
+        topk_kernel().topk_experts(torch.rand(3, 8), None, 2, 3, 1)

@@ -223,7 +223,7 @@ at::Tensor view_scratch(const at::Tensor& buf, int64_t t, int64_t rows, int64_t 
 }  // namespace
 
 // -> (y [M, D], h: gate/up pre-activations per routed expert [count, 2I], then the shared item's [M, 2S]).
-std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x, const at::Tensor& token,
+std::tuple<at::Tensor, std::vector<at::Tensor>> segment_mlp_forward(const at::Tensor& x, const at::Tensor& token,
                                                         const at::Tensor& counts, const at::Tensor& w,
                                                         const at::Tensor& gate_up, const at::Tensor& down,
                                                         const c10::optional<at::Tensor>& shared_gate_up,
@@ -264,7 +264,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x, con
 
 // -> (dx [M, D], dw [N] (undefined unless need_dw), d_gate_up, d_down, d_shared_gate_up, d_shared_down (undefined
 // without shared experts)).
-std::vector<at::Tensor> backward(const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& token,
+std::vector<at::Tensor> segment_mlp_backward(const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& token,
                                  const at::Tensor& counts, const at::Tensor& w, const at::Tensor& gate_up,
                                  const at::Tensor& down, const c10::optional<at::Tensor>& shared_gate_up,
                                  const c10::optional<at::Tensor>& shared_down, const std::vector<at::Tensor>& h,
@@ -328,7 +328,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy_in, const at::Tensor& x, c
 
 // The split over threads for these per-expert counts and shared rows (0: none): lists of items (expert, or -1
 // for the shared item). Exposed for tests.
-std::vector<std::vector<int64_t>> plan(const at::Tensor& counts, int64_t width, int64_t shared_rows,
+std::vector<std::vector<int64_t>> segment_mlp_plan(const at::Tensor& counts, int64_t width, int64_t shared_rows,
                                        int64_t shared_width) {
   const at::Tensor c = counts.contiguous();
   std::vector<Item> items;
@@ -341,10 +341,4 @@ std::vector<std::vector<int64_t>> plan(const at::Tensor& counts, int64_t width, 
     for (const Item& it : list) out.back().push_back(it.expert);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("plan", &plan, "the split of work items over threads");
-  m.def("forward", &forward, "segment MLP forward -> (y, h)");
-  m.def("backward", &backward, "segment MLP backward -> (dx, dw, d_gate_up, d_down, d_shared_gate_up, d_shared_down)");
 }
