@@ -16,11 +16,11 @@ ARGS ?=
 
 setup: $(VENV)/.installed
 
+# The last step compiles our CPU kernels (~1 min, cached in ~/.cache/torch_extensions) rather than in the first run.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(HAVE_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -c 'import torch' >/dev/null 2>&1 || $(BIN)/pip install "$(TORCH_SPEC)"
 	$(BIN)/pip install -e '.[dev]'
-	# compile the CPU kernels now (~1 min, cached in ~/.cache/torch_extensions) rather than in the first run
 	$(BIN)/python -c 'from moe_lm.model.cpu_kernels import load_cpu_kernels; load_cpu_kernels()'
 	touch $@
 
