@@ -33,9 +33,9 @@ _CAPABILITY_FLAGS = {
 }
 
 
-def cpu_kernels_for(*tensors: torch.Tensor):
-    """The kernels' module when every tensor is an fp32 CPU tensor and the kernels are available, else None."""
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+def cpu_kernels_for(*tensors: torch.Tensor | None):
+    """The kernels' module when every given tensor (None: absent) is fp32 on CPU and the kernels are available."""
+    if all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors):
         return load_cpu_kernels()
     return None
 

@@ -44,7 +44,7 @@ def select_experts(
     On CPU the compiled kernel (csrc/route_topk.cpp) makes the same choice in one pass per token; ties, which
     torch.topk leaves unordered, go to the lower index there.
     """
-    kernels = cpu_kernels_for(scores_TE) if bias_E is None else cpu_kernels_for(scores_TE, bias_E)
+    kernels = cpu_kernels_for(scores_TE, bias_E)
     if kernels is not None:
         return kernels.topk_experts(scores_TE, bias_E, k, n_group, topk_group)
     return select_experts_torch(scores_TE, bias_E, k, n_group, topk_group)
