@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(HAVE_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -c 'import torch' >/dev/null 2>&1 || $(BIN)/pip install "$(TORCH_SPEC)"
 	$(BIN)/pip install -e '.[dev]'
-	$(BIN)/python -c 'from moe_lm.model.cpu_kernels import load_cpu_kernels; load_cpu_kernels()'
+	$(BIN)/python -c 'from moe_lm.ops.cpu_kernels import load_cpu_kernels; load_cpu_kernels()'
 	touch $@
 
 test: setup

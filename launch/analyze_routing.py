@@ -20,22 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_lm.analysis.report import build_report  # noqa: E402
-from moe_lm.analysis.trace import record_trace  # noqa: E402
-from moe_lm.data.documents import DataError, ReadReport, iter_source  # noqa: E402
-from moe_lm.data.prepare import load_split  # noqa: E402
-from moe_lm.data.tokenizer import BOS_ID, load_tokenizer  # noqa: E402
-from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.train.checkpoint import load_model  # noqa: E402
+from moe_lm.analysis.report import build_report
+from moe_lm.analysis.trace import record_trace
+from moe_lm.data.documents import DataError, ReadReport, iter_source
+from moe_lm.data.prepare import load_split
+from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
+from moe_lm.interop.ds_checkpoint import load_model, parse_run
+from moe_lm.model import Transformer
+from moe_lm.train.tracker import open_wandb
 
 DEFAULT_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
-
-
-def split_run(spec: str) -> tuple[str, str | None]:
-    run, _, tag = spec.partition(":")
-    return run, tag or None
 
 
 def user_documents(paths: list[str], sp, domains: list[str]):
@@ -51,10 +45,12 @@ def user_documents(paths: list[str], sp, domains: list[str]):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True, help="run folder, optionally RUN:TAG for a specific checkpoint")
+    ap.add_argument("--run", required=True, type=parse_run, help="run folder, optionally RUN:TAG for a checkpoint")
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default: the run's validation split)")
-    ap.add_argument("--compare", help="another checkpoint (RUN or RUN:TAG) routed on the same tokens: saturation")
+    ap.add_argument(
+        "--compare", type=parse_run, help="another checkpoint (RUN or RUN:TAG) routed on the same tokens: saturation"
+    )
     ap.add_argument("--tokens", nargs="*", default=DEFAULT_TOKENS, help="tokens for per-token charts")
     ap.add_argument("--max-tokens", type=int, default=200_000)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -62,7 +58,7 @@ def main() -> None:
     ap.add_argument("--no-init-baseline", action="store_true", help="skip the untrained-model baseline (N1)")
     args = ap.parse_args()
     out = Path(args.out)
-    run, tag = split_run(args.run)
+    run, tag = args.run
     try:
         cfg, model, tag = load_model(run, tag)
         sp = load_tokenizer(Path(cfg.data.out_dir) / "tokenizer.model")
@@ -83,7 +79,7 @@ def main() -> None:
         source = {"data": f"{cfg.data.out_dir} (validation split)"}
     common = dict(seq_len=cfg.train.seq_len, batch_size=args.batch_size, max_tokens=args.max_tokens)
     trace = record_trace(
-        model, documents(), out / "trace", domains, source={**source, "run": run, "tag": tag}, **common
+        model, documents(), out / "trace", domains, source={**source, "run": str(run), "tag": tag}, **common
     )
     print(f"recorded {trace.n:,} tokens in {trace.meta['n_docs']} documents at {trace.meta['tokens_per_s']:,.0f} tok/s")
     init_trace = None
@@ -99,16 +95,19 @@ def main() -> None:
         )
     compare_trace, label = None, ""
     if args.compare:
-        crun, ctag = split_run(args.compare)
-        _, cmodel, ctag = load_model(crun, ctag)
+        crun, ctag = args.compare
+        try:
+            _, cmodel, ctag = load_model(crun, ctag)
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f"error: --compare: {e}")
         label = f"{crun}:{ctag}"
         compare_trace = record_trace(
             cmodel, documents(), out / "trace_compare", domains, source={**source, "run": label}, **common
         )
-    metrics_file = Path(run) / "metrics.jsonl"
+    metrics_file = run / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else None
     result = build_report(trace, out, sp, args.tokens, init_trace, compare_trace, label, rows, args.min_count)
-    _log_wandb(cfg, Path(run), out, result)
+    _log_wandb(cfg, run, out, result)
     base = result["baseline_uniform_N0"]
     for layer, lm in result["layers"].items():
         r = lm["repetition"]
@@ -126,18 +125,9 @@ def main() -> None:
 
 def _log_wandb(cfg, run: Path, out: Path, result: dict) -> None:
     """Attach figures and the per-domain shares to the run's own wandb run (offline runs sync later)."""
-    id_file = run / "wandb_id"
-    if cfg.logging.wandb_mode == "disabled" or not id_file.is_file():
+    wandb = open_wandb(cfg.logging, run, create=False)
+    if wandb is None:
         return
-    import wandb
-
-    wandb.init(
-        project=cfg.logging.wandb_project,
-        id=id_file.read_text().strip(),
-        resume="allow",
-        dir=str(run),
-        mode=cfg.logging.wandb_mode,
-    )
     data = {f"routing/{p.stem}": wandb.Image(str(p)) for p in sorted((out / "figures").glob("*.png"))}
     domains = result["trace"]["domains"]
     table = wandb.Table(columns=["layer", "domain", "expert", "token_share", "relative_load"])

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_lm.config import ModelConfig, MoEConfig  # noqa: E402
-from moe_lm.interop.hf import to_hf_config  # noqa: E402
-from moe_lm.model import MoE  # noqa: E402
-from moe_lm.model.cpu_kernels import load_cpu_kernels  # noqa: E402
-from moe_lm.model.layers import MLP  # noqa: E402
-from moe_lm.model.megablocks import BackendUnavailable, load_megablocks  # noqa: E402
+from moe_lm.config import ModelConfig, MoEConfig
+from moe_lm.interop.hf import to_hf_config
+from moe_lm.model import MoE
+from moe_lm.model.layers import MLP
+from moe_lm.ops.cpu_kernels import load_cpu_kernels
+from moe_lm.ops.megablocks import BackendUnavailable, load_megablocks
 
 # (dim, moe_inter_dim, n_routed_experts, num_experts_per_tok, n_group, topk_group)
 SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
@@ -107,9 +103,8 @@ def main() -> None:
         )
         cfg = ModelConfig(dim=dim, moe=moe_cfg)
         ours = MoE(cfg).to(device=args.device, dtype=dtype).train()
-        loop = MoE(cfg).to(device=args.device, dtype=dtype).train()
+        loop = MoE(replace(cfg, moe=replace(moe_cfg, experts_impl="loop"))).to(device=args.device, dtype=dtype).train()
         loop.load_state_dict(ours.state_dict())
-        loop.experts.impl = "loop"
         dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=args.device, dtype=dtype)
         fns = {"ours": ours, "dense": dense, "loop": loop}
         if megablocks:

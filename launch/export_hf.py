@@ -16,26 +16,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_lm.config import ConfigError, load_config  # noqa: E402
-from moe_lm.interop.hf import export_hf  # noqa: E402
-from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.train.checkpoint import load_model  # noqa: E402
+from moe_lm.config import ConfigError, load_config
+from moe_lm.interop.ds_checkpoint import load_model, parse_run
+from moe_lm.interop.hf import export_hf
+from moe_lm.model import Transformer
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="a run folder, optionally RUN:TAG for a specific checkpoint")
+    src.add_argument("--run", type=parse_run, help="a run folder, optionally RUN:TAG for a specific checkpoint")
     src.add_argument("--config", help="a YAML preset: export a randomly initialised model")
     ap.add_argument("--out", required=True, help="output directory (safetensors + config.json)")
     ap.add_argument("overrides", nargs="*", help="config overrides with --config, e.g. model.dim=256")
     args = ap.parse_args()
     try:
         if args.run:
-            run, _, tag = args.run.partition(":")
-            cfg, model, tag = load_model(run, tag or None)
+            cfg, model, tag = load_model(*args.run)
         else:
             cfg = load_config(args.config, args.overrides)
             torch.manual_seed(cfg.seed)

@@ -1,6 +1,7 @@
 """Sample text from a trained run (KV-cached decoding).
 
 python launch/generate.py --run runs/tiny --prompt "def main(" --max-tokens 100 --temperature 0.8 --top-p 0.95
+python launch/generate.py --run runs/tiny:step_00000500 --prompt "def main(" --temperature 0   # a checkpoint
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_lm.data.tokenizer import BOS_ID, load_tokenizer  # noqa: E402
-from moe_lm.model.attention import KVCache  # noqa: E402
-from moe_lm.train.checkpoint import load_model  # noqa: E402
+from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
+from moe_lm.interop.ds_checkpoint import load_model, parse_run
+from moe_lm.model.attention import KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
@@ -52,17 +51,20 @@ def generate(model, prompt_ids: list[int], max_tokens: int, temperature: float, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True, help="a run folder (train.out_dir)")
+    ap.add_argument("--run", required=True, type=parse_run, help="a run folder, or RUN:TAG for a given checkpoint")
     ap.add_argument("--prompt", default="")
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tag", help="a checkpoint tag (default: the latest complete one)")
     args = ap.parse_args()
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p} (1 switches nucleus sampling off)")
+    if args.top_k < 0:
+        ap.error(f"--top-k must be >= 0 (0 switches it off), got {args.top_k}")
     try:
-        cfg, model, tag = load_model(args.run, args.tag)
+        cfg, model, tag = load_model(*args.run)
         sp = load_tokenizer(Path(cfg.data.out_dir) / "tokenizer.model")
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

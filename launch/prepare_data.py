@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_lm.config import ConfigError, load_config  # noqa: E402
-from moe_lm.data.documents import DataError  # noqa: E402
-from moe_lm.data.prepare import prepare_data  # noqa: E402
+from moe_lm.config import ConfigError, load_config
+from moe_lm.data.documents import DataError
+from moe_lm.data.prepare import prepare_data
 
 
 def main() -> None:

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-from moe_lm.config import ConfigError, load_config  # noqa: E402
-from moe_lm.data.documents import DataError  # noqa: E402
+from moe_lm.config import ConfigError, load_config
+from moe_lm.data.documents import DataError
 
 
 def main() -> None:
@@ -32,11 +31,9 @@ def main() -> None:
     except ConfigError as e:
         sys.exit(f"error: {e}")
 
-    import numpy as np
-
     from moe_lm.data.prepare import load_split
     from moe_lm.parallel.deepspeed_setup import shutdown_distributed
-    from moe_lm.train.loop import train, unigram_entropy
+    from moe_lm.train.loop import train
 
     try:
         final = train(cfg)
@@ -49,6 +46,13 @@ def main() -> None:
         per_domain = ", ".join(f"{k[5:]} {v:.3f}" for k, v in final.items() if k.startswith("loss/"))
         print(f"final validation loss {final['loss']:.3f} nats (per domain: {per_domain})")
         print(f"unigram entropy of the training corpus {h:.3f} nats; run folder {cfg.train.out_dir}")
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of the corpus' token frequencies: the loss of the best context-free predictor."""
+    p = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
 
 
 if __name__ == "__main__":

@@ -333,24 +333,60 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML preset (or the defaults when `path` is None), apply `key.sub=value` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path} (presets live in configs/)")
-        loaded = yaml.safe_load(path.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
-        raw = loaded or {}
+    """Read a YAML preset (or the defaults when `path` is None), apply `key.sub=value` overrides, validate.
+
+    A preset may start from another with `base: other.yaml` (relative to its own folder): its keys are merged over
+    the base's, section by section.
+    """
+    raw = read_preset(Path(path)) if path is not None else {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else "")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
+        _set_dotted(raw, key.strip(), parsed)
     cfg = from_dict(Config, raw)
     cfg.validate()
     return cfg
+
+
+def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The raw mapping of a preset file with its `base:` chain merged in; errors name the file (and line)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (presets live in configs/)")
+    if path.resolve() in chain:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself ({' -> '.join(map(str, chain))})")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML, {_yaml_problem(e)}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+    raw = loaded or {}
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
+    return _merge(read_preset(path.parent / base, (*chain, path.resolve())), raw)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + str(getattr(e, "problem", None) or e)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny seeded fp32 configs on CPU."""
+"""Shared fixtures: a seeded RNG, a tiny prepared corpus and a training config on it (fp32, CPU)."""
 
 from __future__ import annotations
 
@@ -8,48 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from moe_lm.config import (
-    Config,
-    DataConfig,
-    GQAConfig,
-    LoggingConfig,
-    MLAConfig,
-    ModelConfig,
-    MoEConfig,
-    OptimConfig,
-    TrainConfig,
-)
+from moe_lm.config import Config, DataConfig, LoggingConfig, MLAConfig, OptimConfig, TrainConfig
 from moe_lm.data.prepare import prepare_data
-
-
-def tiny_model_cfg(attention: str = "mla", **moe_overrides) -> ModelConfig:
-    moe = dict(
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        moe_inter_dim=24,
-    )
-    moe.update(moe_overrides)
-    return ModelConfig(
-        vocab_size=97,
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        inter_dim=48,
-        first_k_dense_replace=1,
-        attention=attention,
-        max_seq_len=64,
-        mla=MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
-        gqa=GQAConfig(n_kv_heads=2, head_dim=8, partial_rotary_factor=0.5),
-        moe=MoEConfig(**moe),
-    )
-
-
-def replace_moe(cfg: ModelConfig, **kw) -> ModelConfig:
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **kw))
+from tests.tiny import tiny_model_cfg
 
 
 @pytest.fixture(autouse=True)
@@ -93,18 +54,13 @@ def tiny_data(tmp_path_factory):
 
 
 def tiny_train_cfg(data: DataConfig, out_dir, **train) -> Config:
-    model = ModelConfig(
+    model = tiny_model_cfg(
         vocab_size=VOCAB,
-        dim=32,
         n_layers=2,
         n_heads=2,
         inter_dim=64,
-        first_k_dense_replace=1,
-        max_seq_len=64,
         mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
-        moe=MoEConfig(
-            n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_inter_dim=16, bias_update_speed=1e-2
-        ),
+        moe=dict(num_experts_per_tok=2, routed_scaling_factor=1.0, moe_inter_dim=16, bias_update_speed=1e-2),
     )
     t = dict(
         max_steps=6,

@@ -18,6 +18,42 @@ def test_presets_load_and_validate():
         assert isinstance(cfg, Config)
 
 
+def test_each_preset_writes_its_own_run_folder():
+    out_dirs = [load_config(path).train.out_dir for path in sorted((ROOT / "configs").glob("*.yaml"))]
+    assert len(out_dirs) == len(set(out_dirs)), out_dirs
+
+
+def test_a_preset_builds_on_its_base_section_by_section(tmp_path):
+    (tmp_path / "child.yaml").write_text(f"base: {TINY}\nmodel:\n  attention: gqa\ntrain:\n  out_dir: runs/child\n")
+    child, tiny = load_config(tmp_path / "child.yaml"), load_config(TINY)
+    assert child.model.attention == "gqa" and child.train.out_dir == "runs/child"
+    # everything else is the base's, including the rest of the sections the child touched
+    assert child.model.moe == tiny.model.moe and child.train.max_steps == tiny.train.max_steps
+    assert child.optim == tiny.optim and child.data == tiny.data
+
+
+def test_base_errors_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_yaml_syntax_and_encoding_errors_name_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  dim: 64\n  moe: [1, 2\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML, line \d+, column \d+"):
+        load_config(bad)
+    bad.write_bytes("model:\n  dim: 64 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not UTF-8"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"override 'train.max_steps=\[1': the value is not valid YAML"):
+        load_config(TINY, ["train.max_steps=[1"])
+
+
 def test_yaml_scientific_notation_is_a_float():
     # PyYAML reads `1e-3` (no dot) as a string; the field type must win.
     cfg = load_config(TINY)

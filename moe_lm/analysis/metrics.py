@@ -1,8 +1,8 @@
 """Routing metrics as pure functions of arrays (a trace's columns), each with its uniform-routing baseline.
 
 Notation: N tokens, E experts, K experts per token, D documents. `experts` is [N, K] (first choice first).
-Definitions follow ANALYTICS_NOTES: Mixtral §5 (repetition), OLMoE §5 (co-activation, specialisation,
-saturation), DeepSeek-V3 §4.5 (relative load), Wang et al. 2024 (MaxVio).
+Definitions, baselines and traps: docs/analytics.md §2-§4 (sources: Mixtral §5 for repetition, OLMoE §5 for
+co-activation, specialisation and saturation, DeepSeek-V3 §4.5 for relative load, Wang et al. 2024 for MaxVio).
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ def random_topk(rng: np.random.Generator, n: int, n_experts: int, k: int) -> np.
 # ------------------------------------------------------------------------------------------ domains
 
 
+def domain_expert_counts(experts: np.ndarray, domain: np.ndarray, n_domains: int, n_experts: int) -> np.ndarray:
+    """Token-slots of each domain routed to each expert [Dm, E]."""
+    K = experts.shape[1]
+    counts = np.zeros((n_domains, n_experts), dtype=np.float64)
+    np.add.at(counts, (np.repeat(np.asarray(domain, np.int64), K), np.asarray(experts, np.int64).ravel()), 1.0)
+    return counts
+
+
 def domain_shares(experts: np.ndarray, domain: np.ndarray, n_domains: int, n_experts: int) -> dict[str, np.ndarray]:
     """Per domain and expert [Dm, E]:
     token_share: share of the domain's tokens whose top-k contains e (rows sum to K; uniform K/E);
     assignment_share: share of the domain's assignments going to e (rows sum to 1; uniform 1/E);
     relative_load: assignment_share * E, load over balanced load (rows average to 1; DeepSeek-V3 Fig. 9)."""
     K = experts.shape[1]
-    counts = np.zeros((n_domains, n_experts), dtype=np.float64)
-    np.add.at(counts, (np.repeat(np.asarray(domain, np.int64), K), np.asarray(experts, np.int64).ravel()), 1.0)
+    counts = domain_expert_counts(experts, domain, n_domains, n_experts)
     tokens = np.bincount(np.asarray(domain, np.int64), minlength=n_domains).astype(np.float64)[:, None]
     with np.errstate(invalid="ignore", divide="ignore"):
         token_share = counts / tokens
@@ -75,6 +82,14 @@ def pairwise_jsd(dist: np.ndarray) -> np.ndarray:
         for j in range(i + 1, n):
             out[i, j] = out[j, i] = js_divergence(dist[i], dist[j])
     return out
+
+
+def domain_jsd(counts_DE: np.ndarray) -> np.ndarray:
+    """Pairwise JSD (bits) between the expert-assignment distributions of the domains that have tokens, from
+    their counts [Dm, E] (`domain_expert_counts`); domains without tokens are left out, not compared as zeros."""
+    counts_DE = np.asarray(counts_DE, np.float64)
+    present = counts_DE[counts_DE.sum(1) > 0]
+    return pairwise_jsd(present / present.sum(1, keepdims=True))
 
 
 def mean_pairwise(matrix: np.ndarray) -> float:
@@ -155,13 +170,20 @@ def consecutive_pairs(doc: np.ndarray) -> np.ndarray:
     return np.flatnonzero(doc[1:] == doc[:-1])
 
 
+def repetition_hits(experts: np.ndarray, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the P adjacent same-document pairs (t, t + 1): t [P], same first choice [P], overlapping top-k [P]."""
+    t = consecutive_pairs(doc)
+    a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
+    return t, a[:, 0] == b[:, 0], (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
+
+
 def repetition(experts: np.ndarray, doc: np.ndarray) -> dict[str, float]:
     """Mixtral Table 5: share of adjacent tokens (same document) with the same first choice, and with
     overlapping top-k sets; pairs never cross a document boundary."""
-    t = consecutive_pairs(doc)
-    a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
-    same_first = a[:, 0] == b[:, 0]
-    overlap = (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
+    return _rates(*repetition_hits(experts, doc))
+
+
+def _rates(t: np.ndarray, same_first: np.ndarray, overlap: np.ndarray) -> dict[str, float]:
     return {"pairs": int(len(t)), "same_first": float(same_first.mean()), "topk_overlap": float(overlap.mean())}
 
 
@@ -227,19 +249,15 @@ def bootstrap_ratio(numer: np.ndarray, denom: np.ndarray, n_boot: int = 1000, se
 
 def repetition_with_ci(experts: np.ndarray, doc: np.ndarray, n_boot: int = 1000) -> dict[str, float]:
     """repetition() plus document-bootstrap 95 % intervals for both rates."""
-    result = repetition(experts, doc)
-    t = consecutive_pairs(doc)
+    t, same_first, overlap = repetition_hits(experts, doc)
+    result = _rates(t, same_first, overlap)
     if len(t) == 0:
         return result
-    a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
     pair_doc = np.asarray(doc)[t]
     n_docs = int(np.asarray(doc).max()) + 1
     pairs = per_document_sums(np.ones(len(t)), pair_doc, n_docs)
     has = pairs > 0
-    for name, hit in (
-        ("same_first", a[:, 0] == b[:, 0]),
-        ("topk_overlap", (a[:, :, None] == b[:, None, :]).any((1, 2))),
-    ):
+    for name, hit in (("same_first", same_first), ("topk_overlap", overlap)):
         lo, hi = bootstrap_ratio(per_document_sums(hit, pair_doc, n_docs)[has], pairs[has], n_boot)
         result[f"{name}_ci95"] = [lo, hi]
     return result

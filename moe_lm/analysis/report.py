@@ -21,9 +21,7 @@ from moe_lm.analysis.trace import Trace
 
 def domain_jsd(experts: np.ndarray, domain: np.ndarray, trace: Trace) -> np.ndarray:
     """Pairwise JSD (bits) between the expert-assignment distributions of the domains present in `domain`."""
-    shares = M.domain_shares(experts, domain, len(trace.domains), trace.n_experts)["assignment_share"]
-    present = np.unique(np.asarray(domain))
-    return M.pairwise_jsd(shares[present])
+    return M.domain_jsd(M.domain_expert_counts(experts, domain, len(trace.domains), trace.n_experts))
 
 
 def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffled_domain: np.ndarray) -> dict:

@@ -21,12 +21,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a fused [..., 2I] gate/up projection (gate first, HF's expert layout)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate x) * up x). Dense layers and the shared experts use it."""
 

@@ -20,21 +20,14 @@ from moe_lm.model.router import Router, batch_balance_loss, sequence_balance_los
 
 
 class Dispatcher(Protocol):
-    """Routed experts' weighted outputs plus the shared experts' (None: no shared experts) for every token."""
+    """The routed experts' weighted outputs for every token: x [T, D], idx/weight [T, K] -> [T, D]."""
 
-    def __call__(
-        self,
-        x_TD: torch.Tensor,
-        idx_TK: torch.Tensor,
-        weight_TK: torch.Tensor,
-        experts: Experts,
-        shared: nn.Module | None,
-    ) -> torch.Tensor: ...
+    def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, experts) -> torch.Tensor: ...
 
 
-def local_dispatch(x_TD, idx_TK, weight_TK, experts: Experts, shared: nn.Module | None) -> torch.Tensor:
-    """Every expert lives on this device; the experts' CPU kernel runs the shared experts in the same pass."""
-    return experts(x_TD, idx_TK, weight_TK, shared)
+def local_dispatch(x_TD, idx_TK, weight_TK, experts: Experts) -> torch.Tensor:
+    """Every expert lives on this device."""
+    return experts(x_TD, idx_TK, weight_TK)
 
 
 class MoE(nn.Module):
@@ -57,7 +50,9 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         routing = self.gate(x_TD)
-        y_TD = self.dispatch(x_TD, routing.topk_idx, routing.topk_weight, self.experts, self.shared_experts)
+        y_TD = self.dispatch(x_TD, routing.topk_idx, routing.topk_weight, self.experts)
+        if self.shared_experts is not None:  # every token, weight 1, wherever its routed experts live
+            y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(B, S, D), self.balance_loss(routing.scores.view(B, S, -1), routing.topk_idx)
 
     def balance_loss(self, scores_BSE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lm.config import MoEConfig
-from moe_lm.model.cpu_kernels import cpu_kernels_for
+from moe_lm.ops.cpu_kernels import cpu_kernels_for
 
 
 class Routing(NamedTuple):

@@ -62,7 +62,7 @@ def device() -> torch.device:
 
 
 def use_bf16(cfg: Config, dev: torch.device) -> bool:
-    # why fp32 on CPU: bf16 matmuls are not faster there (DEEPSPEED_NOTES §6) and fp32 keeps CPU runs exact.
+    # why fp32 on CPU: bf16 matmuls are not faster there (docs/deepspeed.md §5) and fp32 keeps CPU runs exact.
     return cfg.parallel.dtype == "bf16" or (cfg.parallel.dtype == "auto" and dev.type == "cuda")
 
 
@@ -74,7 +74,7 @@ def deepspeed_config(cfg: Config, bf16: bool) -> dict:
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": {
             "stage": p.zero_stage,
-            # DEEPSPEED_NOTES §2: the settings under which ZeRO-2 reduces MoE gradients correctly.
+            # docs/deepspeed.md §3: the settings under which ZeRO-2 reduces MoE gradients correctly.
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "overlap_comm": False,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
-from torch import nn
 
 
 class AllToAllDispatcher:
@@ -31,9 +30,7 @@ class AllToAllDispatcher:
         """Counters since the last reset: bytes this rank sent, and the slots it sent and computed."""
         self.stats = {"bytes_sent": 0, "pairs_sent": 0, "slots_sent": 0, "slots_computed": 0, "rows_received": 0}
 
-    def __call__(
-        self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, shell, shared: nn.Module | None
-    ) -> torch.Tensor:
+    def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, shell) -> torch.Tensor:
         T, K = idx_TK.shape
         R = self.ep_size
         dest_TK = idx_TK // self.num_local
@@ -72,5 +69,4 @@ class AllToAllDispatcher:
         s["rows_received"] += Q
         # rows + weights + expert ids out, and the combined rows back (the backward pass sends as much again)
         s["bytes_sent"] += len(token_P) * (x_TD.shape[1] * elem + K * (elem + 8)) + Q * x_TD.shape[1] * elem
-        y_TD = x_TD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)
-        return y_TD if shared is None else y_TD + shared(x_TD)
+        return x_TD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)

@@ -4,7 +4,7 @@
 an `ExpertShell`, and swaps in the all-to-all dispatcher. Router, shared experts, attention and embeddings stay
 replicated and data-parallel over the whole world.
 
-Why a shell of DeepSpeed's `MoE` type (DEEPSPEED_NOTES §1, §3): the engine turns on its MoE handling only for
+Why a shell of DeepSpeed's `MoE` type (docs/deepspeed.md §1-§4): the engine turns on its MoE handling only for
 `isinstance(module, deepspeed.moe.layer.MoE)`: expert gradients are then reduced over the expert-data-parallel
 group only (and divided by the full data-parallel size, which is already the global-batch mean, so we add no
 scaling), the clip norm counts them once, and `save_checkpoint` writes one file per *global* expert, which is
@@ -13,12 +13,11 @@ our router decides, our dispatcher moves tokens. It is applied at every `ep_size
 always have the same per-expert layout.
 
 DeepSpeed finds expert tensors by the name `<moe>.deepspeed_moe.experts.deepspeed_experts.<local id>.<param>`;
-our experts are stacked [E_local, ...], so state-dict hooks present them per expert and stack them back on load.
+our experts are stacked [E_local, ...], so state-dict hooks (moe_lm/interop/ds_checkpoint.py, which reads the
+same files without DeepSpeed) present them per expert and stack them back on load.
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 import torch.distributed as dist
@@ -26,12 +25,10 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
+from moe_lm.interop.ds_checkpoint import per_expert_keys, stacked_keys
 from moe_lm.model import Experts, Transformer
 from moe_lm.model.moe import local_dispatch
 from moe_lm.parallel.dispatch import AllToAllDispatcher
-
-STACKED = ("gate_up_proj", "down_proj")
-PER_EXPERT = re.compile(r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$")
 
 
 class ExpertShell(DeepSpeedMoE):
@@ -48,8 +45,8 @@ class ExpertShell(DeepSpeedMoE):
         for p in local_experts.parameters():
             p.allreduce = False  # what deepspeed.moe.utils.is_moe_param reads
             p.group_name = self.expert_group_name
-        self.register_state_dict_post_hook(_per_expert_keys)
-        self.register_load_state_dict_pre_hook(_stacked_keys)
+        self.register_state_dict_post_hook(per_expert_keys)
+        self.register_load_state_dict_pre_hook(stacked_keys)
 
     @property
     def local(self) -> Experts:
@@ -59,8 +56,8 @@ class ExpertShell(DeepSpeedMoE):
         """Called by the engine: make sure DeepSpeed's expert / expert-data-parallel groups exist."""
         ensure_groups(self.ep_size, use_data_before_expert_parallel_)
 
-    def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, shared=None) -> torch.Tensor:
-        return self.local(x_TD, idx_TK, weight_TK, shared)
+    def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        return self.local(x_TD, idx_TK, weight_TK)
 
 
 def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False):
@@ -98,35 +95,3 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
 
 def dispatchers(model: Transformer) -> list[AllToAllDispatcher]:
     return [moe.dispatch for moe in model.moe_layers() if isinstance(moe.dispatch, AllToAllDispatcher)]
-
-
-def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Turn per-global-expert keys (`...experts.deepspeed_moe.experts.deepspeed_experts.<e>.<w>`) into the plain
-    model's stacked `...experts.<w>` tensors; `layout` is the plain model's state dict (for shapes)."""
-    out, pieces = {}, {}
-    for key, value in sharded.items():
-        m = PER_EXPERT.match(key)
-        if m is None:
-            out[key] = value
-        else:
-            pieces.setdefault(m["prefix"] + m["name"], {})[int(m["e"])] = value
-    for key, by_expert in pieces.items():
-        expected = layout[key].shape[0]
-        if sorted(by_expert) != list(range(expected)):
-            raise KeyError(f"checkpoint has experts {sorted(by_expert)} of {key}, expected 0..{expected - 1}")
-        out[key] = torch.stack([by_expert[e] for e in range(expected)])
-    return out
-
-
-def _per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
-    for name in STACKED:
-        stacked = state_dict.pop(f"{prefix}deepspeed_moe.experts.{name}")
-        for e, tensor in enumerate(stacked.unbind(0)):
-            state_dict[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = tensor
-
-
-def _stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    for name in STACKED:
-        keys = [f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}" for e in range(module.num_local_experts)]
-        if all(k in state_dict for k in keys):
-            state_dict[f"{prefix}deepspeed_moe.experts.{name}"] = torch.stack([state_dict.pop(k) for k in keys])

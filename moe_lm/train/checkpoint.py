@@ -1,32 +1,28 @@
-"""Checkpoints that survive crashes: DeepSpeed state plus our run state, and a pointer that moves last.
+"""Checkpoints that survive crashes: DeepSpeed state plus our run state, a pointer that moves last, and resume.
 
-    <run>/checkpoints/step_00000200/    DeepSpeed's files (model, optimizer; experts per rank), config.yaml,
-                                        rng_rank<r>.pt, and COMPLETE once every rank has finished
-    <run>/checkpoints/latest            the tag of the newest COMPLETE checkpoint, replaced atomically
-
-A kill at any moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is replaced with
-os.replace only after all ranks finished writing, and older checkpoints are pruned only after that.
+The layout on disk (and how to read it without DeepSpeed) is moe_lm/interop/ds_checkpoint.py. A kill at any
+moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is replaced with os.replace only
+after all ranks finished writing, and older checkpoints are pruned only after that.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_lm.config import Config, dump_config, load_config
-from moe_lm.model import Transformer
-from moe_lm.parallel.expert_parallel import plain_state_dict
+from moe_lm.config import Config, config_to_dict, dump_config, load_config
+from moe_lm.interop.ds_checkpoint import COMPLETE, ckpt_root, data_reference, latest_tag
 
-COMPLETE = "COMPLETE"
+# Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).
+RESUME_MUST_MATCH = ("model", "data")
 
 
 def _rank() -> int:
@@ -36,20 +32,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def ckpt_root(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def latest_tag(run_dir: Path) -> str | None:
-    pointer = ckpt_root(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    if not (ckpt_root(run_dir) / tag / COMPLETE).is_file():
-        raise RuntimeError(f"{pointer} names {tag}, which is not a complete checkpoint; the run folder was altered")
-    return tag
 
 
 def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int) -> str:
@@ -71,6 +53,43 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
         _prune(root, keep_last, tag)
     _barrier()
     return tag
+
+
+def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
+    """Restore the run's latest checkpoint into `engine` if there is one: (step, samples consumed), (0, 0) if not.
+
+    The checkpoint must belong to the same experiment (RESUME_MUST_MATCH). Saved at another ep_size, its weights
+    load with a fresh optimizer state (DeepSpeed cannot re-shard it). `log` prints on rank 0.
+    """
+    tag = latest_tag(run_dir)
+    if tag is None:
+        return 0, 0
+    saved = load_config(ckpt_root(run_dir) / tag / "config.yaml")
+    changed = [s for s in RESUME_MUST_MATCH if config_to_dict(saved)[s] != config_to_dict(cfg)[s]]
+    if changed:
+        raise RuntimeError(
+            f"{run_dir} holds a run with different {' and '.join(changed)} settings; resume it with its own config "
+            f"({run_dir / 'config.yaml'}), pick another train.out_dir, or pass train.resume=false to start afresh"
+        )
+    same_ep = saved.parallel.ep_size == cfg.parallel.ep_size
+    if not same_ep:
+        log(
+            f"warning: {tag} was saved at parallel.ep_size={saved.parallel.ep_size}; loading its weights at "
+            f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it)"
+        )
+    state = load(engine, run_dir, tag, load_optimizer_states=same_ep)
+    log(f"resumed from {ckpt_root(run_dir) / tag} at step {state['step']}")
+    return state["step"], state["samples"]
+
+
+def move_aside(run_dir: Path, log) -> None:
+    """train.resume=false: move an existing run folder to <run>.prev-<time> (rank 0), so that nothing is lost."""
+    has_run = (ckpt_root(run_dir)).is_dir() or (run_dir / "metrics.jsonl").is_file()
+    if has_run and _rank() == 0:
+        aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(run_dir), str(aside))
+        log(f"train.resume=false: moved the previous run to {aside}")
+    _barrier()
 
 
 def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
@@ -110,53 +129,3 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def data_reference(cfg: Config) -> dict:
-    """Where the run's data and tokenizer are (absolute), and the tokenizer's hash."""
-    data_dir = Path(cfg.data.out_dir).resolve()
-    tok = data_dir / "tokenizer.model"
-    return {
-        "data_dir": str(data_dir),
-        "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.is_file() else None,
-    }
-
-
-def _resolve_data(cfg: Config, folder: Path) -> Config:
-    """The checkpoint's config with data.out_dir pointing at the data it was trained on, wherever we run from."""
-    ref_file = folder / "data_ref.json"
-    if not ref_file.is_file():
-        return cfg
-    ref = json.loads(ref_file.read_text())
-    tok = Path(ref["data_dir"]) / "tokenizer.model"
-    if (
-        ref["tokenizer_sha256"]
-        and tok.is_file()
-        and hashlib.sha256(tok.read_bytes()).hexdigest() != ref["tokenizer_sha256"]
-    ):
-        raise ValueError(
-            f"{tok} is not the tokenizer this checkpoint was trained with (the data was rebuilt); "
-            f"prepare the data again with the run's config.yaml"
-        )
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, out_dir=ref["data_dir"]))
-
-
-def load_model(run_dir: str | Path, tag: str | None = None):
-    """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
-    without DeepSpeed: for generation, analytics and export."""
-    run_dir = Path(run_dir)
-    tag = tag or latest_tag(run_dir)
-    if tag is None:
-        raise FileNotFoundError(f"no complete checkpoint in {run_dir / 'checkpoints'} (train first, or check the path)")
-    folder = ckpt_root(run_dir) / tag
-    cfg = _resolve_data(load_config(folder / "config.yaml"), folder)
-    # DeepSpeed's own files; they hold non-tensor objects, hence weights_only=False (the user's own checkpoint)
-    state = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    for expert_file in sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")):
-        state.update(torch.load(expert_file, map_location="cpu", weights_only=False))
-    if cfg.model.moe.experts_impl == "megablocks":
-        # why: offline tools run on CPU, and the weights do not depend on the expert backend
-        cfg.model.moe.experts_impl = "grouped"
-    model = Transformer(cfg.model)
-    model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
-    return cfg, model.eval(), tag

@@ -1,4 +1,4 @@
-"""Where metrics go: console lines, <run>/metrics.jsonl, and wandb (offline by default). Rank 0 only."""
+"""Where metrics and messages go: console lines, <run>/metrics.jsonl, and wandb (offline by default). Rank 0 only."""
 
 from __future__ import annotations
 
@@ -14,20 +14,25 @@ from moe_lm.config import Config, LoggingConfig, config_to_dict
 
 
 class Tracker:
-    def __init__(self, cfg: Config, run_dir: Path, resume_step: int, enabled: bool) -> None:
-        self.enabled = enabled
+    """Rank 0's output: `info` messages at once; `start(step)` opens metrics.jsonl and wandb for the run."""
+
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool) -> None:
+        self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = cfg.train.max_steps
-        self.t0 = time.time()
-        self.start_step = resume_step
-        self.wandb = None
-        if not enabled:
+        self.t0, self.start_step, self.wandb = time.time(), 0, None
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def start(self, step: int) -> None:
+        """Begin logging at `step` (0: a new run): rows an interrupted run logged past its checkpoint are dropped."""
+        self.t0, self.start_step = time.time(), step
+        if not self.enabled:
             return
-        if resume_step == 0:
-            self.path.unlink(missing_ok=True)
-        else:
-            _truncate_after(self.path, resume_step)  # drop rows an interrupted run logged past its checkpoint
-        self.wandb = _init_wandb(cfg.logging, cfg, run_dir)
+        _truncate_after(self.path, step, self.info)
+        self.wandb = open_wandb(self.cfg.logging, self.run_dir, config=config_to_dict(self.cfg))
 
     def log(self, row: dict, histograms: dict[str, np.ndarray] | None = None) -> None:
         if not self.enabled:
@@ -55,12 +60,14 @@ class Tracker:
             self.wandb.finish()
 
 
-def _init_wandb(log_cfg: LoggingConfig, cfg: Config, run_dir: Path):
-    if log_cfg.wandb_mode == "disabled":
+def open_wandb(log_cfg: LoggingConfig, run_dir: Path, config: dict | None = None, create: bool = True):
+    """The run's wandb run, resumed by the id in <run>/wandb_id (a new id if `create`); None when wandb is disabled
+    or the run has no id. The same run receives training metrics and, later, the routing report's figures."""
+    id_file = run_dir / "wandb_id"
+    if log_cfg.wandb_mode == "disabled" or not (create or id_file.is_file()):
         return None
     import wandb
 
-    id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     wandb.init(
@@ -70,16 +77,31 @@ def _init_wandb(log_cfg: LoggingConfig, cfg: Config, run_dir: Path):
         resume="allow",
         dir=str(run_dir),
         mode=log_cfg.wandb_mode,
-        config=config_to_dict(cfg),
+        config=config,
     )
     return wandb
 
 
-def _truncate_after(path: Path, step: int) -> None:
+def _truncate_after(path: Path, step: int, warn) -> None:
+    """Keep the rows of steps <= step. A half-written last line (a kill mid-write) is dropped with a warning;
+    an unreadable line elsewhere is kept as it is and named."""
     if not path.is_file():
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(r + "\n" for r in rows))
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            row_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                warn(f"warning: {path}: dropped a half-written last line ({line[:60]!r}...)")
+                continue
+            warn(f"warning: {path} line {i + 1} is not a metrics row; kept as it is")
+            kept.append(line)
+            continue
+        if row_step <= step:
+            kept.append(line)
+    path.write_text("".join(r + "\n" for r in kept))
 
 
 def _fmt_time(seconds: float) -> str:

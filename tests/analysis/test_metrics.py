@@ -1,4 +1,4 @@
-"""The invariants of ANALYTICS_NOTES §4 on synthetic routers and traces."""
+"""The invariants of docs/analytics.md §5 on synthetic routers and traces."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_max_vio_known_answers(E, k):
 
 
 def test_max_vio_floor_matches_the_notes():
-    # ANALYTICS_NOTES §3: ~0.041 at E=8, k=2, N=4096 for a perfect random router
+    # docs/analytics.md §4: ~0.041 at E=8, k=2, N=4096 for a perfect random router
     assert M.max_vio_floor(4096, 8, 2, trials=300) == pytest.approx(0.041, abs=0.008)
 
 
@@ -91,7 +91,7 @@ def test_vocabulary_specialisation_null_removes_the_finite_sample_bias():
     v = M.vocabulary_specialisation(uniform_router(4000, E, k), token, E, min_count=10)
     assert v["observed"] > 0.1  # far above the nominal 1/64 by chance alone
     assert abs(v["corrected"]) < 0.02  # the null explains it
-    # ANALYTICS_NOTES §3: E=64, k=1, n=10 -> expected max share ~15.5 %
+    # docs/analytics.md §4: E=64, k=1, n=10 -> expected max share ~15.5 %
     assert M.max_share_null(10, 64, 1) == pytest.approx(0.155, abs=0.01)
 
 

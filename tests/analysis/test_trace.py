@@ -16,7 +16,8 @@ from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
 from moe_lm.train import loop
-from tests.conftest import replace_moe, tiny_model_cfg, tiny_train_cfg
+from tests.conftest import tiny_train_cfg
+from tests.tiny import replace_moe, tiny_model_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 

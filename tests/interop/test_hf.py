@@ -11,7 +11,7 @@ import transformers
 from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
 from moe_lm.model import Transformer
-from tests.conftest import replace_moe, tiny_model_cfg
+from tests.tiny import replace_moe, tiny_model_cfg
 
 
 def random_model(attention: str, **moe) -> Transformer:
@@ -174,8 +174,8 @@ def test_export_cli_from_a_training_run(tiny_data, tmp_path):
     import sys
     from pathlib import Path
 
+    from moe_lm.interop.ds_checkpoint import load_model
     from moe_lm.train import loop
-    from moe_lm.train.checkpoint import load_model
     from tests.conftest import tiny_train_cfg
 
     loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))

@@ -9,7 +9,7 @@ import torch
 
 from moe_lm.model import Transformer
 from moe_lm.model.attention import attention_mask
-from tests.conftest import tiny_model_cfg
+from tests.tiny import tiny_model_cfg
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from moe_lm.model import Experts
-from moe_lm.model import cpu_kernels as ck
-from moe_lm.model.cpu_kernels import load_cpu_kernels
-from moe_lm.model.experts import grouped_mm_experts
-from moe_lm.model.segment_mlp import SegmentMLP, SegmentMLPKernel
+from moe_lm.ops import cpu_kernels as ck
+from moe_lm.ops.cpu_kernels import load_cpu_kernels
+from moe_lm.ops.grouped import grouped_mm
+from moe_lm.ops.segment_mlp import SegmentMLP, SegmentMLPKernel
 
 
 def routed_batch(T, E, K, unused=(), dtype=torch.float64):
@@ -30,9 +30,17 @@ def routed_batch(T, E, K, unused=(), dtype=torch.float64):
     return x, idx, w
 
 
+def with_impl(experts: Experts, impl: str) -> Experts:
+    """The same experts (same weights, dtype and device) on another path."""
+    E, two_i, D = experts.gate_up_proj.shape
+    twin = Experts(E, D, two_i // 2, impl).to(experts.gate_up_proj)
+    twin.load_state_dict(experts.state_dict())
+    return twin
+
+
 def run(experts, impl, x, idx, w, grad):
-    experts.impl = impl
-    experts.zero_grad(set_to_none=True)
+    """Outputs and gradients (y, dx, dw, d_gate_up, d_down) of `experts`' weights on the `impl` path."""
+    experts = with_impl(experts, impl)
     x.grad = w.grad = None
     y = experts(x, idx, w)
     y.backward(grad)
@@ -90,7 +98,7 @@ def test_grouped_mm_kernel_matches_cpu_kernel():
     grad = torch.randn(20, D)
     outs = []
     for fn in (
-        lambda: grouped_mm_experts(x, token, counts, w, gu, dn),
+        lambda: grouped_mm(x, token, counts, w, gu, dn),
         lambda: SegmentMLP.apply(x, token, counts, w, gu, dn),
     ):
         for t in (x, w, gu, dn):
@@ -108,10 +116,8 @@ def test_no_token_dropped_at_extreme_imbalance():
     x = torch.randn(100, 16, dtype=torch.float64)
     idx = torch.tensor([[3, 5]]).repeat(100, 1)
     w = torch.ones(100, 2, dtype=torch.float64)
-    experts.impl = "grouped"
     y = experts(x, idx, w)
-    experts.impl = "loop"
-    torch.testing.assert_close(y, experts(x, idx, w))
+    torch.testing.assert_close(y, with_impl(experts, "loop")(x, idx, w))
     assert y.abs().sum(-1).gt(0).all()
 
 
@@ -163,13 +169,11 @@ def test_kernel_splits_work_over_threads_only_when_balanced():
     torch.set_num_threads(2)
     try:
         plan = module.segment_mlp_plan
-        assert plan(torch.tensor([10, 10, 10, 10]), 8, 0, 0) == [[0, 2], [1, 3]]
-        assert plan(torch.tensor([30, 10, 0, 10, 10]), 8, 0, 0) == [[0], [1, 3, 4]]  # idle expert 2 has no item
-        assert plan(torch.tensor([50, 5, 5]), 8, 0, 0) == [[0, 1, 2]]  # a 2-way split would idle a thread
-        # the shared experts (-1) are one more item, weighted by rows * width: 40 rows of width 16 = 80 of 8
-        assert plan(torch.tensor([20, 20, 20, 20]), 8, 40, 16) == [[-1], [0, 1, 2, 3]]
+        assert plan(torch.tensor([10, 10, 10, 10])) == [[0, 2], [1, 3]]
+        assert plan(torch.tensor([30, 10, 0, 10, 10])) == [[0], [1, 3, 4]]  # idle expert 2 has no item
+        assert plan(torch.tensor([50, 5, 5])) == [[0, 1, 2]]  # a 2-way split would idle a thread
         torch.set_num_threads(1)
-        assert plan(torch.tensor([10, 10]), 8, 5, 8) == [[-1, 0, 1]]  # the shared item first
+        assert plan(torch.tensor([10, 10])) == [[0, 1]]
     finally:
         torch.set_num_threads(old)
 
@@ -247,7 +251,7 @@ def test_kernel_avx2_build_equals_reference():
     script = textwrap.dedent(
         """
         import torch
-        from moe_lm.model.cpu_kernels import load_cpu_kernels
+        from moe_lm.ops.cpu_kernels import load_cpu_kernels
         from tests.model.test_experts import kernel_vs_loop
         from tests.model.test_router import kernel_topk_vs_torch
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
@@ -266,22 +270,20 @@ def test_kernel_avx2_build_equals_reference():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n_shared", [1, 2])
-def test_moe_with_shared_experts_in_the_kernel_equals_separate_paths(n_shared, threads):
-    """The kernel runs the shared experts beside the routed ones; the MoE layer's outputs and every gradient
-    (router, shared and routed weights, input) equal the loop path plus a separate shared MLP, in float64."""
+def test_moe_layer_with_shared_experts_equals_loop_reference(n_shared, threads):
+    """The whole MoE layer on the kernel path (fp32): outputs and every gradient (router, shared and routed
+    weights, input) equal the loop path in float64."""
     kernel()
-    from moe_lm.config import ModelConfig, MoEConfig
     from moe_lm.model import MoE
+    from tests.tiny import tiny_model_cfg
 
-    cfg = ModelConfig(
-        dim=24,
-        moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_inter_dim=12, n_shared_experts=n_shared),
-    )
+    moe = dict(n_group=1, topk_group=1, num_experts_per_tok=2, routed_scaling_factor=1.0, moe_inter_dim=12)
+    cfg = tiny_model_cfg(dim=24, moe={**moe, "n_shared_experts": n_shared})
     torch.manual_seed(0)
     fused = MoE(cfg).train()
-    ref = MoE(cfg).double().train()
+    ref = MoE(tiny_model_cfg(dim=24, moe={**moe, "n_shared_experts": n_shared, "experts_impl": "loop"}))
+    ref = ref.double().train()
     ref.load_state_dict(fused.state_dict())
-    ref.experts.impl = "loop"
     x = torch.randn(2, 40, 24)
     grad = torch.randn(2, 40, 24)
 

@@ -16,7 +16,7 @@ import torch
 from moe_lm.config import load_config
 from moe_lm.model import Experts, Transformer
 from moe_lm.model import experts as experts_module
-from moe_lm.model import megablocks as mb
+from moe_lm.ops import megablocks as mb
 from tests.model.test_experts import routed_batch, run
 
 
@@ -109,7 +109,7 @@ def test_glue_equals_loop_outputs_and_gradients(E, K):
 
     x.grad = w.grad = None
     ref_experts.zero_grad(set_to_none=True)
-    y = mb.megablocks_experts(STAND_IN, x, idx, w, ref_experts.gate_up_proj, ref_experts.down_proj)
+    y = mb.dmoe(STAND_IN, x, idx, w, ref_experts.gate_up_proj, ref_experts.down_proj)
     y.backward(grad)
     got = [y.detach(), x.grad, w.grad, ref_experts.gate_up_proj.grad, ref_experts.down_proj.grad]
     for name, a, b in zip(["y", "dx", "dw", "d_gate_up", "d_down"], ref, got, strict=True):
@@ -117,7 +117,7 @@ def test_glue_equals_loop_outputs_and_gradients(E, K):
     assert ref_experts.gate_up_proj.grad[1].abs().max() == 0  # the idle expert
 
 
-def test_slots_entry_point_equals_loop(monkeypatch):
+def test_slots_entry_point_equals_loop():
     """Expert-parallel dispatch hands over received rows with a varying number of local slots each."""
     torch.manual_seed(0)
     experts = Experts(4, 16, 12, "loop").double()
@@ -126,19 +126,14 @@ def test_slots_entry_point_equals_loop(monkeypatch):
     expert = torch.tensor([0, 2, 1, 0, 1, 3, 2, 2, 3, 0])
     w = torch.rand(10, dtype=torch.float64)
     ref = experts.forward_slots(x, rows, expert, w)
-
-    def fake(self, x_TD, idx_TK, weight_TK):
-        return mb.megablocks_experts(STAND_IN, x_TD, idx_TK, weight_TK, self.gate_up_proj, self.down_proj)
-
-    monkeypatch.setattr(experts_module.Experts, "_forward_megablocks", fake)
-    experts.impl = "megablocks"
-    torch.testing.assert_close(experts.forward_slots(x, rows, expert, w), ref, rtol=1e-12, atol=1e-12)
+    got = mb.slots_through(STAND_IN, x, rows, expert, w, experts.gate_up_proj, experts.down_proj)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_offline_loading_of_a_megablocks_run_uses_grouped(tiny_data, tmp_path):
     """A run trained with megablocks on a GPU can be analysed and exported on a CPU: the weights are the same."""
+    from moe_lm.interop.ds_checkpoint import latest_tag, load_model
     from moe_lm.train import loop
-    from moe_lm.train.checkpoint import latest_tag, load_model
     from tests.conftest import tiny_train_cfg
 
     loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1))
@@ -187,7 +182,7 @@ def test_cuda_kernels_equal_loop_in_bf16(impl):
 def test_cuda_training_step_with_megablocks_equals_loop():
     """GPU only: a whole model's loss and an AdamW step agree between MegaBlocks' kernels and the loop, bf16."""
     _gpu_backend_or_skip()
-    from tests.conftest import replace_moe, tiny_model_cfg
+    from tests.tiny import replace_moe, tiny_model_cfg
 
     losses = {}
     for impl in ("loop", "megablocks"):

@@ -11,58 +11,32 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from moe_lm.config import (  # noqa: E402
-    Config,
-    LoggingConfig,
-    ModelConfig,
-    MoEConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-)
-from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, param_groups, shutdown_distributed  # noqa: E402
-from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers, ensure_groups  # noqa: E402
+from moe_lm.config import Config, LoggingConfig, MLAConfig, OptimConfig, ParallelConfig, TrainConfig
+from moe_lm.model import Transformer
+from moe_lm.parallel.deepspeed_setup import build_engine, param_groups
+from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers, ensure_groups
+from tests.distributed import run_worker
+from tests.tiny import tiny_model_cfg
 
 MICRO, SEQ, VOCAB = 2, 12, 64
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--local_rank", type=int, default=None)
-    ap.add_argument("--ep", type=int, required=True)
-    ap.add_argument("--zero", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    init_distributed()
+def main(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = Config(
-        model=ModelConfig(
+        model=tiny_model_cfg(
             vocab_size=VOCAB,
-            dim=32,
-            n_layers=3,
             n_heads=2,
             inter_dim=64,
-            first_k_dense_replace=1,
             max_seq_len=SEQ,
-            moe=MoEConfig(
-                n_routed_experts=8,
-                num_experts_per_tok=3,
-                n_group=4,
-                topk_group=2,
-                moe_inter_dim=16,
-                seq_aux_alpha=1e-2,
-                bias_update_speed=0.0,
-            ),
+            mla=MLAConfig(),
+            moe=dict(routed_scaling_factor=1.0, moe_inter_dim=16, seq_aux_alpha=1e-2, bias_update_speed=0.0),
         ),
         # eps 1e-6, not 1e-8: where a gradient element is ~1e-8, Adam's update g/(|g|+eps) turns fp32 rounding
         # differences (an expert's rows summed in another order) into ~1e-5 parameter differences, which would
@@ -126,5 +100,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    shutdown_distributed()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    run_worker(main, ap)

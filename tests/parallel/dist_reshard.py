@@ -7,35 +7,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from moe_lm.config import load_config  # noqa: E402
-from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, shutdown_distributed  # noqa: E402
-from moe_lm.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
-from moe_lm.train import checkpoint  # noqa: E402
+from moe_lm.config import load_config
+from moe_lm.interop.ds_checkpoint import latest_tag
+from moe_lm.model import Transformer
+from moe_lm.parallel.deepspeed_setup import build_engine
+from moe_lm.parallel.expert_parallel import apply_expert_parallel
+from moe_lm.train import checkpoint
+from tests.distributed import run_worker
 
 
 def fixed_tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (3, 24), generator=torch.Generator().manual_seed(11))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--local_rank", type=int, default=None)
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--ep", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    init_distributed()
+def main(args: argparse.Namespace) -> None:
     run = Path(args.run)
-    tag = checkpoint.latest_tag(run)
+    tag = latest_tag(run)
     cfg = load_config(run / "checkpoints" / tag / "config.yaml")
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=args.ep))
     engine = build_engine(apply_expert_parallel(Transformer(cfg.model), args.ep), cfg)
@@ -48,5 +40,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    shutdown_distributed()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    run_worker(main, ap)

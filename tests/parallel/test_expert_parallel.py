@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from moe_lm.config import dump_config
+from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.interop.hf import export_hf
 from moe_lm.train import loop
-from moe_lm.train.checkpoint import load_model
 from tests.conftest import tiny_train_cfg
+from tests.distributed import launch
 from tests.parallel.dist_reshard import fixed_tokens
-from tests.train.test_distributed import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

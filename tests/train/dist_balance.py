@@ -9,38 +9,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from moe_lm.config import Config, LoggingConfig, MLAConfig, ParallelConfig, TrainConfig
+from moe_lm.model import Transformer
+from moe_lm.parallel.deepspeed_setup import build_engine
+from moe_lm.train.balance import balance_step
+from tests.distributed import run_worker
+from tests.tiny import tiny_model_cfg
 
-from moe_lm.config import Config, LoggingConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig  # noqa: E402
-from moe_lm.model import Transformer  # noqa: E402
-from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed, shutdown_distributed  # noqa: E402
-from moe_lm.train.balance import balance_step  # noqa: E402
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--local_rank", type=int, default=None)
-    ap.add_argument("--zero", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    init_distributed()
+def main(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     speed = 0.01
     cfg = Config(
-        model=ModelConfig(
+        model=tiny_model_cfg(
             vocab_size=64,
-            dim=32,
-            n_layers=3,
             n_heads=2,
             inter_dim=64,
-            first_k_dense_replace=1,
-            moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_inter_dim=16, bias_update_speed=speed),
+            max_seq_len=256,
+            mla=MLAConfig(),
+            moe=dict(
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                routed_scaling_factor=1.0,
+                moe_inter_dim=16,
+                bias_update_speed=speed,
+            ),
         ),
         train=TrainConfig(micro_batch_size=2, grad_accum_steps=2, seq_len=16),
         parallel=ParallelConfig(zero_stage=args.zero),
@@ -79,5 +78,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    shutdown_distributed()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    run_worker(main, ap)

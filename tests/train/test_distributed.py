@@ -3,43 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from moe_lm.config import dump_config
-from moe_lm.parallel.deepspeed_setup import remove_shm_buffers
 from tests.conftest import tiny_train_cfg
-
-ROOT = Path(__file__).resolve().parents[2]
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+from tests.distributed import launch
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(script: str, *args: str, n: int = 2, timeout: int = 420) -> subprocess.CompletedProcess:
-    for attempt in range(2):
-        port = str(free_port())
-        cmd = [DEEPSPEED, "--num_gpus", str(n), "--master_port", port, script, *args]
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        finally:
-            remove_shm_buffers(port)  # also when the job crashed before its own clean-up
-        # why one retry: the free port can be taken between our probe and the launcher's bind. Nothing else
-        # (a failed check, any other error) is retried.
-        if "address already in use" not in (proc.stdout + proc.stderr).lower() or attempt == 1:
-            break
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_lm.config import load_config
+from moe_lm.interop.ds_checkpoint import COMPLETE, latest_tag
 from moe_lm.train import checkpoint, loop
 from moe_lm.train.schedule import lr_at
 from tests.conftest import tiny_train_cfg
@@ -42,8 +43,8 @@ def test_run_folder_holds_config_metrics_and_checkpoints(tiny_data, tmp_path):
     assert set(final) >= {"loss", "ppl", "loss/astronomy", "loss/cooking", "loss/finance", "maxvio_global/layer_1"}
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
     # checkpoints every 3 steps and at the last one; the pointer names the newest complete one
-    assert checkpoint.latest_tag(run) == "step_00000006"
-    assert (run / "checkpoints" / "step_00000006" / checkpoint.COMPLETE).is_file()
+    assert latest_tag(run) == "step_00000006"
+    assert (run / "checkpoints" / "step_00000006" / COMPLETE).is_file()
     # the bias update ran: biases moved from zero
     assert abs(train_rows[-1]["bias_std/layer_1"]) > 0
 
@@ -53,7 +54,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
     loop.train(cfg)
     interrupted = with_train(cfg, out_dir=str(tmp_path / "resumed"), stop_at=4)
     loop.train(interrupted)
-    assert checkpoint.latest_tag(tmp_path / "resumed") == "step_00000004"
+    assert latest_tag(tmp_path / "resumed") == "step_00000004"
     loop.train(with_train(interrupted, stop_at=0))  # same command again: resumes from step 4
     a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
     assert [r["step"] for r in b] == list(range(1, 9))  # no duplicated rows after the resume
@@ -77,11 +78,11 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         loop.train(cfg)
     run = tmp_path / "run"
-    assert checkpoint.latest_tag(run) == "step_00000002"
-    assert not (run / "checkpoints" / "step_00000004" / checkpoint.COMPLETE).exists()
+    assert latest_tag(run) == "step_00000002"
+    assert not (run / "checkpoints" / "step_00000004" / COMPLETE).exists()
     monkeypatch.setattr(checkpoint, "_rng_state", real)
     loop.train(cfg)  # resumes from the previous checkpoint and finishes
-    assert checkpoint.latest_tag(run) == "step_00000004"
+    assert latest_tag(run) == "step_00000004"
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
 
 

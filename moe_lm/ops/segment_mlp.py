@@ -3,7 +3,7 @@
     y[t_n] += w_n * down_e(silu(gate_e x[t_n]) * up_e x[t_n])      for token-slots n sorted by expert e
 
 Shapes: x [M, D]; token [N] (the row of x of each slot, slots sorted by expert); counts [E] (CPU int64); w [N];
-gate_up [E, 2I, D]; down [E, D, I] -> y [M, D]. The shared experts can ride along (`segment_mlp(..., shared)`).
+gate_up [E, 2I, D]; down [E, D, I] -> y [M, D].
 
 Two implementations with the same results and gradients:
 - the compiled kernel (csrc/segment_mlp.cpp, fp32; see cpu_kernels.py for where it is built and used).
@@ -15,55 +15,36 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from moe_lm.model.cpu_kernels import cpu_kernels_for, load_cpu_kernels
-from moe_lm.model.layers import swiglu
+from moe_lm.ops import swiglu
+from moe_lm.ops.cpu_kernels import cpu_kernels_for, load_cpu_kernels
 
 
-def segment_mlp(x, token, counts, w, gate_up, down, shared: nn.Module | None = None) -> torch.Tensor:
-    """The segments on CPU, plus `shared(x)` when given (the shared experts' MLP, every row, weight 1).
-
-    fp32 runs the compiled kernel where it is available, with the shared experts as one more work item beside
-    the routed ones; anything else runs `SegmentMLP` and adds `shared(x)`.
-    """
+def segment_mlp(x, token, counts, w, gate_up, down) -> torch.Tensor:
+    """The segments on CPU: the compiled kernel for fp32 where it is available, `SegmentMLP` otherwise."""
     if cpu_kernels_for(x, gate_up) is not None:
-        shared_weights = (None, None)
-        if shared is not None:  # the SwiGLU of `layers.MLP`, fused gate/up as the kernel takes it
-            shared_weights = (torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight)
-        return SegmentMLPKernel.apply(
-            x.contiguous(), token, counts, w, gate_up.contiguous(), down.contiguous(), *shared_weights
-        )
-    y = SegmentMLP.apply(x, token, counts, w, gate_up, down)
-    return y if shared is None else y + shared(x)
+        return SegmentMLPKernel.apply(x.contiguous(), token, counts, w, gate_up.contiguous(), down.contiguous())
+    return SegmentMLP.apply(x, token, counts, w, gate_up, down)
 
 
 class SegmentMLPKernel(torch.autograd.Function):
-    """The compiled kernel as an autograd function (fp32). Saves the gate/up pre-activations of each work item.
-
-    shared_gate_up [2S, D] and shared_down [D, S] are the shared experts' weights, or both None.
-    """
+    """The compiled kernel as an autograd function (fp32). Saves each expert's gate/up pre-activations."""
 
     @staticmethod
-    def forward(ctx, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, shared_gate_up=None, shared_down=None):
-        y_MD, h_per_item = load_cpu_kernels().segment_mlp_forward(
-            x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, shared_gate_up, shared_down
-        )
-        ctx.has_shared = shared_gate_up is not None
-        shared = (shared_gate_up, shared_down) if ctx.has_shared else ()
-        ctx.save_for_backward(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *shared, *h_per_item)
+    def forward(ctx, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI):
+        y_MD, h_per_expert = load_cpu_kernels().segment_mlp_forward(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI)
+        ctx.save_for_backward(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *h_per_expert)
         return y_MD
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy_MD):
-        x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *rest = ctx.saved_tensors
-        shared, h_per_item = (rest[:2], rest[2:]) if ctx.has_shared else ((None, None), rest)
+        x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *h_per_expert = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[3]
-        dx, dw, d_gate_up, d_down, d_shared_gate_up, d_shared_down = load_cpu_kernels().segment_mlp_backward(
-            dy_MD, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, *shared, h_per_item, need_dw
+        dx, dw, d_gate_up, d_down = load_cpu_kernels().segment_mlp_backward(
+            dy_MD, x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI, h_per_expert, need_dw
         )
-        return dx, None, None, dw if need_dw else None, d_gate_up, d_down, d_shared_gate_up, d_shared_down
+        return dx, None, None, dw if need_dw else None, d_gate_up, d_down
 
 
 class SegmentMLP(torch.autograd.Function):

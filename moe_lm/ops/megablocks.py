@@ -1,7 +1,7 @@
 """The `megablocks` expert backend (CUDA only): MegaBlocks' dropless kernels, driven by our router's decisions.
 
-Shape legend: T = tokens (rows of x), D = model dim, I = expert width, E = (local) experts, K = slots per row,
-N = T*K token-slots.
+Shape legend: M = rows of x, T = rows handed to the kernels, D = model dim, I = expert width, E = (local) experts,
+K = slots per row, N = token-slots.
 
 What is MegaBlocks' here: the body of its dMoE with `mlp_impl="grouped"` - `ops.sort` and `ops.histogram` bin the
 token-slots by expert, `ops.gather` permutes the rows into expert order, grouped GEMMs (`grouped_gemm.ops.gmm`,
@@ -12,7 +12,7 @@ parameters. Our router stays the single source of truth, and the weights stay ou
 [E, 2I, D] / down_proj [E, D, I] tensors, which `gmm(..., trans_b=True)` takes as they are; so checkpoints,
 expert-parallel sharding and HF export do not depend on the backend, and MegaBlocks' expert-parallel gradient
 scaling (`scale_grad`, 1/ep_size) never applies: DeepSpeed reduces expert gradients over the expert-data-parallel
-group, unscaled (DEEPSPEED_NOTES §2).
+group, unscaled (docs/deepspeed.md §2).
 
 Installed as an optional GPU extra, never a dependency (it pins an old torch and builds only with CUDA); see the
 README. Imported on first use.
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moe_lm.model.layers import swiglu
+from moe_lm.ops import swiglu
 
 INSTALL_HINT = (
     "on a CUDA machine: pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 "
@@ -64,7 +64,34 @@ def load_megablocks() -> SimpleNamespace:
     return SimpleNamespace(ops=mb_ops, gmm=gg_ops.gmm)
 
 
-def megablocks_experts(
+def megablocks_experts(x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> torch.Tensor:
+    """The expert path: y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]) through MegaBlocks' kernels.
+
+    why one kernel row per slot: the slots may come from an expert-parallel dispatcher, whose received rows carry
+    a varying number of local slots, while MegaBlocks' kernels take a fixed K per row; the rows are gathered once
+    here and the results summed back per row (one more [N, D] gather and scatter-add than K rows per token).
+    """
+    if not x_MD.is_cuda:
+        raise RuntimeError(
+            f"experts_impl='megablocks' runs on CUDA tensors, got {x_MD.device}: move the model to the GPU, "
+            "or use experts_impl='grouped' (same weights)"
+        )
+    if x_MD.dtype != torch.bfloat16 or gate_up_EFD.dtype != torch.bfloat16:
+        raise RuntimeError(
+            f"experts_impl='megablocks' runs in bf16 (MegaBlocks' grouped GEMM), got activations "
+            f"{x_MD.dtype} and weights {gate_up_EFD.dtype}: train with parallel.dtype=bf16 (the GPU "
+            "default), or use experts_impl='grouped'"
+        )
+    return slots_through(load_megablocks(), x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI)
+
+
+def slots_through(backend, x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> torch.Tensor:
+    """`megablocks_experts` on a given backend (MegaBlocks' ops, or stand-ins in the tests), one row per slot."""
+    y_ND = dmoe(backend, x_MD.index_select(0, rows_N), expert_N[:, None], w_N[:, None], gate_up_EFD, down_EDI)
+    return x_MD.new_zeros(x_MD.shape).index_add(0, rows_N, y_ND)
+
+
+def dmoe(
     backend: SimpleNamespace,
     x_TD: torch.Tensor,
     idx_TK: torch.Tensor,

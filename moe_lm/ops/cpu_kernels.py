@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (csrc/): the expert segments (`segment_mlp.py`) and the router's top-k (`router.py`).
+"""The compiled CPU kernels (csrc/): the expert segments (`segment_mlp.py`) and the router's top-k
+(`moe_lm/model/router.py`).
 
 Built on first use with torch's C++ extension loader (g++ and ninja; ~1 min, cached in
 ~/.cache/torch_extensions; `make setup` builds them), for Linux CPUs with AVX2 or AVX-512 and fp32 tensors.

@@ -1,19 +1,16 @@
 // CPU kernel of the "grouped" expert path, fp32, forward and backward:
-//   y[token[n]] += w[n] * down_e(silu(gate_e x[token[n]]) * up_e x[token[n]])   for token-slots n sorted by expert e,
-//   plus, optionally, the shared experts' SwiGLU on every row of x (weight 1).
+//   y[token[n]] += w[n] * down_e(silu(gate_e x[token[n]]) * up_e x[token[n]])   for token-slots n sorted by expert e.
 //
 // why compiled: in eager PyTorch every expert costs ~10 element-wise passes over fresh buffers plus Python
 // dispatch, as much time as its matmuls on a 2-core CPU. Here an expert is gather -> GEMM -> one fused SwiGLU
 // pass -> GEMM -> scatter-add, on per-thread scratch that stays in cache. When the token counts split evenly,
 // the threads take whole experts (each GEMM single-threaded, no fork/join per matmul); otherwise experts run
-// one after another with threaded GEMMs. The shared experts are one more work item: no gather, no scatter (their
-// GEMM adds into the output), run beside the routed experts. Results depend on the split only through float
-// summation order.
+// one after another with threaded GEMMs. Results depend on the split only through float summation order.
 //
 // Shapes: x [M, D]; token [N] row of x of each slot (slots sorted by expert); counts [E] (CPU int64); w [N];
-// gate_up [E, 2I, D] (gate rows first); down [E, D, I]; shared_gate_up [2S, D], shared_down [D, S] (optional).
-// Forward saves each item's gate/up pre-activations ([count, 2I] per expert, [M, 2S] shared); backward gathers
-// x again instead of keeping an [N, D] copy.
+// gate_up [E, 2I, D] (gate rows first); down [E, D, I].
+// Forward saves each expert's gate/up pre-activations [count, 2I]; backward gathers x again instead of keeping an
+// [N, D] copy.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -53,12 +50,12 @@ void scatter_add_rows(const float* src, const int64_t* rows, float* dst, int64_t
 
 inline Vec sigmoid(const Vec& x) { return Vec(1.f) / (Vec(1.f) + x.neg().exp()); }
 
-// a[r] = silu(gate[r]) * up[r] * w[r] (w null: weight 1); the rows of h are [gate | up], width 2I.
+// a[r] = silu(gate[r]) * up[r] * w[r]; the rows of h are [gate | up], width 2I.
 void swiglu_forward(const float* h, const float* w, float* a, int64_t n, int64_t I) {
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float *gate = h + r * 2 * I, *up = gate + I;
-      const Vec wr(w ? w[r] : 1.f);
+      const Vec wr(w[r]);
       for (int64_t j = 0; j < I; j += Vec::size()) {
         const int64_t m = std::min<int64_t>(Vec::size(), I - j);
         const Vec x = Vec::loadu(gate + j, m);
@@ -70,14 +67,14 @@ void swiglu_forward(const float* h, const float* w, float* a, int64_t n, int64_t
 
 // From g = dL/d(weighted activation) [n, I] and h = [gate | up], in one pass:
 //   a = silu(gate) up w (down_proj's input), dh = [g w up silu'(gate) | g w silu(gate)], dw = <g, silu(gate) up>,
-// with silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). w null: weight 1; dw null: not computed.
+// with silu'(x) = s (1 + x (1 - s)), s = sigmoid(x). dw null: not computed.
 void swiglu_backward(const float* g, const float* h, const float* w, float* a, float* dh, float* dw, int64_t n,
                      int64_t I) {
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float *gate = h + r * 2 * I, *up = gate + I, *gr = g + r * I;
       float *dgate = dh + r * 2 * I, *dup = dgate + I;
-      const Vec wr(w ? w[r] : 1.f);
+      const Vec wr(w[r]);
       Vec dot(0.f);
       for (int64_t j = 0; j < I; j += Vec::size()) {
         const int64_t m = std::min<int64_t>(Vec::size(), I - j);
@@ -97,23 +94,20 @@ void swiglu_backward(const float* g, const float* h, const float* w, float* a, f
   });
 }
 
-// One unit of work: routed expert `expert` over its slots [start, start + rows), or (expert == kShared) the
-// shared experts over every row of x.
-constexpr int64_t kShared = -1;
+// One unit of work: expert `expert` over its slots [start, start + rows).
 struct Item {
-  int64_t expert, start, rows, width;
+  int64_t expert, start, rows;
 };
 
 struct Problem {
-  int64_t M, D, E, I, S;     // S: shared experts' width, 0 without them
-  std::vector<Item> items;   // routed experts that received tokens, then the shared item
-  std::vector<int64_t> count;  // per routed expert
-  int64_t max_routed_rows = 0, max_elems = 0;  // scratch sizes: gathered rows; rows * width of any item
+  int64_t M, D, E, I;
+  std::vector<Item> items;     // the experts that received tokens
+  std::vector<int64_t> count;  // per expert
+  int64_t max_rows = 0;        // scratch size: the most slots of one expert
 };
 
 Problem check_inputs(const at::Tensor& x, const at::Tensor& token, const at::Tensor& counts, const at::Tensor& w,
-                     const at::Tensor& gate_up, const at::Tensor& down, const c10::optional<at::Tensor>& shared_gate_up,
-                     const c10::optional<at::Tensor>& shared_down) {
+                     const at::Tensor& gate_up, const at::Tensor& down) {
   for (const at::Tensor* t : {&x, &w, &gate_up, &down})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "segment_mlp: x, w and the weights must be contiguous fp32 CPU tensors");
@@ -123,39 +117,27 @@ Problem check_inputs(const at::Tensor& x, const at::Tensor& token, const at::Ten
               "segment_mlp: counts must be a contiguous CPU int64 tensor");
   TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3,
               "segment_mlp: x [M, D], gate_up [E, 2I, D], down [E, D, I]");
-  Problem p{x.size(0), x.size(1), gate_up.size(0), down.size(2), 0, {}, {}};
+  Problem p{x.size(0), x.size(1), gate_up.size(0), down.size(2), {}, {}};
   const int64_t N = token.numel();
   TORCH_CHECK(gate_up.size(1) == 2 * p.I && gate_up.size(2) == p.D && down.size(0) == p.E && down.size(1) == p.D,
               "segment_mlp: weight shapes do not match x and each other");
   TORCH_CHECK(counts.numel() == p.E && w.numel() == N, "segment_mlp: counts must have E entries and w N entries");
-  TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(), "segment_mlp: both shared weights or neither");
   const int64_t* c = counts.data_ptr<int64_t>();
   int64_t offset = 0;
   for (int64_t e = 0; e < p.E; ++e) {
     TORCH_CHECK(c[e] >= 0, "segment_mlp: negative count");
     p.count.push_back(c[e]);
-    if (c[e] > 0) p.items.push_back({e, offset, c[e], p.I});
-    p.max_routed_rows = std::max(p.max_routed_rows, c[e]);
+    if (c[e] > 0) p.items.push_back({e, offset, c[e]});
+    p.max_rows = std::max(p.max_rows, c[e]);
     offset += c[e];
   }
   TORCH_CHECK(offset == N, "segment_mlp: counts sum to ", offset, " but there are ", N, " token-slots");
   const int64_t* tok = token.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(tok[n] >= 0 && tok[n] < p.M, "segment_mlp: token row out of range");
-  if (shared_gate_up) {
-    const at::Tensor &sgu = *shared_gate_up, &sd = *shared_down;
-    TORCH_CHECK(sgu.scalar_type() == at::kFloat && sd.scalar_type() == at::kFloat && sgu.is_contiguous() &&
-                    sd.is_contiguous() && sgu.dim() == 2 && sd.dim() == 2,
-                "segment_mlp: shared weights must be contiguous fp32 matrices");
-    p.S = sd.size(1);
-    TORCH_CHECK(sgu.size(0) == 2 * p.S && sgu.size(1) == p.D && sd.size(0) == p.D,
-                "segment_mlp: shared weights must be [2S, D] and [D, S]");
-    p.items.push_back({kShared, 0, p.M, p.S});
-  }
-  for (const Item& it : p.items) p.max_elems = std::max(p.max_elems, it.rows * it.width);
   return p;
 }
 
-// Which items each thread runs: longest-processing-time first on rows * width. A single list (every item in
+// Which items each thread runs: longest-processing-time first on rows. A single list (every item in
 // order, run with threaded GEMMs) for one thread, or when the best split leaves a thread idle for more than
 // ~12% of the time.
 std::vector<std::vector<Item>> plan_items(const std::vector<Item>& items) {
@@ -163,20 +145,18 @@ std::vector<std::vector<Item>> plan_items(const std::vector<Item>& items) {
   if (nt > 1) {
     std::vector<Item> order(items);
     std::stable_sort(order.begin(), order.end(),
-                     [](const Item& p, const Item& q) { return p.rows * p.width > q.rows * q.width; });
+                     [](const Item& p, const Item& q) { return p.rows > q.rows; });
     std::vector<std::vector<Item>> plan(nt);
     std::vector<int64_t> load(nt, 0);
     for (const Item& it : order) {
       const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
       plan[t].push_back(it);
-      load[t] += it.rows * it.width;
+      load[t] += it.rows;
     }
     const int64_t total = std::accumulate(load.begin(), load.end(), int64_t{0});
     if (*std::max_element(load.begin(), load.end()) * nt * 8 <= total * 9) return plan;
   }
-  std::vector<Item> all(items);  // shared item (last) first, as the largest
-  std::stable_partition(all.begin(), all.end(), [](const Item& it) { return it.expert == kShared; });
-  return {all};
+  return {items};
 }
 
 // fn(list, item) for every planned item: the lists in parallel, or one list's items in turn.
@@ -193,21 +173,11 @@ void run_plan(const std::vector<std::vector<Item>>& plan, const Fn& fn) {
   });
 }
 
-// One [M, D] accumulator per list (lists may share rows), summed into the first afterwards. Zeroed, except where
-// the list starts with the shared item, which covers every row and writes its GEMM result straight in.
+// One zeroed [M, D] accumulator per list (lists may share rows), summed into the first afterwards.
 std::vector<at::Tensor> accumulators(const at::Tensor& like, const std::vector<std::vector<Item>>& plan) {
   std::vector<at::Tensor> acc;
-  for (const auto& list : plan)
-    acc.push_back(!list.empty() && list[0].expert == kShared ? at::empty_like(like) : at::zeros_like(like));
+  for (size_t t = 0; t < plan.size(); ++t) acc.push_back(at::zeros_like(like));
   return acc;
-}
-
-// acc[t] (+)= a @ b: the first item of a list that starts with the shared item writes, the rest add.
-void accumulate_mm(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
-  if (first)
-    at::mm_out(acc, a, b);
-  else
-    acc.addmm_(a, b);
 }
 
 at::Tensor sum_accumulators(std::vector<at::Tensor>& acc) {
@@ -222,13 +192,11 @@ at::Tensor view_scratch(const at::Tensor& buf, int64_t t, int64_t rows, int64_t 
 
 }  // namespace
 
-// -> (y [M, D], h: gate/up pre-activations per routed expert [count, 2I], then the shared item's [M, 2S]).
+// -> (y [M, D], h: gate/up pre-activations per expert [count, 2I]).
 std::tuple<at::Tensor, std::vector<at::Tensor>> segment_mlp_forward(const at::Tensor& x, const at::Tensor& token,
                                                         const at::Tensor& counts, const at::Tensor& w,
-                                                        const at::Tensor& gate_up, const at::Tensor& down,
-                                                        const c10::optional<at::Tensor>& shared_gate_up,
-                                                        const c10::optional<at::Tensor>& shared_down) {
-  const Problem p = check_inputs(x, token, counts, w, gate_up, down, shared_gate_up, shared_down);
+                                                        const at::Tensor& gate_up, const at::Tensor& down) {
+  const Problem p = check_inputs(x, token, counts, w, gate_up, down);
   at::NoGradGuard no_grad;
   const auto plan = plan_items(p.items);
   const int64_t L = plan.size();
@@ -236,21 +204,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> segment_mlp_forward(const at::Te
   // page-faulted in again at every step (~0.3 ms/MB here); per-expert blocks come from its reused heap.
   std::vector<at::Tensor> h;
   for (int64_t n : p.count) h.push_back(at::empty({n, 2 * p.I}, x.options()));
-  if (p.S > 0) h.push_back(at::empty({p.M, 2 * p.S}, x.options()));
-  auto rows = at::empty({L, p.max_routed_rows, p.D}, x.options());  // an expert's x rows, then its output rows
-  auto a = at::empty({L, p.max_elems}, x.options());
+  auto rows = at::empty({L, p.max_rows, p.D}, x.options());  // an expert's x rows, then its output rows
+  auto a = at::empty({L, p.max_rows * p.I}, x.options());
   auto y = accumulators(x, plan);
   const int64_t* tok = token.data_ptr<int64_t>();
   run_plan(plan, [&](int64_t t, const Item& it) {
     const int64_t s = it.start, n = it.rows;
-    auto a_e = view_scratch(a, t, n, it.width);
-    if (it.expert == kShared) {
-      auto& h_s = h.back();
-      at::mm_out(h_s, x, shared_gate_up->t());
-      swiglu_forward(h_s.data_ptr<float>(), nullptr, a_e.data_ptr<float>(), n, p.S);
-      accumulate_mm(y[t], a_e, shared_down->t(), plan[t][0].expert == kShared);
-      return;
-    }
+    auto a_e = view_scratch(a, t, n, p.I);
     const int64_t e = it.expert;
     auto x_e = rows[t].narrow(0, 0, n);
     gather_rows(x.data_ptr<float>(), tok + s, x_e.data_ptr<float>(), n, p.D);
@@ -262,17 +222,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> segment_mlp_forward(const at::Te
   return {sum_accumulators(y), h};
 }
 
-// -> (dx [M, D], dw [N] (undefined unless need_dw), d_gate_up, d_down, d_shared_gate_up, d_shared_down (undefined
-// without shared experts)).
+// -> (dx [M, D], dw [N] (undefined unless need_dw), d_gate_up, d_down).
 std::vector<at::Tensor> segment_mlp_backward(const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& token,
                                  const at::Tensor& counts, const at::Tensor& w, const at::Tensor& gate_up,
-                                 const at::Tensor& down, const c10::optional<at::Tensor>& shared_gate_up,
-                                 const c10::optional<at::Tensor>& shared_down, const std::vector<at::Tensor>& h,
-                                 bool need_dw) {
+                                 const at::Tensor& down, const std::vector<at::Tensor>& h, bool need_dw) {
   const at::Tensor dy = dy_in.contiguous();
-  const Problem p = check_inputs(x, token, counts, w, gate_up, down, shared_gate_up, shared_down);
+  const Problem p = check_inputs(x, token, counts, w, gate_up, down);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == at::kFloat, "segment_mlp: dy must match x");
-  TORCH_CHECK(static_cast<int64_t>(h.size()) == p.E + (p.S > 0), "segment_mlp: one saved block per work item");
+  TORCH_CHECK(static_cast<int64_t>(h.size()) == p.E, "segment_mlp: one saved block per expert");
   at::NoGradGuard no_grad;
   const auto plan = plan_items(p.items);
   const int64_t L = plan.size();
@@ -284,57 +241,40 @@ std::vector<at::Tensor> segment_mlp_backward(const at::Tensor& dy_in, const at::
       d_down[e].zero_();
     }
   }
-  at::Tensor d_shared_gate_up, d_shared_down;
-  if (p.S > 0) {
-    d_shared_gate_up = at::empty_like(*shared_gate_up);
-    d_shared_down = at::empty_like(*shared_down);
-  }
   auto dw = need_dw ? at::empty_like(w) : at::Tensor();
-  auto x_rows = at::empty({L, p.max_routed_rows, p.D}, x.options());  // an expert's x rows, then its dx rows
-  auto dy_rows = at::empty({L, p.max_routed_rows, p.D}, x.options());
-  auto g = at::empty({L, p.max_elems}, x.options());
-  auto a = at::empty({L, p.max_elems}, x.options());
-  auto dh = at::empty({L, 2 * p.max_elems}, x.options());
+  auto x_rows = at::empty({L, p.max_rows, p.D}, x.options());  // an expert's x rows, then its dx rows
+  auto dy_rows = at::empty({L, p.max_rows, p.D}, x.options());
+  auto g = at::empty({L, p.max_rows * p.I}, x.options());
+  auto a = at::empty({L, p.max_rows * p.I}, x.options());
+  auto dh = at::empty({L, 2 * p.max_rows * p.I}, x.options());
   auto dx = accumulators(x, plan);
   const int64_t* tok = token.data_ptr<int64_t>();
   run_plan(plan, [&](int64_t t, const Item& it) {
-    const int64_t s = it.start, n = it.rows, width = it.width;
-    auto g_e = view_scratch(g, t, n, width), a_e = view_scratch(a, t, n, width);
-    auto dh_e = view_scratch(dh, t, n, 2 * width);
-    if (it.expert == kShared) {
-      at::mm_out(g_e, dy, *shared_down);
-      swiglu_backward(g_e.data_ptr<float>(), h.back().data_ptr<float>(), nullptr, a_e.data_ptr<float>(),
-                      dh_e.data_ptr<float>(), nullptr, n, width);
-      at::mm_out(d_shared_down, dy.t(), a_e);
-      at::mm_out(d_shared_gate_up, dh_e.t(), x);
-      accumulate_mm(dx[t], dh_e, *shared_gate_up, plan[t][0].expert == kShared);
-      return;
-    }
+    const int64_t s = it.start, n = it.rows;
+    auto g_e = view_scratch(g, t, n, p.I), a_e = view_scratch(a, t, n, p.I);
+    auto dh_e = view_scratch(dh, t, n, 2 * p.I);
     const int64_t e = it.expert;
     auto x_e = x_rows[t].narrow(0, 0, n), dy_e = dy_rows[t].narrow(0, 0, n);
     auto d_down_e = d_down[e], d_gate_up_e = d_gate_up[e];
     gather_rows(dy.data_ptr<float>(), tok + s, dy_e.data_ptr<float>(), n, p.D);
     at::mm_out(g_e, dy_e, down[e]);
     swiglu_backward(g_e.data_ptr<float>(), h[e].data_ptr<float>(), w.data_ptr<float>() + s, a_e.data_ptr<float>(),
-                    dh_e.data_ptr<float>(), need_dw ? dw.data_ptr<float>() + s : nullptr, n, width);
+                    dh_e.data_ptr<float>(), need_dw ? dw.data_ptr<float>() + s : nullptr, n, p.I);
     at::mm_out(d_down_e, dy_e.t(), a_e);
     gather_rows(x.data_ptr<float>(), tok + s, x_e.data_ptr<float>(), n, p.D);
     at::mm_out(d_gate_up_e, dh_e.t(), x_e);
     at::mm_out(x_e, dh_e, gate_up[e]);
     scatter_add_rows(x_e.data_ptr<float>(), tok + s, dx[t].data_ptr<float>(), n, p.D);
   });
-  return {sum_accumulators(dx), dw, d_gate_up, d_down, d_shared_gate_up, d_shared_down};
+  return {sum_accumulators(dx), dw, d_gate_up, d_down};
 }
 
-// The split over threads for these per-expert counts and shared rows (0: none): lists of items (expert, or -1
-// for the shared item). Exposed for tests.
-std::vector<std::vector<int64_t>> segment_mlp_plan(const at::Tensor& counts, int64_t width, int64_t shared_rows,
-                                       int64_t shared_width) {
+// The split over threads for these per-expert counts: lists of experts. Exposed for tests.
+std::vector<std::vector<int64_t>> segment_mlp_plan(const at::Tensor& counts) {
   const at::Tensor c = counts.contiguous();
   std::vector<Item> items;
   for (int64_t e = 0; e < c.numel(); ++e)
-    if (c.data_ptr<int64_t>()[e] > 0) items.push_back({e, 0, c.data_ptr<int64_t>()[e], width});
-  if (shared_rows > 0) items.push_back({kShared, 0, shared_rows, shared_width});
+    if (c.data_ptr<int64_t>()[e] > 0) items.push_back({e, 0, c.data_ptr<int64_t>()[e]});
   std::vector<std::vector<int64_t>> out;
   for (const auto& list : plan_items(items)) {
     out.emplace_back();

@@ -1,0 +1,163 @@
+"""A run's checkpoints on disk, read without DeepSpeed: the layout, DeepSpeed's file names, the expert-key mapping.
+
+    <run>/checkpoints/step_00000200/    DeepSpeed's files, config.yaml, data_ref.json, rng_rank<r>.pt, COMPLETE
+    <run>/checkpoints/latest            the tag of the newest COMPLETE checkpoint
+
+DeepSpeed writes the non-expert weights to `mp_rank_00_model_states.pt` and each *global* expert to
+`layer_<l>_expert_<e>_mp_rank_00_model_states.pt`, under keys `<moe>.deepspeed_moe.experts.deepspeed_experts.<e>.
+<param>` (docs/deepspeed.md §4). Our experts are stacked [E, ...]; `per_expert_keys` / `stacked_keys` convert
+between the two, for the expert-parallel shell (moe_lm/parallel/expert_parallel.py) and for `load_model` here,
+which gives generation, export and analytics the plain model on CPU. This module never imports deepspeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from moe_lm.config import Config, load_config
+from moe_lm.model import Transformer
+
+COMPLETE = "COMPLETE"
+MODEL_FILE = "mp_rank_00_model_states.pt"
+EXPERT_FILES = "layer_*_expert_*_mp_rank_00_model_states.pt"
+STACKED = ("gate_up_proj", "down_proj")
+PER_EXPERT = re.compile(r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$")
+
+
+def ckpt_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_tag(run_dir: Path) -> str | None:
+    """The tag `latest` names (a complete checkpoint), or None when the run has none."""
+    pointer = ckpt_root(run_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text().strip()
+    if not (ckpt_root(run_dir) / tag / COMPLETE).is_file():
+        raise RuntimeError(f"{pointer} names {tag}, which is not a complete checkpoint; the run folder was altered")
+    return tag
+
+
+def complete_tags(run_dir: Path) -> list[str]:
+    """Tags of the run's complete checkpoints, oldest first."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.glob("step_*") if (p / COMPLETE).is_file())
+
+
+# ------------------------------------------------------------------------------------------ RUN[:TAG]
+
+
+class RunRef(NamedTuple):
+    run: Path
+    tag: str | None  # None: the latest complete checkpoint
+
+
+def parse_run(spec: str) -> RunRef:
+    """`RUN` or `RUN:TAG` (e.g. runs/tiny:step_00000500), as every launch script takes a checkpoint."""
+    run, _, tag = spec.partition(":")
+    return RunRef(Path(run), tag or None)
+
+
+# ------------------------------------------------------------------------------------ expert keys
+
+
+def per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
+    """State-dict post-hook: stacked `<prefix>deepspeed_moe.experts.<w>` [E, ...] -> one key per expert."""
+    for name in STACKED:
+        stacked = state_dict.pop(f"{prefix}deepspeed_moe.experts.{name}")
+        for e, tensor in enumerate(stacked.unbind(0)):
+            state_dict[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = tensor
+
+
+def stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Load pre-hook: the per-expert keys of `module.num_local_experts` experts -> the stacked tensors."""
+    for name in STACKED:
+        keys = [f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}" for e in range(module.num_local_experts)]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}deepspeed_moe.experts.{name}"] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Turn per-global-expert keys (`...experts.deepspeed_moe.experts.deepspeed_experts.<e>.<w>`) into the plain
+    model's stacked `...experts.<w>` tensors; `layout` is the plain model's state dict (for shapes)."""
+    out, pieces = {}, {}
+    for key, value in sharded.items():
+        m = PER_EXPERT.match(key)
+        if m is None:
+            out[key] = value
+        else:
+            pieces.setdefault(m["prefix"] + m["name"], {})[int(m["e"])] = value
+    for key, by_expert in pieces.items():
+        expected = layout[key].shape[0]
+        if sorted(by_expert) != list(range(expected)):
+            raise KeyError(f"checkpoint has experts {sorted(by_expert)} of {key}, expected 0..{expected - 1}")
+        out[key] = torch.stack([by_expert[e] for e in range(expected)])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the data
+
+
+def data_reference(cfg: Config) -> dict:
+    """Where the run's data and tokenizer are (absolute), and the tokenizer's hash: saved with each checkpoint."""
+    data_dir = Path(cfg.data.out_dir).resolve()
+    tok = data_dir / "tokenizer.model"
+    return {"data_dir": str(data_dir), "tokenizer_sha256": file_sha256(tok) if tok.is_file() else None}
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def resolve_data(cfg: Config, folder: Path) -> Config:
+    """The checkpoint's config with data.out_dir pointing at the data it was trained on, wherever we run from."""
+    ref_file = folder / "data_ref.json"
+    if not ref_file.is_file():
+        return cfg
+    ref = json.loads(ref_file.read_text())
+    tok = Path(ref["data_dir"]) / "tokenizer.model"
+    if ref["tokenizer_sha256"] and tok.is_file() and file_sha256(tok) != ref["tokenizer_sha256"]:
+        raise ValueError(
+            f"{tok} is not the tokenizer this checkpoint was trained with (the data was rebuilt); "
+            f"prepare the data again with the run's config.yaml"
+        )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, out_dir=ref["data_dir"]))
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Transformer, str]:
+    """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
+    without DeepSpeed: for generation, analytics and export. Checkpoints of any ep_size give the same model."""
+    run_dir = Path(run_dir)
+    tag = tag or latest_tag(run_dir)
+    if tag is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt_root(run_dir)} (train first, or check the path)")
+    folder = ckpt_root(run_dir) / tag
+    if not (folder / COMPLETE).is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a complete checkpoint; complete ones in {ckpt_root(run_dir)}: "
+            f"{', '.join(complete_tags(run_dir)) or 'none'}"
+        )
+    cfg = resolve_data(load_config(folder / "config.yaml"), folder)
+    # DeepSpeed's own files; they hold non-tensor objects, hence weights_only=False (the user's own checkpoint)
+    state = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)["module"]
+    for expert_file in sorted(folder.glob(EXPERT_FILES)):
+        state.update(torch.load(expert_file, map_location="cpu", weights_only=False))
+    if cfg.model.moe.experts_impl == "megablocks":
+        # why: offline tools run on CPU, and the weights do not depend on the expert backend
+        cfg.model.moe.experts_impl = "grouped"
+    model = Transformer(cfg.model)
+    model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
+    return cfg, model.eval(), tag

@@ -1,0 +1,22 @@
+"""Compute primitives and backends for the routed experts: what `moe_lm/model/` calls, never the other way round.
+
+    grouped.py       the "grouped" expert path: slots sorted by expert, then segments (CUDA: torch._grouped_mm)
+    segment_mlp.py   the CPU segments: the compiled kernel, or per-expert PyTorch matmuls where it cannot run
+    cpu_kernels.py   builds and loads csrc/ (the segment kernel and the router's top-k kernel)
+    megablocks.py    the "megablocks" expert path: MegaBlocks' dropless kernels (CUDA, optional extra)
+
+Every expert path has one signature, `fn(x [M, D], rows [N], expert [N], w [N], gate_up [E, 2I, D],
+down [E, D, I]) -> y [M, D]` with y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]); `moe_lm.model.experts`
+picks one at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused [..., 2I] gate/up projection (gate first, HF's expert layout)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

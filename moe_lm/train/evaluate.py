@@ -1,0 +1,75 @@
+"""Evaluation during training: loss per domain on fixed validation windows, and the headline routing metrics.
+
+The routing numbers come from what the routers chose on those windows, through the same functions the routing
+report uses (moe_lm/analysis/metrics.py): MaxVio_global, mean pairwise domain JSD (bits), and the shares of
+adjacent same-document tokens with the same first choice / overlapping top-k. Counts are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_lm.analysis import metrics as M
+from moe_lm.analysis.trace import RoutingRecorder
+from moe_lm.data.tokenizer import BOS_ID
+from moe_lm.model import Transformer
+
+
+@torch.no_grad()
+def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micro: int, dev) -> dict[str, float]:
+    """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine.eval()
+    layers, E = model.moe_layer_ids(), model.cfg.moe.n_routed_experts
+    loss = np.zeros((len(evalsets), 2))  # [domain, (loss sum, tokens)]
+    counts = np.zeros((len(layers), len(evalsets), E))  # [layer, domain, expert] token-slots
+    pairs = np.zeros((len(layers), 3))  # [layer, (adjacent pairs, same first choice, overlapping top-k)]
+    with RoutingRecorder(model) as recorder:
+        for d, windows in enumerate(evalsets.values()):
+            # every rank runs the same number of forward passes (expert parallelism needs all ranks in each one)
+            mine = windows[rank::world][: len(windows) // world] if len(windows) >= world else windows[:0]
+            for chunk in mine.split(micro):
+                inputs, targets = chunk[:, :-1].to(dev), chunk[:, 1:].to(dev)
+                logits = engine(inputs).logits.float()
+                ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+                loss[d] += ce.item(), targets.numel()
+                doc = _documents(inputs.cpu().numpy())
+                for i, layer in enumerate(layers):
+                    experts = recorder.last[layer][0].cpu().numpy()
+                    counts[i, d] += M.expert_counts(experts, E)
+                    t, same_first, overlap = M.repetition_hits(experts, doc)
+                    pairs[i] += len(t), same_first.sum(), overlap.sum()
+    loss, counts, pairs = (_sum_over_ranks(a, dev) for a in (loss, counts, pairs))
+    engine.train()
+    result = {}
+    for domain, (loss_sum, n) in zip(evalsets, loss, strict=True):
+        if n > 0:
+            result[f"loss/{domain}"] = loss_sum / n
+            result[f"ppl/{domain}"] = math.exp(loss_sum / n)
+    result["loss"] = loss[:, 0].sum() / max(loss[:, 1].sum(), 1)
+    result["ppl"] = math.exp(result["loss"])
+    for i, layer in enumerate(layers):
+        n_pairs = max(pairs[i, 0], 1)
+        result[f"maxvio_global/layer_{layer}"] = M.max_vio(counts[i].sum(0))
+        result[f"domain_jsd/layer_{layer}"] = M.mean_pairwise(M.domain_jsd(counts[i]))
+        result[f"same_first/layer_{layer}"] = pairs[i, 1] / n_pairs
+        result[f"topk_overlap/layer_{layer}"] = pairs[i, 2] / n_pairs
+    return {k: float(v) for k, v in result.items()}
+
+
+def _documents(tokens_BS: np.ndarray) -> np.ndarray:
+    """A document id for every token of the flattened windows [B*S]: a new one at each row and at each BOS."""
+    starts = tokens_BS == BOS_ID
+    starts[:, 0] = True
+    return np.cumsum(starts.ravel())
+
+
+def _sum_over_ranks(a: np.ndarray, dev) -> np.ndarray:
+    t = torch.from_numpy(a).to(dev)  # why on the device: NCCL reduces device tensors only
+    dist.all_reduce(t)
+    return t.cpu().numpy()
