@@ -71,6 +71,9 @@ def main() -> None:
         return ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
 
     if args.data:
+        missing = [p for p in args.data if not Path(p).exists()]
+        if missing:
+            sys.exit(f"error: --data: not found: {', '.join(missing)} (give .txt/.jsonl files or folders)")
         domains: list[str] = []
         source = {"data": args.data}
     else:
@@ -78,9 +81,14 @@ def main() -> None:
         domains = list(shard.domains)
         source = {"data": f"{cfg.data.out_dir} (validation split)"}
     common = dict(seq_len=cfg.train.seq_len, batch_size=args.batch_size, max_tokens=args.max_tokens)
-    trace = record_trace(
-        model, documents(), out / "trace", domains, source={**source, "run": str(run), "tag": tag}, **common
-    )
+    try:
+        trace = record_trace(
+            model, documents(), out / "trace", domains, source={**source, "run": str(run), "tag": tag}, **common
+        )
+    except DataError as e:
+        sys.exit(f"error: --data: {e}")
+    if trace.n == 0:
+        sys.exit(f"error: no tokens to analyse in {source['data']}")
     print(f"recorded {trace.n:,} tokens in {trace.meta['n_docs']} documents at {trace.meta['tokens_per_s']:,.0f} tok/s")
     init_trace = None
     if not args.no_init_baseline:

@@ -32,20 +32,30 @@ def main() -> None:
         sys.exit(f"error: {e}")
 
     from moe_lm.data.prepare import load_split
-    from moe_lm.parallel.deepspeed_setup import shutdown_distributed
+    from moe_lm.parallel.deepspeed_setup import remove_shm_buffers, shutdown_distributed
+    from moe_lm.train import RunError
     from moe_lm.train.loop import train
+    from moe_lm.train.stop import Stopped
 
     try:
         final = train(cfg)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, RunError) as e:
         sys.exit(f"error: {e}")
+    except Stopped as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
+    finally:
+        # why on every path: DeepSpeed's CPU all-reduce buffers in /dev/shm outlive the process (docs/deepspeed.md
+        # §6); unlinking a file other ranks still map is safe
+        remove_shm_buffers(os.environ.get("MASTER_PORT", ""))
     shutdown_distributed()
-    if int(os.environ.get("RANK", 0)) == 0 and final:
-        tokens = np.asarray(load_split(cfg.data.out_dir, "train").tokens)
-        h = unigram_entropy(tokens, cfg.model.vocab_size)
-        per_domain = ", ".join(f"{k[5:]} {v:.3f}" for k, v in final.items() if k.startswith("loss/"))
-        print(f"final validation loss {final['loss']:.3f} nats (per domain: {per_domain})")
-        print(f"unigram entropy of the training corpus {h:.3f} nats; run folder {cfg.train.out_dir}")
+    if int(os.environ.get("RANK", 0)) != 0 or not final:
+        return
+    tokens = np.asarray(load_split(cfg.data.out_dir, "train").tokens)
+    h = unigram_entropy(tokens, cfg.model.vocab_size)
+    per_domain = ", ".join(f"{k[5:]} {v:.3f}" for k, v in final.items() if k.startswith("loss/"))
+    print(f"final validation loss {final['loss']:.3f} nats (per domain: {per_domain})")
+    print(f"unigram entropy of the training corpus {h:.3f} nats; run folder {cfg.train.out_dir}")
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:

@@ -10,6 +10,7 @@ field's declared type, because YAML reads `1e-3` as a string. `validate()` check
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -217,7 +218,14 @@ class OptimConfig:
     grad_clip: float = 1.0
 
     def validate(self, path: str = "optim") -> None:
-        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"{path}.min_lr", "must satisfy 0 <= min_lr <= lr")
+        for name in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip", "decay_fraction"):
+            _require(math.isfinite(getattr(self, name)), f"{path}.{name}", "must be a finite number")
+        _require(self.lr > 0, f"{path}.lr", f"must be positive, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, f"{path}.min_lr", "must satisfy 0 <= min_lr <= lr")
+        for name in ("beta1", "beta2"):
+            _require(0 <= getattr(self, name) < 1, f"{path}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        _require(self.eps > 0, f"{path}.eps", f"must be positive, got {self.eps}")
+        _require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
         _require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
         _require(0 < self.decay_fraction <= 1, f"{path}.decay_fraction", "must be in (0, 1]")
         _require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
@@ -260,6 +268,7 @@ class TrainConfig:
             "max_bad_steps",
         ):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+        _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
 
 
 @dataclass

@@ -41,16 +41,20 @@ class TrainWindows:
 
 
 def eval_windows(shard: TokenShard, seq_len: int, per_domain: int) -> dict[str, torch.Tensor]:
-    """Up to `per_domain` fixed windows [n, seq_len + 1] per domain, cut from that domain's validation documents."""
+    """Up to `per_domain` fixed windows [n, seq_len + 1] per domain, cut from that domain's validation documents.
+
+    A domain with less validation text than one window gets one shorter window of all of it (never a silent
+    zero); a domain with no validation documents has no entry (the caller says so).
+    """
     out = {}
     for domain in shard.domains:
         docs = shard.domain_docs(domain)
         if len(docs) == 0:
             continue
         stream = np.concatenate([np.asarray(shard.document(d), dtype=np.int64) for d in docs])
-        n = min(per_domain, (len(stream) - 1) // seq_len)
-        if n > 0:
-            out[domain] = torch.from_numpy(
-                np.stack([stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
-            )
+        if len(stream) < 2:
+            continue
+        window = min(seq_len, len(stream) - 1)
+        n = min(per_domain, (len(stream) - 1) // window)
+        out[domain] = torch.from_numpy(np.stack([stream[i * window : i * window + window + 1] for i in range(n)]))
     return out

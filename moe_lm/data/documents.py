@@ -104,6 +104,9 @@ def iter_source(source: str | Path, report: ReadReport) -> Iterator[Document]:
         return
     subdirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     groups = [(d.name, d) for d in subdirs] if subdirs else [(path.name, path)]
+    if subdirs:  # a folder of domain folders: files beside them belong to no domain
+        for stray in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in TEXT_SUFFIXES):
+            report.skip("file beside the domain folders (in no domain; move it into one)", str(stray))
     for domain, folder in groups:
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         n_before = sum(report.documents.values())

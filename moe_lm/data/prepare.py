@@ -1,16 +1,21 @@
 """Corpus -> document split -> tokenizer -> token shards, streamed, resumable, with a manifest.
 
 Layout of a prepared data folder (`data.out_dir`):
-    meta.json          domains, vocab size, token counts, and the settings it was built with (written last)
+    meta.json          domains, vocab size, token counts, and the signature it was built with (written last)
     manifest.json      sources, per-domain documents/bytes/tokens/hash, skips, and every document's name and split
     tokenizer.model    sentencepiece model (trained on the training split only)
     train/, val/       token shards (see shards.py)
+
+The folder is built in `<out_dir>.partial/` and renamed into place at the end. Nothing else is ever deleted: an
+out_dir that overlaps a source, or holds files this project did not write, is refused; a failed build removes
+its own partial folder (which holds a copy of the corpus) and nothing more.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -20,11 +25,14 @@ from tqdm import tqdm
 
 from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
-from moe_lm.data.documents import DataError, Document, ReadReport, iter_source
+from moe_lm.data.documents import TEXT_SUFFIXES, DataError, Document, ReadReport, iter_source
 from moe_lm.data.shards import ShardWriter, TokenShard
 from moe_lm.data.tokenizer import BOS_ID, load_tokenizer, train_tokenizer
 
 MIN_DEFAULT_DOMAINS = 4
+# What a finished data folder holds; anything else in out_dir is the user's, and is never deleted.
+OUTPUTS = {"meta.json", "manifest.json", "tokenizer.model", "train", "val"}
+PARTIAL_MARK = ".moe_lm_partial"  # in <out_dir>.partial/: the folder is ours to remove
 
 
 def iter_documents(cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
@@ -41,8 +49,10 @@ def is_validation(name: str, val_fraction: float) -> bool:
 
 
 def build_signature(cfg: DataConfig, vocab_size: int, seed: int) -> dict:
+    """What the prepared folder depends on: sources (and a fingerprint of their files), settings, vocabulary."""
     return {
         "sources": [s if s == "default" else str(Path(s).resolve()) for s in cfg.sources],
+        "source_files": sources_fingerprint(cfg.sources),
         "val_fraction": cfg.val_fraction,
         "max_mb_per_domain": cfg.max_mb_per_domain,
         "tokenizer_type": cfg.tokenizer_type,
@@ -51,25 +61,94 @@ def build_signature(cfg: DataConfig, vocab_size: int, seed: int) -> dict:
     }
 
 
+def sources_fingerprint(sources: list[str]) -> str | None:
+    """A hash of every source file's path, size and modification time (None for the embedded corpus alone).
+
+    why not the contents: a stat per file is cheap enough to check at every training start, even for a large
+    corpus; an edit changes the size or the modification time.
+    """
+    files = []
+    for source in sources:
+        if source == "default":
+            continue
+        path = Path(source).resolve()
+        found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+        for f in found:
+            st = f.stat()
+            files.append(f"{f}\t{st.st_size}\t{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(files).encode()).hexdigest() if files else None
+
+
+def signature_changes(built: dict, wanted: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The signature keys whose values differ (but those in `ignore`), worded for an error message."""
+    names = {"source_files": "the source files' contents"}
+    return [names.get(k, k) for k in wanted if k not in ignore and wanted[k] != built.get(k)]
+
+
+def check_out_dir(cfg: DataConfig) -> None:
+    """Refuse an out_dir whose replacement could destroy user data: one that is, contains or lies inside a
+    source, or that holds files other than a data folder's own."""
+    out = Path(cfg.out_dir).resolve()
+    for source in cfg.sources:
+        if source == "default":
+            continue
+        src = Path(source).resolve()
+        if out == src or out in src.parents or src in out.parents:
+            raise DataError(
+                f"data.out_dir={cfg.out_dir} overlaps the source {source}; preparing would overwrite the corpus. "
+                "Set data.out_dir to a folder of its own (e.g. data/<name>)"
+            )
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in OUTPUTS)
+        if foreign:
+            raise DataError(
+                f"data.out_dir={cfg.out_dir} holds files that are not prepared data ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}); nothing there was deleted. Pick an empty or new folder"
+            )
+
+
 def prepare_data(
     cfg: DataConfig, vocab_size: int, seed: int = 0, force: bool = False, log: Callable[[str], None] = print
 ) -> Path:
     """Build the data folder if it is missing or `force`; returns its path."""
     out = Path(cfg.out_dir)
+    check_out_dir(cfg)
     signature = build_signature(cfg, vocab_size, seed)
     if (out / "meta.json").is_file() and not force:
-        built = json.loads((out / "meta.json").read_text())["signature"]
+        built = read_meta(out)["signature"]
         if built == signature:
             log(f"data in {out} is up to date (use --force to rebuild)")
             return out
-        changed = ", ".join(k for k in signature if signature[k] != built.get(k))
         raise DataError(
-            f"{out} was prepared with other settings ({changed}); rebuild it with --force or set data.out_dir elsewhere"
+            f"{out} was prepared with other settings or sources ({', '.join(signature_changes(built, signature))}); "
+            "rebuild it with --force or set data.out_dir elsewhere"
         )
     tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        if not (tmp / PARTIAL_MARK).is_file():
+            raise DataError(f"{tmp} exists and was not made by prepare_data; move it away (nothing was deleted)")
+        shutil.rmtree(tmp)  # an earlier build's leftover
     tmp.mkdir(parents=True)
+    (tmp / PARTIAL_MARK).touch()
+    try:
+        _build(cfg, vocab_size, seed, signature, tmp, log)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours: a copy of the corpus, not to be left behind
+        raise
+    (tmp / PARTIAL_MARK).unlink()
+    if out.exists():  # only our own outputs are in it (check_out_dir)
+        for name in OUTPUTS:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        out.rmdir()
+    os.replace(tmp, out)
+    meta = read_meta(out)
+    log(f"prepared {out}: " + ", ".join(f"{s} {meta['tokens'][s]:,} tokens" for s in ("train", "val")))
+    return out
 
+
+def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Path, log) -> None:
+    """The three passes, writing into `tmp`; meta.json last."""
     # Pass 1: read every source once into a local document stream; hash, dedupe, split.
     report = ReadReport()
     docs_file = tmp / "documents.jsonl"
@@ -143,11 +222,6 @@ def prepare_data(
         "tokens": {s: sum(tokens[s].values()) for s in ("train", "val")},
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    log(f"prepared {out}: " + ", ".join(f"{s} {meta['tokens'][s]:,} tokens" for s in ("train", "val")))
-    return out
 
 
 def _read_docs(path: Path) -> Iterator[Document]:
@@ -179,11 +253,22 @@ def _check_and_balance_split(entries: list[dict], cfg: DataConfig) -> None:
             docs[0]["split"] = "train"
 
 
-def load_split(data_dir: str | Path, split: str) -> TokenShard:
-    """The prepared `split` ("train" or "val") of a data folder."""
-    data_dir = Path(data_dir)
-    meta_path = data_dir / "meta.json"
+def read_meta(data_dir: str | Path) -> dict:
+    """meta.json of a prepared data folder, or a DataError that names the file and what to do."""
+    meta_path = Path(data_dir) / "meta.json"
     if not meta_path.is_file():
         raise DataError(f"no prepared data in {data_dir}: run `python launch/prepare_data.py --config <your config>`")
-    meta = json.loads(meta_path.read_text())
-    return TokenShard(data_dir / split, meta["domains"])
+    try:
+        meta = json.loads(meta_path.read_text())
+        meta["signature"], meta["domains"], meta["vocab_size"], meta["tokens"]  # noqa: B018 - the keys we rely on
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DataError(
+            f"{meta_path} is corrupt ({type(e).__name__}: {e}); prepare the data again: "
+            "python launch/prepare_data.py --config <your config> --force"
+        ) from None
+    return meta
+
+
+def load_split(data_dir: str | Path, split: str) -> TokenShard:
+    """The prepared `split` ("train" or "val") of a data folder."""
+    return TokenShard(Path(data_dir) / split, read_meta(data_dir)["domains"])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_lm.data.documents import DataError
+
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
@@ -50,13 +52,24 @@ class TokenShard:
 
     def __init__(self, folder: str | Path, domains: list[str]) -> None:
         folder = Path(folder)
-        meta = json.loads((folder / "shard.json").read_text())
         self.domains = domains
-        n = meta["n_tokens"]
-        self.tokens = np.memmap(folder / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n,)) if n else np.zeros(0)
-        self.doc_offsets = np.load(folder / "doc_offsets.npy")
-        self.doc_domain = np.load(folder / "doc_domain.npy")
         self._folder = folder
+        try:
+            meta = json.loads((folder / "shard.json").read_text())
+            n, dtype = int(meta["n_tokens"]), np.dtype(meta["dtype"])
+            self.doc_offsets = np.load(folder / "doc_offsets.npy")
+            self.doc_domain = np.load(folder / "doc_domain.npy")
+        except (OSError, ValueError, KeyError, TypeError, EOFError) as e:  # missing, truncated or garbled files
+            raise _corrupt(folder, f"{type(e).__name__}: {e}") from None
+        size = (folder / "tokens.bin").stat().st_size if (folder / "tokens.bin").is_file() else -1
+        if size != n * dtype.itemsize:
+            raise _corrupt(folder, f"tokens.bin has {size} bytes, shard.json promises {n} x {dtype.itemsize}")
+        o = self.doc_offsets
+        if len(o) != len(self.doc_domain) + 1 or o[0] != 0 or o[-1] != n or (np.diff(o) < 0).any():
+            raise _corrupt(folder, "doc_offsets.npy does not index tokens.bin document by document")
+        if len(self.doc_domain) and not 0 <= self.doc_domain.min() <= self.doc_domain.max() < len(domains):
+            raise _corrupt(folder, f"doc_domain.npy names domains outside the {len(domains)} of meta.json")
+        self.tokens = np.memmap(folder / "tokens.bin", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0)
 
     @property
     def n_docs(self) -> int:
@@ -70,3 +83,10 @@ class TokenShard:
 
     def domain_docs(self, domain: str) -> np.ndarray:
         return np.flatnonzero(self.doc_domain == self.domains.index(domain))
+
+
+def _corrupt(folder: Path, why: str) -> DataError:
+    return DataError(
+        f"token shard {folder} is damaged ({why}); prepare the data again: "
+        "python launch/prepare_data.py --config <your config> --force"
+    )

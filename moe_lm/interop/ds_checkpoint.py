@@ -1,6 +1,7 @@
 """A run's checkpoints on disk, read without DeepSpeed: the layout, DeepSpeed's file names, the expert-key mapping.
 
-    <run>/checkpoints/step_00000200/    DeepSpeed's files, config.yaml, data_ref.json, rng_rank<r>.pt, COMPLETE
+    <run>/checkpoints/step_00000200/    DeepSpeed's files, config.yaml, data_ref.json, rng_rank<r>.pt, and
+                                        COMPLETE (written last: each .pt file's size, as JSON)
     <run>/checkpoints/latest            the tag of the newest COMPLETE checkpoint
 
 DeepSpeed writes the non-expert weights to `mp_rank_00_model_states.pt` and each *global* expert to
@@ -16,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,15 +37,36 @@ def ckpt_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def latest_tag(run_dir: Path) -> str | None:
-    """The tag `latest` names (a complete checkpoint), or None when the run has none."""
+def latest_tag(run_dir: Path, warn=None) -> str | None:
+    """The tag `latest` names, or None when the run has no complete checkpoint. When the pointer is missing,
+    unreadable or names an incomplete checkpoint, the newest complete one (`warn` says so)."""
+    complete = complete_tags(run_dir)
     pointer = ckpt_root(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    if not (ckpt_root(run_dir) / tag / COMPLETE).is_file():
-        raise RuntimeError(f"{pointer} names {tag}, which is not a complete checkpoint; the run folder was altered")
-    return tag
+    try:
+        tag = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        tag = None
+    if tag in complete or not complete:
+        return tag if tag in complete else None
+    why = "is missing or unreadable" if tag is None else f"names {tag!r}, which is not a complete checkpoint"
+    if warn is not None:
+        warn(f"warning: {pointer} {why}; using the newest complete checkpoint, {complete[-1]}")
+    return complete[-1]
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a complete checkpoint's state files (missing, or of another size than written), or None."""
+    try:
+        sizes = json.loads((folder / COMPLETE).read_text() or "{}")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return f"{folder / COMPLETE} is unreadable"
+    for name, size in sorted(sizes.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written (truncated or corrupt)"
+    return None
 
 
 def complete_tags(run_dir: Path) -> list[str]:
@@ -141,7 +164,7 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
     """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
     without DeepSpeed: for generation, analytics and export. Checkpoints of any ep_size give the same model."""
     run_dir = Path(run_dir)
-    tag = tag or latest_tag(run_dir)
+    tag = tag or latest_tag(run_dir, warn=lambda message: print(message, file=sys.stderr))
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint in {ckpt_root(run_dir)} (train first, or check the path)")
     folder = ckpt_root(run_dir) / tag
@@ -150,6 +173,8 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
             f"{folder} is not a complete checkpoint; complete ones in {ckpt_root(run_dir)}: "
             f"{', '.join(complete_tags(run_dir)) or 'none'}"
         )
+    if problem := damage(folder):
+        raise ValueError(f"checkpoint {folder} is damaged: {problem}; use an earlier one ({_others(run_dir, tag)})")
     cfg = resolve_data(load_config(folder / "config.yaml"), folder)
     # DeepSpeed's own files; they hold non-tensor objects, hence weights_only=False (the user's own checkpoint)
     state = torch.load(folder / MODEL_FILE, map_location="cpu", weights_only=False)["module"]
@@ -160,4 +185,15 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
         cfg.model.moe.experts_impl = "grouped"
     model = Transformer(cfg.model)
     model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
+    bad = [name for name, p in model.named_parameters() if not p.isfinite().all()]
+    if bad:
+        raise ValueError(
+            f"checkpoint {folder} holds non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
+            f"the run diverged; use an earlier checkpoint ({_others(run_dir, tag)})"
+        )
     return cfg, model.eval(), tag
+
+
+def _others(run_dir: Path, tag: str) -> str:
+    others = [t for t in complete_tags(run_dir) if t != tag]
+    return ", ".join(f"{run_dir}:{t}" for t in others) if others else "there is none"

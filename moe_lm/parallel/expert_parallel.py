@@ -25,6 +25,7 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
+from moe_lm.config import ConfigError
 from moe_lm.interop.ds_checkpoint import per_expert_keys, stacked_keys
 from moe_lm.model import Experts, Transformer
 from moe_lm.model.moe import local_dispatch
@@ -75,7 +76,7 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
     world = dist.get_world_size()
     E = model.cfg.moe.n_routed_experts
     if world % ep_size or E % ep_size:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.ep_size={ep_size} must divide both the world size ({world}) and model.moe.n_routed_experts ({E})"
         )
     group = ensure_groups(ep_size)

@@ -1,12 +1,15 @@
-"""Checkpoints that survive crashes: DeepSpeed state plus our run state, a pointer that moves last, and resume.
+"""Checkpoints that survive crashes, faults and signals: save, resume, and the run folder they live in.
 
 The layout on disk (and how to read it without DeepSpeed) is moe_lm/interop/ds_checkpoint.py. A kill at any
 moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is replaced with os.replace only
-after all ranks finished writing, and older checkpoints are pruned only after that.
+after all ranks finished writing and the COMPLETE marker (every file's size) is down, and older checkpoints are
+pruned only after that. A model whose weights are not finite is never saved.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -19,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
-from moe_lm.interop.ds_checkpoint import COMPLETE, ckpt_root, data_reference, latest_tag
+from moe_lm.interop.ds_checkpoint import (
+    COMPLETE,
+    ckpt_root,
+    complete_tags,
+    damage,
+    data_reference,
+    latest_tag,
+)
+from moe_lm.train import RunError
 
 # Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).
 RESUME_MUST_MATCH = ("model", "data")
@@ -34,62 +45,181 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _everywhere(ok: bool) -> bool:
+    """True only if `ok` holds on every rank (so that all ranks take the same branch)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Every parameter and buffer finite, on every rank (expert shards differ between ranks)."""
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    return _everywhere(all(bool(t.isfinite().all()) for t in tensors))
+
+
 def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int) -> str:
-    """Save on every rank; rank 0 then marks it complete, moves the pointer, and prunes old checkpoints."""
+    """Save on every rank; rank 0 then marks it complete, moves the pointer, and prunes old checkpoints.
+
+    The caller checks the model is healthy first (`weights_finite`). A failed write (a full disk, say) removes
+    this checkpoint's own folder and raises, naming the checkpoint that is still good.
+    """
     root = ckpt_root(run_dir)
     tag = f"step_{step:08d}"
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(_rng_state(), root / tag / f"rng_rank{_rank()}.pt")
-    _barrier()
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        torch.save(_rng_state(), root / tag / f"rng_rank{_rank()}.pt")
+        failed = None
+    except OSError as e:
+        failed = e
+    if not _everywhere(failed is None):
+        if _rank() == 0:
+            shutil.rmtree(root / tag, ignore_errors=True)  # this save's own, incomplete folder
+        why = f"{type(failed).__name__}: {failed}" if failed else "another rank failed to write"
+        raise RunError(
+            f"could not write checkpoint {root / tag} ({why}); the last good checkpoint, "
+            f"{latest_tag(run_dir) or 'none'}, is intact. Free disk space, then run the same command to resume"
+        ) from failed
     if _rank() == 0:
         dump_config(cfg, root / tag / "config.yaml")
         (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
-        (root / tag / COMPLETE).touch()
-        tmp = root / "latest.tmp"
-        tmp.write_text(tag)
-        with open(tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, root / "latest")
+        # the binary state files; config.yaml and data_ref.json stay editable text
+        sizes = {p.name: p.stat().st_size for p in sorted((root / tag).glob("*.pt"))}
+        _write_synced(root / tag / COMPLETE, json.dumps(sizes))
+        _write_synced(root / "latest.tmp", tag)
+        os.replace(root / "latest.tmp", root / "latest")
         _prune(root, keep_last, tag)
     _barrier()
     return tag
 
 
 def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
-    """Restore the run's latest checkpoint into `engine` if there is one: (step, samples consumed), (0, 0) if not.
+    """Restore the run's latest loadable checkpoint into `engine`: (step, samples consumed); (0, 0) for a new run.
 
-    The checkpoint must belong to the same experiment (RESUME_MUST_MATCH). Saved at another ep_size, its weights
-    load with a fresh optimizer state (DeepSpeed cannot re-shard it). `log` prints on rank 0.
+    A damaged checkpoint (a file missing, truncated, or failing to load) is named and the previous complete one
+    is used instead. A run folder with a history but no loadable checkpoint is refused, never restarted over.
+    The checkpoint must belong to the same experiment (RESUME_MUST_MATCH) and data (the tokenizer's hash).
+    Saved at another ep_size, its weights load with a fresh optimizer state (DeepSpeed cannot re-shard it).
+    `log` prints on rank 0.
     """
-    tag = latest_tag(run_dir)
-    if tag is None:
+    newest = latest_tag(run_dir, warn=log)
+    if newest is None:
+        _refuse_restart_over_history(run_dir)
         return 0, 0
-    saved = load_config(ckpt_root(run_dir) / tag / "config.yaml")
-    changed = [s for s in RESUME_MUST_MATCH if config_to_dict(saved)[s] != config_to_dict(cfg)[s]]
-    if changed:
-        raise RuntimeError(
-            f"{run_dir} holds a run with different {' and '.join(changed)} settings; resume it with its own config "
-            f"({run_dir / 'config.yaml'}), pick another train.out_dir, or pass train.resume=false to start afresh"
-        )
+    saved = load_config(ckpt_root(run_dir) / newest / "config.yaml")
+    _check_same_experiment(saved, cfg, run_dir, ckpt_root(run_dir) / newest)
     same_ep = saved.parallel.ep_size == cfg.parallel.ep_size
     if not same_ep:
         log(
-            f"warning: {tag} was saved at parallel.ep_size={saved.parallel.ep_size}; loading its weights at "
+            f"warning: {newest} was saved at parallel.ep_size={saved.parallel.ep_size}; loading its weights at "
             f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it)"
         )
-    state = load(engine, run_dir, tag, load_optimizer_states=same_ep)
-    log(f"resumed from {ckpt_root(run_dir) / tag} at step {state['step']}")
-    return state["step"], state["samples"]
+    candidates = [t for t in reversed(complete_tags(run_dir)) if t <= newest]
+    for tag in candidates:
+        problem = damage(ckpt_root(run_dir) / tag)
+        if _everywhere(problem is None):
+            try:
+                state = load(engine, run_dir, tag, load_optimizer_states=same_ep)
+            except Exception as e:  # a corrupt file surfaces as several exception types
+                problem = f"loading {ckpt_root(run_dir) / tag} failed ({type(e).__name__}: {e})"
+            if _everywhere(problem is None):
+                log(f"resumed from {ckpt_root(run_dir) / tag} at step {state['step']}")
+                return state["step"], state["samples"]
+        log(f"warning: checkpoint {tag} is damaged: {problem or 'on another rank'}; trying the one before it")
+    raise RunError(
+        f"no checkpoint in {ckpt_root(run_dir)} loads ({', '.join(candidates)} are damaged). Start afresh with "
+        "train.resume=false (the run folder is moved aside, not deleted)"
+    )
 
 
-def move_aside(run_dir: Path, log) -> None:
-    """train.resume=false: move an existing run folder to <run>.prev-<time> (rank 0), so that nothing is lost."""
-    has_run = (ckpt_root(run_dir)).is_dir() or (run_dir / "metrics.jsonl").is_file()
-    if has_run and _rank() == 0:
-        aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.move(str(run_dir), str(aside))
-        log(f"train.resume=false: moved the previous run to {aside}")
+def _check_same_experiment(saved: Config, cfg: Config, run_dir: Path, folder: Path) -> None:
+    changed = [s for s in RESUME_MUST_MATCH if config_to_dict(saved)[s] != config_to_dict(cfg)[s]]
+    if changed:
+        raise RunError(
+            f"{run_dir} holds a run with different {' and '.join(changed)} settings; resume it with its own config "
+            f"({run_dir / 'config.yaml'}), pick another train.out_dir, or pass train.resume=false to start afresh"
+        )
+    ref_file = folder / "data_ref.json"
+    trained_with = json.loads(ref_file.read_text()).get("tokenizer_sha256") if ref_file.is_file() else None
+    now = data_reference(cfg)["tokenizer_sha256"]
+    if trained_with and now and trained_with != now:
+        raise RunError(
+            f"{Path(cfg.data.out_dir) / 'tokenizer.model'} is not the tokenizer {folder} was trained with (the data "
+            "was prepared again); the token ids would mean other words. Resume on the original data (prepare it "
+            "again with the run's config.yaml into its own data.out_dir), or start afresh with train.resume=false"
+        )
+
+
+def _refuse_restart_over_history(run_dir: Path) -> None:
+    """A folder with checkpoint folders or logged steps but nothing to resume from is not a new run."""
+    metrics = run_dir / "metrics.jsonl"
+    steps = sorted(p.name for p in ckpt_root(run_dir).glob("step_*")) if ckpt_root(run_dir).is_dir() else []
+    if steps or (metrics.is_file() and metrics.stat().st_size > 0):
+        what = f"checkpoint folders without a complete one ({', '.join(steps)})" if steps else f"a log ({metrics})"
+        raise RunError(
+            f"{run_dir} holds a run ({what}) but no complete checkpoint to resume from; starting over would "
+            "overwrite it. Pass train.resume=false to start afresh (the folder is moved aside), or pick another "
+            "train.out_dir"
+        )
+
+
+@contextlib.contextmanager
+def run_folder(run_dir: Path, resume: bool, log):
+    """The run folder of this training process. Rank 0 creates it and holds a lock on it, so a second process on
+    the same folder is refused before it touches anything. Not resuming, an existing run is moved aside to
+    <run>.prev-<time> (nothing is deleted). A folder this process created is removed again if training fails
+    before it wrote any metric or checkpoint."""
+    created, lock = not run_dir.exists(), None
+    if _rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = _lock(run_dir)
+        if not resume and (ckpt_root(run_dir).is_dir() or (run_dir / "metrics.jsonl").is_file()):
+            aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(str(run_dir), str(aside))
+            log(f"train.resume=false: moved the previous run to {aside}")
+            lock.close()
+            run_dir.mkdir(parents=True)
+            created, lock = True, _lock(run_dir)
     _barrier()
+    try:
+        yield
+    except BaseException:
+        nothing_written = not ckpt_root(run_dir).exists() and not (run_dir / "metrics.jsonl").exists()
+        if lock is not None and created and nothing_written:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _lock(run_dir: Path):
+    path = run_dir / ".lock"
+    handle = open(path, "a+")  # noqa: SIM115 - held for the life of the run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunError(
+            f"{run_dir} is in use by another training process ({holder}); wait for it to finish, stop it, or pick "
+            "another train.out_dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}")
+    handle.flush()
+    return handle
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
@@ -99,7 +229,7 @@ def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) ->
         str(root), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=False
     )
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
+        raise RunError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{_rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -8,8 +8,8 @@ sample stream exactly where the checkpoint left it.
 
 from __future__ import annotations
 
-import json
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -17,18 +17,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_lm.config import Config, dump_config
+from moe_lm.config import Config, ConfigError, dump_config
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.documents import DataError
-from moe_lm.data.prepare import load_split
+from moe_lm.data.prepare import build_signature, load_split, read_meta, signature_changes
+from moe_lm.interop.ds_checkpoint import latest_tag
 from moe_lm.model import Transformer, count_params
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
-from moe_lm.train import checkpoint
+from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
-from moe_lm.train.flops import peak_flops, train_flops_per_token
+from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
 from moe_lm.train.schedule import lr_at
+from moe_lm.train.stop import StopOnSignal, Stopped
 from moe_lm.train.tracker import Tracker
 
 
@@ -38,55 +40,62 @@ def train(cfg: Config) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev, t, run_dir = device(), cfg.train, Path(cfg.train.out_dir)
     tracker = Tracker(cfg, run_dir, enabled=rank == 0)
-    data_meta = _data_meta(cfg)
-    if not t.resume:
-        checkpoint.move_aside(run_dir, tracker.info)
-    torch.manual_seed(cfg.seed)
-    model = apply_expert_parallel(Transformer(cfg.model), cfg.parallel.ep_size)  # every rank builds the same model
-    engine = build_engine(model, cfg)
-    start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
-    tracker.start(start_step)
-
+    data_meta = _check_inputs(cfg)
     windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
-    evalsets = eval_windows(load_split(cfg.data.out_dir, "val"), t.seq_len, t.eval_batches * t.micro_batch_size)
+    evalsets = _evalsets(cfg, tracker)
     G = t.micro_batch_size * t.grad_accum_steps * world
-    flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * G * t.seq_len
-    peak = peak_flops(dev, cfg.logging.peak_tflops) * world
-    tracker.info(_header(cfg, model, world, G, data_meta))
-    last_eval, bad_steps = {}, 0
-    end_step = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
-    for step in range(start_step, end_step):
-        t0 = time.perf_counter()
-        first = sample_base + (step - start_step) * G
-        lr = lr_at(step, cfg.optim, t.max_steps)
-        loss, aux, applied = train_step(engine, model, _micro_batches(windows, first, t, rank, world, dev), lr)
-        balance, counts = balance_step(model, cfg.model.moe.bias_update_speed, apply=applied)
-        step_done, dt = step + 1, time.perf_counter() - t0
-        bad_steps = 0 if applied else bad_steps + 1
-        if not applied:
-            tracker.info(f"warning: step {step_done}: non-finite loss ({loss}); the update was skipped")
-            if bad_steps >= t.max_bad_steps:
-                raise RuntimeError(
-                    f"{bad_steps} consecutive steps had a non-finite loss (last at step {step_done}); stopping. "
-                    f"Lower optim.lr, raise optim.warmup_steps, or check the data; the last good checkpoint is "
-                    f"in {run_dir / 'checkpoints'}"
-                )
-        if step_done % t.log_interval == 0 or step_done == end_step:
-            speed = {"tokens_per_s": G * t.seq_len / dt, "mfu": flops_per_step / dt / peak if peak > 0 else 0.0}
-            row = {"step": step_done, "loss": loss, "aux_loss": aux, "lr": lr, "skipped": not applied, **speed}
-            _log_train(tracker, engine, model, {**row, "samples": first + G, **balance}, counts)
-        if step_done % t.eval_interval == 0 or step_done == end_step:
-            last_eval = evaluate(engine, model, evalsets, t.micro_batch_size, dev)
-            tracker.log({"kind": "eval", "step": step_done, **last_eval})
-            tracker.console(_eval_line(last_eval), step_done)
-        if step_done % t.ckpt_interval == 0 or step_done == end_step:
-            state = {"step": step_done, "samples": first + G, "global_batch": G}
-            tag = checkpoint.save(engine, run_dir, step_done, cfg, state, t.keep_last)
-            tracker.info(f"saved checkpoint {run_dir / 'checkpoints' / tag}")
-    tracker.finish()
+    with checkpoint.run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
+        torch.manual_seed(cfg.seed)
+        model = apply_expert_parallel(Transformer(cfg.model), cfg.parallel.ep_size)  # every rank: the same model
+        engine = build_engine(model, cfg)
+        start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
+        if rank == 0:
+            dump_config(cfg, run_dir / "config.yaml")
+        tracker.start(start_step)
+        peak, peak_source = peak_flops(dev, cfg.logging.peak_tflops)
+        flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * G * t.seq_len
+        throughput = Throughput(flops_per_step, G * t.seq_len, peak * world, tracker.info)
+        tracker.info(f"{_header(cfg, model, world, G, data_meta)}; MFU against {peak_source}")
+        last_eval, bad_steps = {}, 0
+        end_step = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+        if start_step >= end_step:
+            tracker.info(f"{run_dir} is at step {start_step} already (train.max_steps/stop_at end at {end_step})")
+        for step in range(start_step, end_step):
+            t0 = time.perf_counter()
+            first = sample_base + (step - start_step) * G
+            lr = lr_at(step, cfg.optim, t.max_steps)
+            loss, aux, applied = train_step(engine, model, _micro_batches(windows, first, t, rank, world, dev), lr)
+            balance, counts = balance_step(model, cfg.model.moe.bias_update_speed, apply=applied)
+            step_done, dt = step + 1, time.perf_counter() - t0
+            bad_steps = 0 if applied else bad_steps + 1
+            if not applied:
+                tracker.info(f"warning: step {step_done}: non-finite loss or gradient (loss {loss}); update skipped")
+                if bad_steps >= t.max_bad_steps:
+                    raise RunError(
+                        f"{bad_steps} consecutive steps had a non-finite loss (last at step {step_done}); stopping. "
+                        f"Lower optim.lr, raise optim.warmup_steps, or check the data; the last good checkpoint is "
+                        f"{latest_tag(run_dir) or 'none (no checkpoint was written)'} in {run_dir / 'checkpoints'}"
+                    )
+            if step_done % t.log_interval == 0 or step_done == end_step:
+                row = {"step": step_done, "loss": loss, "aux_loss": aux, "lr": lr, "skipped": not applied}
+                _log_train(tracker, engine, model, {**row, **throughput(dt), "samples": first + G, **balance}, counts)
+            if step_done % t.eval_interval == 0 or step_done == end_step:
+                last_eval = evaluate(engine, model, evalsets, t.micro_batch_size, dev)
+                tracker.log({"kind": "eval", "step": step_done, **last_eval})
+                tracker.console(_eval_line(last_eval), step_done)
+            signum = stop.requested(dev)
+            if step_done % t.ckpt_interval == 0 or step_done == end_step or signum:
+                state = {"step": step_done, "samples": first + G, "global_batch": G}
+                if not _save(engine, model, run_dir, cfg, state, bad_steps == 0, tracker) and step_done == end_step:
+                    good = latest_tag(run_dir) or "none (no checkpoint was written)"
+                    raise RunError(f"the run ended with an unhealthy model; the last good checkpoint is {good}")
+            if signum:
+                name = signal.Signals(signum).name
+                raise Stopped(signum, f"stopped by {name} after step {step_done}; the same command resumes the run")
+    if last_eval and not math.isfinite(last_eval["loss"]):
+        good = latest_tag(run_dir) or "none"
+        loss = last_eval["loss"]
+        raise RunError(f"the final validation loss is {loss}: the run diverged; the last good checkpoint is {good}")
     return last_eval
 
 
@@ -132,19 +141,58 @@ def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: 
     )
 
 
-def _data_meta(cfg: Config) -> dict:
-    meta_path = Path(cfg.data.out_dir) / "meta.json"
-    if not meta_path.is_file():
-        raise DataError(
-            f"no prepared data in {cfg.data.out_dir}: run `python launch/prepare_data.py --config <config>` first"
+def _check_inputs(cfg: Config) -> dict:
+    """What can be checked before anything is built: the training objective, and that the prepared data is the
+    one the config names (sources, their files, settings, vocabulary). Returns meta.json."""
+    if cfg.model.attn_mask == "prefix":
+        raise ConfigError(
+            "model.attn_mask=prefix: training is causal language modelling, which supplies no prefix; use "
+            "model.attn_mask=causal (prefix models can be built and exported, not trained, for now)"
         )
-    meta = json.loads(meta_path.read_text())
+    meta = read_meta(cfg.data.out_dir)
     if meta["vocab_size"] != cfg.model.vocab_size:
         raise DataError(
             f"{cfg.data.out_dir} was tokenized with {meta['vocab_size']} pieces but model.vocab_size="
             f"{cfg.model.vocab_size}: prepare the data again with this config, or set model.vocab_size"
         )
+    # why not the seed: it only seeded the tokenizer's training; another training seed on the same data is fine
+    changed = signature_changes(meta["signature"], build_signature(cfg.data, cfg.model.vocab_size, 0), ("seed",))
+    if changed:
+        raise DataError(
+            f"{cfg.data.out_dir} was not prepared from what data.* names now ({', '.join(changed)} differ): "
+            "prepare it again (python launch/prepare_data.py --config <config> --force) or point data.out_dir "
+            "at the data prepared for this config"
+        )
     return meta
+
+
+def _evalsets(cfg: Config, tracker: Tracker) -> dict[str, torch.Tensor]:
+    t = cfg.train
+    shard = load_split(cfg.data.out_dir, "val")
+    evalsets = eval_windows(shard, t.seq_len, t.eval_batches * t.micro_batch_size)
+    if not evalsets:
+        raise DataError(f"the validation split of {cfg.data.out_dir} holds no text; raise data.val_fraction")
+    missing = [d for d in shard.domains if d not in evalsets]
+    if missing:
+        tracker.info(f"warning: no validation text in domain(s) {', '.join(missing)}: left out of evaluation")
+    return evalsets
+
+
+def _save(engine, model: Transformer, run_dir: Path, cfg: Config, state: dict, healthy: bool, tracker) -> bool:
+    """Save unless the model is unhealthy (a streak of skipped steps, or non-finite weights): a bad model never
+    becomes `latest`, and no good checkpoint is pruned for it. Returns whether it saved."""
+    why = "the last step was skipped (non-finite loss or gradient)" if not healthy else None
+    if why is None and not checkpoint.weights_finite(model):
+        why = "the weights are not finite"
+    if why:
+        tracker.info(
+            f"warning: not saving step {state['step']}: {why}; the last good checkpoint is "
+            f"{latest_tag(run_dir) or 'none'}"
+        )
+        return False
+    tag = checkpoint.save(engine, run_dir, state["step"], cfg, state, cfg.train.keep_last)
+    tracker.info(f"saved checkpoint {run_dir / 'checkpoints' / tag}")
+    return True
 
 
 def _header(cfg: Config, model: Transformer, world: int, G: int, data_meta: dict) -> str:

@@ -14,7 +14,8 @@ from moe_lm.config import Config, LoggingConfig, config_to_dict
 
 
 class Tracker:
-    """Rank 0's output: `info` messages at once; `start(step)` opens metrics.jsonl and wandb for the run."""
+    """Rank 0's output: `info` messages at once; `start(step)` opens metrics.jsonl and wandb for the run, which
+    `finish` (or leaving the `with` block) closes."""
 
     def __init__(self, cfg: Config, run_dir: Path, enabled: bool) -> None:
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
@@ -58,6 +59,13 @@ class Tracker:
     def finish(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
 
 
 def open_wandb(log_cfg: LoggingConfig, run_dir: Path, config: dict | None = None, create: bool = True):

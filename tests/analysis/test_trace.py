@@ -164,3 +164,20 @@ def test_analysis_is_logged_to_the_runs_wandb(tiny_data, tmp_path):
     assert all(r.name.endswith((tmp_path / "run" / "wandb_id").read_text()) for r in runs)
     assert sum(f.stat().st_size for r in runs for f in r.glob("*.wandb")) > before
     assert list((tmp_path / "run" / "wandb").rglob("*.png"))
+
+
+def test_analyze_routing_errors_name_the_problem(tiny_run, tmp_path):
+    def fails(*args) -> str:
+        cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), *map(str, args)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        return proc.stderr
+
+    assert "not found: nowhere.txt" in fails("--run", tiny_run, "--out", tmp_path / "a", "--data", "nowhere.txt")
+    (tmp_path / "empty.jsonl").write_text("")
+    assert "no tokens to analyse" in fails(
+        "--run", tiny_run, "--out", tmp_path / "b", "--data", tmp_path / "empty.jsonl"
+    )
+    listed = fails("--run", f"{tiny_run}:step_09", "--out", tmp_path / "c")
+    assert "not a complete checkpoint" in listed and "step_00000002" in listed
+    assert "--compare" in fails("--run", tiny_run, "--compare", f"{tiny_run}:nope", "--out", tmp_path / "d")

@@ -1,0 +1,315 @@
+"""Training under faults: nothing lost, no silent restart, no bad model promoted, every failure explained.
+
+Each test injects one fault of the README's reliability table and checks what the user relies on afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lm.config import ConfigError, dump_config, load_config
+from moe_lm.data.documents import DataError
+from moe_lm.data.prepare import prepare_data
+from moe_lm.interop.ds_checkpoint import COMPLETE, latest_tag, load_model
+from moe_lm.train import RunError, checkpoint, loop
+from moe_lm.train.flops import Throughput
+from tests.conftest import VOCAB, tiny_train_cfg, write_folder_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rows(run_dir, kind="train"):
+    return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def with_train(cfg, **kw):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw))
+
+
+def train_cli(cfg_file: Path, *overrides: str) -> subprocess.Popen:
+    """`python launch/train.py` in a process of its own (not the process group in-process tests started)."""
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(cfg_file), *overrides]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# ---- 2. never silently restart a run ---------------------------------------------------------------------------
+
+
+def test_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(tiny_data, tmp_path, capsys):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    loop.train(with_train(cfg, stop_at=4))
+    (tmp_path / "run" / "checkpoints" / "latest").unlink()
+    loop.train(with_train(cfg, max_steps=6))
+    assert (
+        "latest is missing or unreadable; using the newest complete checkpoint, step_00000004"
+        in capsys.readouterr().out
+    )
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]  # the log was kept, not wiped
+
+
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one_and_names_the_file(tiny_data, tmp_path, capsys):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    loop.train(cfg)
+    model_file = tmp_path / "run" / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt"
+    model_file.write_bytes(model_file.read_bytes()[:1000])
+    loop.train(with_train(cfg, max_steps=5))
+    out = capsys.readouterr().out
+    assert f"{model_file} has 1000 bytes" in out and "resumed from" in out and "at step 2" in out
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
+def test_a_garbled_checkpoint_of_the_same_size_falls_back_too(tiny_data, tmp_path, capsys):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    loop.train(cfg)
+    model_file = tmp_path / "run" / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt"
+    model_file.write_bytes(b"\0" * model_file.stat().st_size)
+    loop.train(with_train(cfg, max_steps=5))
+    out = capsys.readouterr().out
+    assert "loading" in out and "step_00000004 failed" in out and "at step 2" in out
+
+
+def test_a_history_without_a_loadable_checkpoint_is_refused(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
+    loop.train(cfg)
+    (tmp_path / "run" / "checkpoints" / "step_00000002" / COMPLETE).unlink()
+    with pytest.raises(RunError, match="no complete checkpoint to resume from.*train.resume=false"):
+        loop.train(cfg)
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
+
+
+def test_a_half_written_last_metrics_line_does_not_block_resume(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    loop.train(with_train(cfg, stop_at=2))
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 3, "lo')  # killed mid-write
+    loop.train(cfg)
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+# ---- 3. never promote a bad model ------------------------------------------------------------------------------
+
+
+def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data, tmp_path, monkeypatch, capsys):
+    """A NaN that reaches the weights through a finite-loss step (as through the Adam state): no checkpoint of it,
+    `latest` stays on the good one, the offline tools refuse it."""
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=6, ckpt_interval=2, max_bad_steps=10)
+    real_step = loop.train_step
+
+    def poisoned(engine, model, batches, lr):
+        result = real_step(engine, model, batches, lr)
+        if engine.global_steps == 4:  # after step 4's update, whose loss was finite
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(loop, "train_step", poisoned)
+    with pytest.raises(RunError, match="ended with an unhealthy model; the last good checkpoint is step_00000002"):
+        loop.train(cfg)
+    out = capsys.readouterr().out
+    assert "not saving step 4: the weights are not finite; the last good checkpoint is step_00000002" in out
+    assert latest_tag(tmp_path / "run") == "step_00000002"
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000006").exists()
+    # a NaN checkpoint written by other means is refused by export / generate / analytics
+    good = tmp_path / "run" / "checkpoints" / "step_00000002"
+    state = torch.load(good / "mp_rank_00_model_states.pt", weights_only=False)
+    first = next(iter(state["module"]))
+    state["module"][first] = state["module"][first] * float("nan")
+    torch.save(state, good / "mp_rank_00_model_states.pt")
+    sizes = json.loads((good / COMPLETE).read_text())
+    sizes["mp_rank_00_model_states.pt"] = (good / "mp_rank_00_model_states.pt").stat().st_size
+    (good / COMPLETE).write_text(json.dumps(sizes))
+    with pytest.raises(ValueError, match="non-finite weights.*diverged"):
+        load_model(tmp_path / "run")
+
+
+def test_a_run_that_ends_unhealthy_exits_non_zero_naming_the_last_good_checkpoint(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, max_bad_steps=10)
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    proc = train_cli(tmp_path / "cfg.yaml", "model.init_std=1e30")  # every gradient overflows: all steps skipped
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out[-2000:]
+    assert "error: the run ended with an unhealthy model; the last good checkpoint is none" in err, err[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_non_finite_final_evaluation_fails_the_run(tiny_data, tmp_path, monkeypatch):
+    real = loop.evaluate
+
+    def nan_loss(*args):
+        return {**real(*args), "loss": float("nan")}
+
+    monkeypatch.setattr(loop, "evaluate", nan_loss)
+    with pytest.raises(RunError, match="final validation loss is nan: the run diverged"):
+        loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
+
+
+# ---- 4. train on the data the config names ---------------------------------------------------------------------
+
+
+def test_other_sources_than_the_prepared_ones_are_refused(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
+    other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=[str(tmp_path)]))
+    with pytest.raises(DataError, match="not prepared from what data.* names now.*sources"):
+        loop.train(other)
+    assert not (tmp_path / "run").exists()  # a failed start leaves no half-made run folder
+
+
+def test_a_corpus_prepared_again_under_a_run_is_refused_on_resume(tmp_path):
+    """Edited sources, prepared again with --force: the config still matches, the tokenizer does not."""
+    from moe_lm.config import DataConfig
+
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
+    data = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "data"), val_fraction=0.2)
+    prepare_data(data, vocab_size=VOCAB, log=lambda s: None)
+    cfg = tiny_train_cfg(data, tmp_path / "run", max_steps=2, ckpt_interval=2)
+    loop.train(cfg)
+    for i in range(6):  # distinct documents (duplicates are dropped), enough to change a 300-piece vocabulary
+        (corpus / "cooking" / f"new{i}.txt").write_text(f"recipe {i}: " + "quantum chromodynamics gluon lattice " * 40)
+    with pytest.raises(DataError, match="the source files' contents"):  # training notices the edit first
+        loop.train(with_train(cfg, max_steps=4))
+    prepare_data(data, vocab_size=VOCAB, force=True, log=lambda s: None)
+    with pytest.raises(RunError, match="is not the tokenizer .* was trained with"):
+        loop.train(with_train(cfg, max_steps=4))
+
+
+# ---- 5. no silent zeros, no silent skips, no MFU above 100 % ---------------------------------------------------
+
+
+def test_mfu_never_reads_above_100_percent():
+    notes = []
+    meter = Throughput(flops_per_step=2e12, tokens_per_step=1000, peak=1e12, note=notes.append)
+    assert meter(1.0)["mfu"] == pytest.approx(1.0) and len(notes) == 1  # 2 TFLOP/s against a 1 TFLOP/s peak
+    assert meter(4.0)["mfu"] == pytest.approx(0.25)  # the raised peak stays
+    assert meter(4.0)["tokens_per_s"] == pytest.approx(250)
+
+
+def test_stop_at_below_zero_is_a_config_error():
+    with pytest.raises(ConfigError, match="train.stop_at must be >= 0"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["train.stop_at=-1"])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("optim.lr=nan", "optim.lr"), ("optim.lr=0", "optim.lr"), ("optim.beta2=1.0", "optim.beta2"),
+     ("optim.eps=0", "optim.eps"), ("optim.weight_decay=-0.1", "optim.weight_decay")],
+)  # fmt: skip
+def test_optimizer_values_are_validated_up_front(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(ROOT / "configs" / "tiny.yaml", [override])
+
+
+def test_prefix_mask_without_a_prefix_objective_is_refused_before_anything_is_built(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="prefix"))
+    with pytest.raises(ConfigError, match="attn_mask=prefix"):
+        loop.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_generate_rejects_top_p_zero_with_a_clear_message():
+    cmd = [sys.executable, str(ROOT / "launch" / "generate.py"), "--run", "runs/none", "--top-p", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--top-p must be in (0, 1]" in proc.stderr
+
+
+# ---- 6. signals save work --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path, sig):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    proc = train_cli(tmp_path / "cfg.yaml")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-2000:])
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    tag = latest_tag(tmp_path / "run")
+    step = int(tag.split("_")[1])
+    assert step >= 3 and [r["step"] for r in rows(tmp_path / "run")] == list(range(1, step + 1))
+    proc = train_cli(tmp_path / "cfg.yaml", f"train.max_steps={step + 2}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / tag} at step {step}" in out
+
+
+# ---- 7. one run per folder -------------------------------------------------------------------------------------
+
+
+def test_a_second_process_on_the_same_run_folder_is_refused(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    (tmp_path / "run").mkdir()
+    held = checkpoint._lock(tmp_path / "run")  # as the first process holds it
+    try:
+        with pytest.raises(RunError, match=r"in use by another training process \(pid \d+"):
+            loop.train(cfg)
+        with pytest.raises(RunError, match="in use"):  # also when it would move the old run aside
+            loop.train(with_train(cfg, resume=False))
+    finally:
+        held.close()
+    assert not list(tmp_path.glob("run.prev-*"))
+    loop.train(cfg)  # free again
+
+
+# ---- 8. a full disk during a save ------------------------------------------------------------------------------
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tiny_data, tmp_path, monkeypatch):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    real = checkpoint.torch.save
+    calls = {"n": 0}
+
+    def disk_full(obj, path, *a, **k):
+        if str(path).endswith("rng_rank0.pt"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(obj, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(RunError, match="No space left on device.*step_00000002, is intact"):
+        loop.train(cfg)
+    assert latest_tag(tmp_path / "run") == "step_00000002"
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()  # its partial folder removed
+
+
+# ---- 9. no garbage ---------------------------------------------------------------------------------------------
+
+
+def test_a_failed_distributed_run_leaves_no_shared_memory_buffers(tiny_data, tmp_path):
+    from tests.distributed import DEEPSPEED, free_port
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))  # fails after init
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    port = str(free_port())
+    cmd = [
+        DEEPSPEED,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        port,
+        "launch/train.py",
+        "--config",
+        str(tmp_path / "cfg.yaml"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "tokenized with 300 pieces" in proc.stdout + proc.stderr
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not (tmp_path / "run").exists()
