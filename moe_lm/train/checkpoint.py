@@ -1,4 +1,4 @@
-"""Checkpoints that survive crashes, faults and signals: save, resume, and the run folder they live in.
+"""Checkpoints that survive crashes, faults and signals: save and resume.
 
 The layout on disk (and how to read it without DeepSpeed) is moe_lm/interop/ds_checkpoint.py. A kill at any
 moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is replaced with os.replace only
@@ -8,13 +8,10 @@ pruned only after that. A model whose weights are not finite is never saved.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -163,56 +160,6 @@ def _refuse_restart_over_history(run_dir: Path) -> None:
             "overwrite it. Pass train.resume=false to start afresh (the folder is moved aside), or pick another "
             "train.out_dir"
         )
-
-
-@contextlib.contextmanager
-def run_folder(run_dir: Path, resume: bool, log):
-    """The run folder of this training process. Rank 0 creates it and holds a lock on it, so a second process on
-    the same folder is refused before it touches anything. Not resuming, an existing run is moved aside to
-    <run>.prev-<time> (nothing is deleted). A folder this process created is removed again if training fails
-    before it wrote any metric or checkpoint."""
-    created, lock = not run_dir.exists(), None
-    if _rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = _lock(run_dir)
-        if not resume and (ckpt_root(run_dir).is_dir() or (run_dir / "metrics.jsonl").is_file()):
-            aside = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-            shutil.move(str(run_dir), str(aside))
-            log(f"train.resume=false: moved the previous run to {aside}")
-            lock.close()
-            run_dir.mkdir(parents=True)
-            created, lock = True, _lock(run_dir)
-    _barrier()
-    try:
-        yield
-    except BaseException:
-        nothing_written = not ckpt_root(run_dir).exists() and not (run_dir / "metrics.jsonl").exists()
-        if lock is not None and created and nothing_written:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    finally:
-        if lock is not None:
-            lock.close()
-
-
-def _lock(run_dir: Path):
-    path = run_dir / ".lock"
-    handle = open(path, "a+")  # noqa: SIM115 - held for the life of the run
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise RunError(
-            f"{run_dir} is in use by another training process ({holder}); wait for it to finish, stop it, or pick "
-            "another train.out_dir"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename}")
-    handle.flush()
-    return handle
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -29,6 +29,7 @@ from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
+from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at
 from moe_lm.train.stop import StopOnSignal, Stopped
 from moe_lm.train.tracker import Tracker
@@ -44,7 +45,7 @@ def train(cfg: Config) -> dict:
     windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
     evalsets = _evalsets(cfg, tracker)
     G = t.micro_batch_size * t.grad_accum_steps * world
-    with checkpoint.run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
+    with run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
         torch.manual_seed(cfg.seed)
         model = apply_expert_parallel(Transformer(cfg.model), cfg.parallel.ep_size)  # every rank: the same model
         engine = build_engine(model, cfg)

@@ -22,7 +22,7 @@ from moe_lm.config import ConfigError, dump_config, load_config
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import prepare_data
 from moe_lm.interop.ds_checkpoint import COMPLETE, latest_tag, load_model
-from moe_lm.train import RunError, checkpoint, loop
+from moe_lm.train import RunError, checkpoint, loop, run_folder
 from moe_lm.train.flops import Throughput
 from tests.conftest import VOCAB, tiny_train_cfg, write_folder_corpus
 
@@ -249,13 +249,38 @@ def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / tag} at step {step}" in out
 
 
+@pytest.mark.slow
+def test_sigterm_to_a_two_rank_deepspeed_job_saves_on_every_rank(tiny_data, tmp_path):
+    """What a scheduler does: SIGTERM to every process of the job (launcher and ranks)."""
+    from tests.distributed import DEEPSPEED, free_port
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    port = str(free_port())
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", port, "launch/train.py", "--config", f"{tmp_path}/cfg.yaml"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM" in out, out[-3000:]
+    tag = latest_tag(tmp_path / "run")
+    assert tag is not None and (tmp_path / "run" / "checkpoints" / tag / "rng_rank1.pt").is_file(), out[-3000:]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 # ---- 7. one run per folder -------------------------------------------------------------------------------------
 
 
 def test_a_second_process_on_the_same_run_folder_is_refused(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     (tmp_path / "run").mkdir()
-    held = checkpoint._lock(tmp_path / "run")  # as the first process holds it
+    held = run_folder._lock(tmp_path / "run")  # as the first process holds it
     try:
         with pytest.raises(RunError, match=r"in use by another training process \(pid \d+"):
             loop.train(cfg)
