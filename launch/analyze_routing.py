@@ -24,7 +24,7 @@ from moe_lm.analysis.report import build_report
 from moe_lm.analysis.trace import record_trace
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.prepare import load_split
-from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
+from moe_lm.data.tokenizer import Tokenizer, load_data_tokenizer
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.model import Transformer
 from moe_lm.train.tracker import open_wandb
@@ -32,14 +32,14 @@ from moe_lm.train.tracker import open_wandb
 DEFAULT_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
 
 
-def user_documents(paths: list[str], sp, domains: list[str]):
+def user_documents(paths: list[str], tok: Tokenizer, domains: list[str]):
     """(domain index, token ids) for every document of the user's files; `domains` fills as names appear."""
     report = ReadReport()
     for path in paths:
         for doc in iter_source(path, report):
             if doc.domain not in domains:
                 domains.append(doc.domain)
-            yield domains.index(doc.domain), np.array([BOS_ID, *sp.encode(doc.text)], dtype=np.int64)
+            yield domains.index(doc.domain), np.array([tok.doc_start_id, *tok.encode(doc.text)], dtype=np.int64)
     print(report.summary(), file=sys.stderr)
 
 
@@ -61,13 +61,13 @@ def main() -> None:
     run, tag = args.run
     try:
         cfg, model, tag = load_model(run, tag)
-        sp = load_tokenizer(Path(cfg.data.out_dir) / "tokenizer.model")
+        tok = load_data_tokenizer(cfg.data.out_dir)
     except (FileNotFoundError, DataError, ValueError) as e:
         sys.exit(f"error: {e}")
 
     def documents():
         if args.data:
-            return user_documents(args.data, sp, domains)
+            return user_documents(args.data, tok, domains)
         return ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
 
     if args.data:
@@ -114,7 +114,7 @@ def main() -> None:
         )
     metrics_file = run / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else None
-    result = build_report(trace, out, sp, args.tokens, init_trace, compare_trace, label, rows, args.min_count)
+    result = build_report(trace, out, tok, args.tokens, init_trace, compare_trace, label, rows, args.min_count)
     _log_wandb(cfg, run, out, result)
     base = result["baseline_uniform_N0"]
     for layer, lm in result["layers"].items():

@@ -10,15 +10,15 @@ Checkpoints of any parallel.ep_size export the same model. The run's tokenizer.m
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-from pathlib import Path
 
 import torch
 
 from moe_lm.config import ConfigError, load_config
+from moe_lm.data.documents import DataError
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.interop.hf import export_hf
+from moe_lm.interop.hf_tokenizer import export_tokenizer
 from moe_lm.model import Transformer
 
 
@@ -40,9 +40,11 @@ def main() -> None:
         out = export_hf(model.eval(), args.out)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    tokenizer = Path(cfg.data.out_dir) / "tokenizer.model"
-    if args.run and tokenizer.is_file():
-        shutil.copy(tokenizer, out / "tokenizer.model")
+    if args.run:
+        try:
+            print(f"wrote {export_tokenizer(cfg.data.out_dir, out)} to {out}")
+        except DataError as e:
+            print(f"warning: no tokenizer exported ({e})", file=sys.stderr)
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
 

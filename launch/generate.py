@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
+from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.model.attention import KVCache
 
@@ -65,13 +64,12 @@ def main() -> None:
         ap.error(f"--top-k must be >= 0 (0 switches it off), got {args.top_k}")
     try:
         cfg, model, tag = load_model(*args.run)
-        sp = load_tokenizer(Path(cfg.data.out_dir) / "tokenizer.model")
+        tok = load_data_tokenizer(cfg.data.out_dir)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
-    ids = generate(
-        model, [BOS_ID, *sp.encode(args.prompt)], args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed
-    )
-    print(args.prompt + sp.decode(ids))
+    prompt = [tok.doc_start_id, *tok.encode(args.prompt)]
+    ids = generate(model, prompt, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    print(args.prompt + tok.decode(ids))
 
 
 if __name__ == "__main__":

@@ -192,6 +192,10 @@ class DataConfig:
     val_fraction: float = 0.1
     # Cap per domain of the default corpus (MB of text), to keep preparation quick on a laptop.
     max_mb_per_domain: float = 2.0
+    # "train": a sentencepiece tokenizer trained on the training split, of model.vocab_size pieces; or one to keep:
+    # a sentencepiece .model, a Hugging Face tokenizer.json, or a folder transformers.AutoTokenizer loads.
+    tokenizer: str = "train"
+    # The kind of tokenizer "train" trains.
     tokenizer_type: Literal["bpe", "unigram"] = "bpe"
 
     def validate(self, path: str = "data") -> None:
@@ -253,6 +257,9 @@ class TrainConfig:
     max_bad_steps: int = 5
     # Stop early (with a checkpoint) after this step, leaving the run resumable; 0 = run to max_steps.
     stop_at: int = 0
+    # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
+    # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
+    init_from: str = ""
 
     def validate(self, path: str = "train") -> None:
         for name in (
@@ -269,6 +276,11 @@ class TrainConfig:
         ):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
         _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
+        _require(
+            self.init_from == "" or self.init_from.startswith("hf:"),
+            f"{path}.init_from",
+            f"must be '' or hf:PATH (a transformers checkpoint folder), got {self.init_from!r}",
+        )
 
 
 @dataclass

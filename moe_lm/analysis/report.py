@@ -17,6 +17,7 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.html import routing_page
 from moe_lm.analysis.trace import Trace
+from moe_lm.data.tokenizer import Tokenizer
 
 
 def domain_jsd(experts: np.ndarray, domain: np.ndarray, trace: Trace) -> np.ndarray:
@@ -46,26 +47,26 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffle
     }
 
 
-def chosen_token_ids(sp, texts: list[str]) -> dict[str, int]:
-    """Token ids for the requested tokens, by piece (e.g. '▁the') or by text that encodes to one piece."""
+def chosen_token_ids(tok, texts: list[str]) -> dict[str, int]:
+    """Token ids for the requested tokens, by piece (e.g. '▁the', 'Ġthe') or by text that encodes to one piece."""
     found = {}
     for text in texts:
-        for candidate in (text, "\u2581" + text):
-            pid = sp.piece_to_id(candidate)
-            if pid != sp.unk_id() and sp.id_to_piece(pid) == candidate:
+        for candidate in (text, "\u2581" + text, "\u0120" + text):
+            pid = tok.piece_to_id(candidate)
+            if pid is not None:
                 found[candidate] = pid
                 break
         else:
-            ids = sp.encode(text)
+            ids = tok.encode(text)
             if len(ids) == 1:
-                found[sp.id_to_piece(ids[0])] = ids[0]
+                found[tok.id_to_piece(ids[0])] = ids[0]
     return found
 
 
 def build_report(
     trace: Trace,
     out: Path,
-    sp,
+    tok: Tokenizer,
     tokens: list[str],
     init_trace: Trace | None = None,
     compare_trace: Trace | None = None,
@@ -142,7 +143,7 @@ def build_report(
         figs / "repetition.png",
     )
     result["tokens"] = {}
-    for piece, token_id in chosen_token_ids(sp, tokens).items():
+    for piece, token_id in chosen_token_ids(tok, tokens).items():
         rows, count = [], 0
         for layer in layers:
             share, count = M.token_expert_share(np.asarray(trace.experts(layer)), trace.token, token_id, E)
@@ -164,13 +165,13 @@ def build_report(
         evals = [r for r in metrics_rows if r["kind"] == "eval"]
         plots.save(plots.load_over_training(train, evals, layers), figs / "load_over_training.png")
     (out / "routing.html").write_text(
-        routing_page(_samples(trace, sp, html_tokens), layers, E, "Routing: first-choice expert per token")
+        routing_page(_samples(trace, tok, html_tokens), layers, E, "Routing: first-choice expert per token")
     )
     (out / "metrics.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def _samples(trace: Trace, sp, n_tokens: int) -> list[dict]:
+def _samples(trace: Trace, tok: Tokenizer, n_tokens: int) -> list[dict]:
     """The first document (up to n_tokens) of each domain, with its routing in every layer."""
     samples = []
     domain = np.asarray(trace.domain)
@@ -183,7 +184,7 @@ def _samples(trace: Trace, sp, n_tokens: int) -> list[dict]:
         samples.append(
             {
                 "domain": name,
-                "pieces": [sp.id_to_piece(int(t)) for t in np.asarray(trace.token)[rows]],
+                "pieces": [tok.id_to_piece(int(t)) for t in np.asarray(trace.token)[rows]],
                 "experts": {layer: np.asarray(trace.experts(layer))[rows].tolist() for layer in trace.layers},
                 "weights": {
                     layer: np.asarray(trace.weights(layer))[rows].astype(float).tolist() for layer in trace.layers

@@ -3,7 +3,8 @@
 Layout of a prepared data folder (`data.out_dir`):
     meta.json          domains, vocab size, token counts, and the signature it was built with (written last)
     manifest.json      sources, per-domain documents/bytes/tokens/hash, skips, and every document's name and split
-    tokenizer.model    sentencepiece model (trained on the training split only)
+    tokenizer.model    sentencepiece model (trained on the training split only, or the user's), or
+    tokenizer/         the user's Hugging Face tokenizer (see tokenizer.py)
     train/, val/       token shards (see shards.py)
 
 The folder is built in `<out_dir>.partial/` and renamed into place at the end. Nothing else is ever deleted: an
@@ -27,11 +28,11 @@ from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
 from moe_lm.data.documents import TEXT_SUFFIXES, DataError, Document, ReadReport, iter_source
 from moe_lm.data.shards import ShardWriter, TokenShard
-from moe_lm.data.tokenizer import BOS_ID, load_tokenizer, train_tokenizer
+from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer
 
 MIN_DEFAULT_DOMAINS = 4
 # What a finished data folder holds; anything else in out_dir is the user's, and is never deleted.
-OUTPUTS = {"meta.json", "manifest.json", "tokenizer.model", "train", "val"}
+OUTPUTS = {"meta.json", "manifest.json", "tokenizer.model", "tokenizer", "train", "val"}
 PARTIAL_MARK = ".moe_lm_partial"  # in <out_dir>.partial/: the folder is ours to remove
 
 
@@ -55,8 +56,10 @@ def build_signature(cfg: DataConfig, vocab_size: int, seed: int) -> dict:
         "source_files": sources_fingerprint(cfg.sources),
         "val_fraction": cfg.val_fraction,
         "max_mb_per_domain": cfg.max_mb_per_domain,
-        "tokenizer_type": cfg.tokenizer_type,
-        "vocab_size": vocab_size,
+        "tokenizer": cfg.tokenizer if cfg.tokenizer == "train" else str(Path(cfg.tokenizer).resolve()),
+        "tokenizer_type": cfg.tokenizer_type if cfg.tokenizer == "train" else None,
+        # why not for a given tokenizer: its vocabulary is its own; model.vocab_size only has to hold it
+        "vocab_size": vocab_size if cfg.tokenizer == "train" else None,
         "seed": seed,
     }
 
@@ -172,23 +175,14 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
     domains = sorted({e["domain"] for e in entries})
     split_of = {e["name"]: e["split"] for e in entries}
 
-    # Pass 2: tokenizer on the training split only.
-    text_file = tmp / "tokenizer_train.txt"
-    with open(text_file, "w", encoding="utf-8") as f:
-        for doc in _read_docs(docs_file):
-            if split_of[doc.name] == "train":
-                f.write(doc.text if doc.text.endswith("\n") else doc.text + "\n")
-    log(f"training a {cfg.tokenizer_type} tokenizer with {vocab_size} pieces ...")
-    model_path = train_tokenizer(text_file, tmp / "tokenizer", vocab_size, cfg.tokenizer_type, seed)
-    text_file.unlink()
-    (tmp / "tokenizer.vocab").unlink(missing_ok=True)
-    sp = load_tokenizer(model_path)
+    # Pass 2: the tokenizer, trained on the training split only, or the user's.
+    tok = _tokenizer(cfg, docs_file, split_of, vocab_size, seed, tmp, log)
 
-    # Pass 3: token shards.
-    writers = {s: ShardWriter(tmp / s, vocab_size) for s in ("train", "val")}
+    # Pass 3: token shards; every document starts with the tokenizer's BOS (or, without one, its EOS).
+    writers = {s: ShardWriter(tmp / s, tok.vocab_size) for s in ("train", "val")}
     tokens = defaultdict(Counter)
     for doc in tqdm(_read_docs(docs_file), total=len(entries), desc="tokenizing", unit="doc", leave=False):
-        ids = [BOS_ID, *sp.encode(doc.text)]
+        ids = [tok.doc_start_id, *tok.encode(doc.text)]
         split = split_of[doc.name]
         writers[split].add(ids, domains.index(doc.domain), doc.name)
         tokens[split][doc.domain] += len(ids)
@@ -217,11 +211,37 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
     meta = {
         "signature": signature,
         "domains": domains,
-        "vocab_size": vocab_size,
-        "bos_id": BOS_ID,
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.doc_start_id,
+        "tokenizer": {"kind": tok.kind, "source": cfg.tokenizer, "bos_id": tok.bos_id, "eos_id": tok.eos_id},
         "tokens": {s: sum(tokens[s].values()) for s in ("train", "val")},
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _tokenizer(cfg: DataConfig, docs_file: Path, split_of: dict, vocab_size: int, seed: int, tmp: Path, log):
+    """Pass 2: train a sentencepiece tokenizer of `vocab_size` pieces on the training split, or import the user's
+    (whose vocabulary must fit in model.vocab_size)."""
+    if cfg.tokenizer != "train":
+        tok = import_tokenizer(cfg.tokenizer, tmp)
+        if tok.vocab_size > vocab_size:
+            raise DataError(
+                f"data.tokenizer={cfg.tokenizer} has {tok.vocab_size} tokens but model.vocab_size={vocab_size}: set "
+                f"model.vocab_size={tok.vocab_size} (or larger)"
+            )
+        tok.doc_start_id  # noqa: B018 - a tokenizer without BOS and EOS is an error now, not after the corpus
+        log(f"tokenizing with {cfg.tokenizer} ({tok.kind}, {tok.vocab_size} tokens)")
+        return tok
+    text_file = tmp / "tokenizer_train.txt"
+    with open(text_file, "w", encoding="utf-8") as f:
+        for doc in _read_docs(docs_file):
+            if split_of[doc.name] == "train":
+                f.write(doc.text if doc.text.endswith("\n") else doc.text + "\n")
+    log(f"training a {cfg.tokenizer_type} tokenizer with {vocab_size} pieces ...")
+    model_path = train_tokenizer(text_file, tmp / "tokenizer", vocab_size, cfg.tokenizer_type, seed)
+    text_file.unlink()
+    (tmp / "tokenizer.vocab").unlink(missing_ok=True)
+    return SentencePieceTokenizer(model_path)
 
 
 def _read_docs(path: Path) -> Iterator[Document]:

@@ -14,7 +14,6 @@ which gives generation, export and analytics the plain model on CPU. This module
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
 import sys
@@ -24,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from moe_lm.config import Config, load_config
+from moe_lm.data.tokenizer import data_tokenizer_sha256
 from moe_lm.model import Transformer
 
 COMPLETE = "COMPLETE"
@@ -134,12 +134,7 @@ def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.T
 def data_reference(cfg: Config) -> dict:
     """Where the run's data and tokenizer are (absolute), and the tokenizer's hash: saved with each checkpoint."""
     data_dir = Path(cfg.data.out_dir).resolve()
-    tok = data_dir / "tokenizer.model"
-    return {"data_dir": str(data_dir), "tokenizer_sha256": file_sha256(tok) if tok.is_file() else None}
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return {"data_dir": str(data_dir), "tokenizer_sha256": data_tokenizer_sha256(data_dir)}
 
 
 def resolve_data(cfg: Config, folder: Path) -> Config:
@@ -148,11 +143,11 @@ def resolve_data(cfg: Config, folder: Path) -> Config:
     if not ref_file.is_file():
         return cfg
     ref = json.loads(ref_file.read_text())
-    tok = Path(ref["data_dir"]) / "tokenizer.model"
-    if ref["tokenizer_sha256"] and tok.is_file() and file_sha256(tok) != ref["tokenizer_sha256"]:
+    now = data_tokenizer_sha256(ref["data_dir"])
+    if ref["tokenizer_sha256"] and now and now != ref["tokenizer_sha256"]:
         raise ValueError(
-            f"{tok} is not the tokenizer this checkpoint was trained with (the data was rebuilt); "
-            f"prepare the data again with the run's config.yaml"
+            f"the tokenizer in {ref['data_dir']} is not the one this checkpoint was trained with (the data was "
+            "rebuilt); prepare the data again with the run's config.yaml"
         )
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, out_dir=ref["data_dir"]))
 

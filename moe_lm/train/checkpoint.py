@@ -143,8 +143,8 @@ def _check_same_experiment(saved: Config, cfg: Config, run_dir: Path, folder: Pa
     now = data_reference(cfg)["tokenizer_sha256"]
     if trained_with and now and trained_with != now:
         raise RunError(
-            f"{Path(cfg.data.out_dir) / 'tokenizer.model'} is not the tokenizer {folder} was trained with (the data "
-            "was prepared again); the token ids would mean other words. Resume on the original data (prepare it "
+            f"the tokenizer in {cfg.data.out_dir} is not the one {folder} was trained with (the data was prepared "
+            "again); the token ids would mean other words. Resume on the original data (prepare it "
             "again with the run's config.yaml into its own data.out_dir), or start afresh with train.resume=false"
         )
 

@@ -16,13 +16,15 @@ import torch.nn.functional as F
 
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import RoutingRecorder
-from moe_lm.data.tokenizer import BOS_ID
 from moe_lm.model import Transformer
 
 
 @torch.no_grad()
-def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micro: int, dev) -> dict[str, float]:
-    """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows."""
+def evaluate(
+    engine, model: Transformer, evalsets: dict[str, torch.Tensor], micro: int, dev, doc_start_id: int
+) -> dict[str, float]:
+    """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows;
+    `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window."""
     rank, world = dist.get_rank(), dist.get_world_size()
     engine.eval()
     layers, E = model.moe_layer_ids(), model.cfg.moe.n_routed_experts
@@ -38,7 +40,7 @@ def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micr
                 logits = engine(inputs).logits.float()
                 ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
                 loss[d] += ce.item(), targets.numel()
-                doc = _documents(inputs.cpu().numpy())
+                doc = _documents(inputs.cpu().numpy(), doc_start_id)
                 for i, layer in enumerate(layers):
                     experts = recorder.last[layer][0].cpu().numpy()
                     counts[i, d] += M.expert_counts(experts, E)
@@ -62,9 +64,9 @@ def evaluate(engine, model: Transformer, evalsets: dict[str, torch.Tensor], micr
     return {k: float(v) for k, v in result.items()}
 
 
-def _documents(tokens_BS: np.ndarray) -> np.ndarray:
-    """A document id for every token of the flattened windows [B*S]: a new one at each row and at each BOS."""
-    starts = tokens_BS == BOS_ID
+def _documents(tokens_BS: np.ndarray, doc_start_id: int) -> np.ndarray:
+    """A document id for every token of the flattened windows [B*S]: a new one at each row and at each start."""
+    starts = tokens_BS == doc_start_id
     starts[:, 0] = True
     return np.cumsum(starts.ravel())
 

@@ -8,6 +8,8 @@ sample stream exactly where the checkpoint left it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import signal
 import time
@@ -17,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_lm.config import Config, ConfigError, dump_config
+from moe_lm.config import Config, ConfigError, config_to_dict, dump_config
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.documents import DataError
-from moe_lm.data.prepare import build_signature, load_split, read_meta, signature_changes
+from moe_lm.data.prepare import build_signature, load_split, prepare_data, read_meta, signature_changes
 from moe_lm.interop.ds_checkpoint import latest_tag
 from moe_lm.model import Transformer, count_params
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
@@ -41,13 +43,16 @@ def train(cfg: Config) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev, t, run_dir = device(), cfg.train, Path(cfg.train.out_dir)
     tracker = Tracker(cfg, run_dir, enabled=rank == 0)
+    cfg, pretrained = _start_from(cfg, run_dir, tracker) if t.init_from else (cfg, None)
+    _prepare_default_corpus(cfg, tracker)
     data_meta = _check_inputs(cfg)
     windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
     evalsets = _evalsets(cfg, tracker)
     G = t.micro_batch_size * t.grad_accum_steps * world
     with run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
         torch.manual_seed(cfg.seed)
-        model = apply_expert_parallel(Transformer(cfg.model), cfg.parallel.ep_size)  # every rank: the same model
+        model = pretrained or Transformer(cfg.model)
+        model = apply_expert_parallel(model, cfg.parallel.ep_size)  # every rank: the same model
         engine = build_engine(model, cfg)
         start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
         if rank == 0:
@@ -59,6 +64,9 @@ def train(cfg: Config) -> dict:
         tracker.info(f"{_header(cfg, model, world, G, data_meta)}; MFU against {peak_source}")
         last_eval, bad_steps = {}, 0
         end_step = min(t.max_steps, t.stop_at) if t.stop_at else t.max_steps
+        evaluate_at = functools.partial(_evaluate, engine, model, evalsets, cfg, dev, data_meta["bos_id"], tracker)
+        if pretrained is not None and start_step == 0:
+            last_eval = evaluate_at(0)  # the pretrained model's own loss, before any update
         if start_step >= end_step:
             tracker.info(f"{run_dir} is at step {start_step} already (train.max_steps/stop_at end at {end_step})")
         for step in range(start_step, end_step):
@@ -81,9 +89,7 @@ def train(cfg: Config) -> dict:
                 row = {"step": step_done, "loss": loss, "aux_loss": aux, "lr": lr, "skipped": not applied}
                 _log_train(tracker, engine, model, {**row, **throughput(dt), "samples": first + G, **balance}, counts)
             if step_done % t.eval_interval == 0 or step_done == end_step:
-                last_eval = evaluate(engine, model, evalsets, t.micro_batch_size, dev)
-                tracker.log({"kind": "eval", "step": step_done, **last_eval})
-                tracker.console(_eval_line(last_eval), step_done)
+                last_eval = evaluate_at(step_done)
             signum = stop.requested(dev)
             if step_done % t.ckpt_interval == 0 or step_done == end_step or signum:
                 state = {"step": step_done, "samples": first + G, "global_batch": G}
@@ -127,6 +133,13 @@ def _micro_batches(windows: TrainWindows, first: int, t, rank: int, world: int, 
         yield windows.batch(first + (m * world + rank) * t.micro_batch_size, t.micro_batch_size).to(dev)
 
 
+def _evaluate(engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, step: int) -> dict:
+    result = evaluate(engine, model, evalsets, cfg.train.micro_batch_size, dev, doc_start_id)
+    tracker.log({"kind": "eval", "step": step, **result})
+    tracker.console(_eval_line(result), step)
+    return result
+
+
 def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: list[torch.Tensor]) -> None:
     grad_norm = engine.get_global_grad_norm()
     row = {"kind": "train", **row, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
@@ -142,6 +155,43 @@ def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: 
     )
 
 
+def _start_from(cfg: Config, run_dir: Path, tracker: Tracker) -> tuple[Config, Transformer | None]:
+    """train.init_from=hf:PATH: the checkpoint's architecture replaces cfg.model (the MoE section's training
+    settings stay the config's), and its weights are the model, unless the run resumes from its own checkpoint."""
+    from moe_lm.interop.hf import from_hf_config, import_hf
+
+    path = cfg.train.init_from.removeprefix("hf:")
+    try:
+        import transformers
+
+        model_cfg = from_hf_config(transformers.AutoConfig.from_pretrained(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: cannot load it ({e})") from None
+    keep = ("experts_impl", "bias_update_speed", "seq_aux_alpha", "aux_alpha")
+    model_cfg = dataclasses.replace(
+        model_cfg, moe=dataclasses.replace(model_cfg.moe, **{k: getattr(cfg.model.moe, k) for k in keep})
+    )
+    changed = [k for k, v in config_to_dict(model_cfg).items() if config_to_dict(cfg.model)[k] != v]
+    tracker.info(f"train.init_from: model.* from {path}/config.json ({', '.join(changed) or 'nothing'} changed)")
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    if cfg.train.resume and latest_tag(run_dir) is not None:
+        tracker.info(f"train.init_from: its weights are not loaded, {run_dir} resumes from its own checkpoint")
+        return cfg, None
+    model = Transformer(model_cfg)
+    model.load_state_dict(import_hf(path).state_dict())
+    return cfg, model
+
+
+def _prepare_default_corpus(cfg: Config, tracker: Tracker) -> None:
+    """The embedded corpus takes seconds to prepare: on a fresh clone rank 0 prepares it, the other ranks wait."""
+    if cfg.data.sources != ["default"] or (Path(cfg.data.out_dir) / "meta.json").is_file():
+        return
+    if dist.get_rank() == 0:
+        tracker.info(f"no prepared data in {cfg.data.out_dir}: preparing the embedded default corpus (once)")
+        prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed, log=tracker.info)
+    dist.barrier()
+
+
 def _check_inputs(cfg: Config) -> dict:
     """What can be checked before anything is built: the training objective, and that the prepared data is the
     one the config names (sources, their files, settings, vocabulary). Returns meta.json."""
@@ -151,10 +201,12 @@ def _check_inputs(cfg: Config) -> dict:
             "model.attn_mask=causal (prefix models can be built and exported, not trained, for now)"
         )
     meta = read_meta(cfg.data.out_dir)
-    if meta["vocab_size"] != cfg.model.vocab_size:
+    trained_here = cfg.data.tokenizer == "train"  # then the vocabulary is model.vocab_size pieces exactly
+    if meta["vocab_size"] > cfg.model.vocab_size or (trained_here and meta["vocab_size"] != cfg.model.vocab_size):
         raise DataError(
             f"{cfg.data.out_dir} was tokenized with {meta['vocab_size']} pieces but model.vocab_size="
-            f"{cfg.model.vocab_size}: prepare the data again with this config, or set model.vocab_size"
+            f"{cfg.model.vocab_size}: set model.vocab_size={meta['vocab_size']}"
+            + (", or prepare the data again with this config" if trained_here else " (or larger)")
         )
     # why not the seed: it only seeded the tokenizer's training; another training seed on the same data is fine
     changed = signature_changes(meta["signature"], build_signature(cfg.data, cfg.model.vocab_size, 0), ("seed",))

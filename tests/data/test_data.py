@@ -12,7 +12,7 @@ from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.default_corpus import DOMAINS, iter_default_corpus
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.prepare import is_validation, load_split, prepare_data
-from moe_lm.data.tokenizer import BOS_ID, load_tokenizer
+from moe_lm.data.tokenizer import load_data_tokenizer
 from tests.conftest import WORDS, write_folder_corpus
 
 
@@ -113,7 +113,8 @@ def test_prepare_writes_shards_with_document_and_domain_indices(prepared):
     meta = json.loads((out / "meta.json").read_text())
     manifest = json.loads((out / "manifest.json").read_text())
     assert meta["domains"] == sorted(WORDS)
-    sp = load_tokenizer(out / "tokenizer.model")
+    sp = load_data_tokenizer(out)
+    assert meta["bos_id"] == sp.bos_id == 1  # sentencepiece's BOS starts every document
     texts = {e["name"]: e for e in manifest["documents"]}
     n_seen = 0
     for split in ("train", "val"):
@@ -122,7 +123,7 @@ def test_prepare_writes_shards_with_document_and_domain_indices(prepared):
         assert shard.doc_offsets[-1] == len(shard.tokens) == meta["tokens"][split]
         for d in range(shard.n_docs):
             doc = shard.document(d)
-            assert doc[0] == BOS_ID  # every document starts with BOS
+            assert doc[0] == meta["bos_id"]  # every document starts with BOS
             entry = texts[names[d]]
             assert entry["split"] == split and shard.domains[shard.doc_domain[d]] == entry["domain"]
             # the shard holds exactly the tokens of the source document
@@ -153,7 +154,7 @@ def test_prepare_is_deterministic(tmp_path, prepared):
     out2 = prepare_data(cfg2, vocab_size=300, log=lambda s: None)
     for split in ("train", "val"):
         assert np.array_equal(load_split(out, split).tokens, load_split(out2, split).tokens)
-    sp1, sp2 = load_tokenizer(out / "tokenizer.model"), load_tokenizer(out2 / "tokenizer.model")
+    sp1, sp2 = load_data_tokenizer(out), load_data_tokenizer(out2)
     assert [sp1.id_to_piece(i) for i in range(300)] == [sp2.id_to_piece(i) for i in range(300)]
 
 

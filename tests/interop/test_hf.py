@@ -195,6 +195,11 @@ def test_export_cli_from_a_training_run(tiny_data, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "hf" / "tokenizer.model").is_file()
+    from moe_lm.data.tokenizer import load_data_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the export is usable by HF tools as is
+    text = "stir the onions slowly\n\tline 7\n"
+    assert tok.encode(text, add_special_tokens=False) == load_data_tokenizer(tiny_data.out_dir).encode(text)
     _, model, _ = load_model(tmp_path / "run")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 16))

@@ -180,7 +180,7 @@ def test_a_corpus_prepared_again_under_a_run_is_refused_on_resume(tmp_path):
     with pytest.raises(DataError, match="the source files' contents"):  # training notices the edit first
         loop.train(with_train(cfg, max_steps=4))
     prepare_data(data, vocab_size=VOCAB, force=True, log=lambda s: None)
-    with pytest.raises(RunError, match="is not the tokenizer .* was trained with"):
+    with pytest.raises(RunError, match="the tokenizer in .* is not the one .* was trained with"):
         loop.train(with_train(cfg, max_steps=4))
 
 

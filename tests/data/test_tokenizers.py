@@ -1,0 +1,143 @@
+"""Existing tokenizers: a sentencepiece .model, a Hugging Face tokenizer.json or tokenizer folder, kept as they are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moe_lm.config import DataConfig
+from moe_lm.data.documents import DataError
+from moe_lm.data.prepare import load_split, prepare_data
+from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.interop.hf_tokenizer import export_tokenizer
+from tests.conftest import WORDS, write_folder_corpus
+
+TEXT = [" ".join(words) for words in WORDS.values()] * 40 + ["def f(x):\n\treturn  x + 1\n"] * 40
+
+
+def bpe_json(folder: Path, specials: list[str], vocab: int = 280) -> Path:
+    """A byte-level BPE tokenizer.json trained with `tokenizers` (GPT-2 style)."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TEXT, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def spm_model(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "text.txt").write_text("\n".join(TEXT))
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "text.txt"), model_prefix=str(folder / "m"), vocab_size=60, minloglevel=2
+    )
+    return folder / "m.model"
+
+
+def prepare_with(tmp_path, tokenizer: str, vocab_size: int = 300) -> Path:
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
+    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "data"), val_fraction=0.2, tokenizer=tokenizer)
+    return prepare_data(cfg, vocab_size=vocab_size, log=lambda s: None)
+
+
+def assert_documents_round_trip(out: Path, start_id: int, lossless: bool = True) -> None:
+    """Every shard document is the start token plus exactly the tokenizer's encoding of its source file (which
+    decodes back to the file when the tokenizer is lossless)."""
+    tok = load_data_tokenizer(out)
+    n = 0
+    for split in ("train", "val"):
+        shard = load_split(out, split)
+        for d, name in enumerate(shard.doc_names()):
+            doc = np.asarray(shard.document(d)).tolist()
+            source = Path(name).read_text()
+            assert doc == [start_id, *tok.encode(source)]
+            assert not lossless or tok.decode(doc[1:]) == source
+            n += 1
+    assert n == 18
+
+
+def test_a_given_sentencepiece_model_is_kept(tmp_path):
+    model = spm_model(tmp_path / "spm")
+    out = prepare_with(tmp_path, str(model))
+    assert (out / "tokenizer.model").read_bytes() == model.read_bytes()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] == 60 and meta["tokenizer"]["kind"] == "sentencepiece"
+    assert meta["bos_id"] == spm.SentencePieceProcessor(model_file=str(model)).bos_id()
+    assert_documents_round_trip(out, meta["bos_id"], lossless=False)  # its NFKC folds newlines to spaces
+
+
+def test_a_tokenizer_json_with_bos_starts_documents_with_it(tmp_path):
+    path = bpe_json(tmp_path / "hf", ["<unk>", "<s>", "</s>"])
+    out = prepare_with(tmp_path, str(path))
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"] == {"kind": "hf", "source": str(path), "bos_id": 1, "eos_id": 2}
+    assert meta["bos_id"] == 1
+    assert_documents_round_trip(out, 1)
+
+
+def test_an_autotokenizer_folder_without_bos_separates_documents_with_eos(tmp_path):
+    """GPT-2 style: only <|endoftext|>, which then begins every document."""
+    path = bpe_json(tmp_path / "raw", ["<|endoftext|>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|endoftext|>")
+    fast.save_pretrained(tmp_path / "gpt2ish")
+    out = prepare_with(tmp_path, str(tmp_path / "gpt2ish"))
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"]["bos_id"] is None and meta["bos_id"] == meta["tokenizer"]["eos_id"] == 0
+    assert_documents_round_trip(out, 0)
+
+
+def test_tokenizer_errors_name_the_problem_and_the_fix(tmp_path):
+    path = bpe_json(tmp_path / "hf", ["<unk>", "<s>", "</s>"])
+    with pytest.raises(DataError, match=r"has 280 tokens but model.vocab_size=256: set model.vocab_size=280"):
+        prepare_with(tmp_path / "a", str(path), vocab_size=256)
+    with pytest.raises(DataError, match="neither a BOS nor an EOS"):
+        prepare_with(tmp_path / "b", str(bpe_json(tmp_path / "plain", ["<unk>"])))
+    with pytest.raises(DataError, match="data.tokenizer=.*nowhere.json: not found"):
+        prepare_with(tmp_path / "c", str(tmp_path / "nowhere.json"))
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(DataError, match="not a sentencepiece model"):
+        prepare_with(tmp_path / "d", str(tmp_path / "junk.model"))
+    assert not (tmp_path / "d" / "data").exists() and not (tmp_path / "d" / "data.partial").exists()
+
+
+def test_export_writes_a_tokenizer_autotokenizer_loads(tmp_path):
+    out = prepare_with(tmp_path, str(bpe_json(tmp_path / "hf", ["<unk>", "<s>", "</s>"])))
+    (tmp_path / "export").mkdir()
+    export_tokenizer(out, tmp_path / "export")
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ours = load_data_tokenizer(out)
+    for text in TEXT[:3] + ["unicode é 漢字 and  two spaces\n"]:
+        assert auto.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert auto.bos_token_id == ours.bos_id and auto.eos_token_id == ours.eos_id
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_a_trained_sentencepiece_tokenizer_exports_to_an_autotokenizer_with_the_same_ids(tmp_path, kind):
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
+    (corpus / "code").mkdir()
+    for f in sorted(Path(json.__file__).parent.glob("*.py")):  # real source: indentation, quotes, unicode escapes
+        (corpus / "code" / f"{f.stem}.txt").write_text(f.read_text())
+    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "data"), val_fraction=0.3, tokenizer_type=kind)
+    out = prepare_data(cfg, vocab_size=400, log=lambda s: None)
+    (tmp_path / "export").mkdir()
+    said = export_tokenizer(out, tmp_path / "export")
+    assert "Hugging Face conversion (same ids" in said
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ours = load_data_tokenizer(out)
+    texts = [Path(f).read_text() for f in sorted(Path(json.__file__).parent.glob("*.py"))]
+    texts += ["  lead\n\n\ttab 12345 é 漢字 🙂 end  ", "\n", " "]
+    for text in texts:
+        ids = auto.encode(text, add_special_tokens=False)
+        assert ids == ours.encode(text)
+        assert auto.decode(ids) == ours.decode(ids) == text  # byte fallback and identity normalisation: lossless
+    assert (auto.bos_token_id, auto.eos_token_id) == (ours.bos_id, ours.eos_id)
