@@ -21,11 +21,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--force", action="store_true", help="rebuild even if the data folder is up to date")
+    ap.add_argument("--workers", type=int, default=1, help="processes that tokenize (default 1)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. data.out_dir=data/mine")
     args = ap.parse_args()
     try:
         cfg = load_config(args.config, args.overrides)
-        prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed, force=args.force)
+        if args.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed, force=args.force, workers=args.workers)
     except (ConfigError, DataError) as e:
         sys.exit(f"error: {e}")
 

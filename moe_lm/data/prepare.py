@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,7 +27,8 @@ from tqdm import tqdm
 from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
 from moe_lm.data.documents import TEXT_SUFFIXES, DataError, Document, ReadReport, iter_source
-from moe_lm.data.shards import ShardWriter, TokenShard
+from moe_lm.data.shards import TokenShard
+from moe_lm.data.tokenize_shards import tokenize_to_shards
 from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer
 
 MIN_DEFAULT_DOMAINS = 4
@@ -111,9 +112,14 @@ def check_out_dir(cfg: DataConfig) -> None:
 
 
 def prepare_data(
-    cfg: DataConfig, vocab_size: int, seed: int = 0, force: bool = False, log: Callable[[str], None] = print
+    cfg: DataConfig,
+    vocab_size: int,
+    seed: int = 0,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    workers: int = 1,
 ) -> Path:
-    """Build the data folder if it is missing or `force`; returns its path."""
+    """Build the data folder if it is missing or `force` (tokenizing in `workers` processes); returns its path."""
     out = Path(cfg.out_dir)
     check_out_dir(cfg)
     signature = build_signature(cfg, vocab_size, seed)
@@ -134,7 +140,7 @@ def prepare_data(
     tmp.mkdir(parents=True)
     (tmp / PARTIAL_MARK).touch()
     try:
-        _build(cfg, vocab_size, seed, signature, tmp, log)
+        _build(cfg, vocab_size, seed, signature, tmp, log, workers)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: a copy of the corpus, not to be left behind
         raise
@@ -150,7 +156,7 @@ def prepare_data(
     return out
 
 
-def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Path, log) -> None:
+def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Path, log, workers: int) -> None:
     """The three passes, writing into `tmp`; meta.json last."""
     # Pass 1: read every source once into a local document stream; hash, dedupe, split.
     report = ReadReport()
@@ -179,15 +185,8 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
     tok = _tokenizer(cfg, docs_file, split_of, vocab_size, seed, tmp, log)
 
     # Pass 3: token shards; every document starts with the tokenizer's BOS (or, without one, its EOS).
-    writers = {s: ShardWriter(tmp / s, tok.vocab_size) for s in ("train", "val")}
-    tokens = defaultdict(Counter)
-    for doc in tqdm(_read_docs(docs_file), total=len(entries), desc="tokenizing", unit="doc", leave=False):
-        ids = [tok.doc_start_id, *tok.encode(doc.text)]
-        split = split_of[doc.name]
-        writers[split].add(ids, domains.index(doc.domain), doc.name)
-        tokens[split][doc.domain] += len(ids)
-    for w in writers.values():
-        w.close()
+    log(f"tokenizing {len(entries):,} documents" + (f" in {workers} processes" if workers > 1 else "") + " ...")
+    tokens = tokenize_to_shards(docs_file, split_of, domains, tmp, tmp, workers)
     docs_file.unlink()
 
     per_domain = {

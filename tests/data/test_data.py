@@ -190,3 +190,16 @@ def test_eval_windows_stay_inside_their_domain(prepared):
     for domain, windows in sets.items():
         stream = np.concatenate([val.document(d) for d in val.domain_docs(domain)])
         assert np.array_equal(windows[0].numpy(), stream[:17])
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_tokenizing_in_several_processes_writes_the_same_bytes(tmp_path, prepared, workers):
+    cfg, out = prepared
+    cfg2 = DataConfig(sources=cfg.sources, out_dir=str(tmp_path / "parallel"), val_fraction=0.2)
+    out2 = prepare_data(cfg2, vocab_size=300, log=lambda s: None, workers=workers)
+    for split in ("train", "val"):
+        for name in ("tokens.bin", "doc_offsets.npy", "doc_domain.npy", "doc_names.json", "shard.json"):
+            assert (out / split / name).read_bytes() == (out2 / split / name).read_bytes(), (split, name)
+    meta, meta2 = (json.loads((d / "meta.json").read_text()) for d in (out, out2))
+    assert meta["tokens"] == meta2["tokens"]
+    assert sorted(p.name for p in out2.iterdir()) == sorted(p.name for p in out.iterdir())  # no part folders left
