@@ -3,11 +3,14 @@
     python launch/analyze_routing.py --run runs/tiny --out runs/tiny/analysis
     python launch/analyze_routing.py --run runs/tiny --data my_corpus/ --out analysis_mine --tokens . , the what
     python launch/analyze_routing.py --run runs/tiny --compare runs/tiny:step_00000250 --out analysis  # saturation
+    python launch/analyze_routing.py --hf path/to/DeepSeek-V2-Lite --data corpus/ --out analysis_v2lite
 
-Default data: the run's validation split (documents with their domains). --data takes .txt/.jsonl files or
-folders (a sub-folder per domain), tokenised with the run's tokenizer. Writes into --out: trace/ (the recorded
-routing, see moe_lm/analysis/trace.py), trace_init/ (the same tokens through the untrained model: baseline N1),
-figures/*.png, routing.html and metrics.json; and logs the figures to the run's wandb if it has one.
+--run: a moe-lm run (default data: its validation split, documents with their domains); --hf: a transformers MoE
+checkpoint (DeepseekV3/V2, Glm4Moe, Qwen2Moe/Qwen3Moe, OlmoE, Mixtral) with its own tokenizer, in --dtype on
+--device. --data takes .txt/.jsonl files or folders (a sub-folder per domain), tokenised with the subject's
+tokenizer. Writes into --out: trace/ (the recorded routing, see moe_lm/analysis/trace.py), trace_init/ (the same
+tokens through the untrained model: baseline N1, for --hf the architecture re-initialised), figures/*.png,
+routing.html and metrics.json; and logs the figures to the run's wandb if it has one.
 """
 
 from __future__ import annotations
@@ -15,16 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
+from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
 from moe_lm.analysis.report import build_report
 from moe_lm.analysis.trace import record_trace
+from moe_lm.config import Config
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.prepare import load_split
-from moe_lm.data.tokenizer import Tokenizer, load_data_tokenizer
+from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.model import Transformer
 from moe_lm.train.tracker import open_wandb
@@ -43,11 +51,63 @@ def user_documents(paths: list[str], tok: Tokenizer, domains: list[str]):
     print(report.summary(), file=sys.stderr)
 
 
+@dataclass
+class Subject:
+    """What is analysed: the model, its tokenizer, the window length, and how to build its untrained twin (N1)."""
+
+    model: nn.Module
+    tok: Tokenizer
+    seq_len: int
+    untrained: Callable[[], nn.Module]
+    source: dict
+    run: Path | None = None  # a moe-lm run folder (its metrics, wandb and validation split)
+    cfg: Config | None = None
+
+
+def run_subject(spec) -> Subject:
+    """A moe-lm run's checkpoint; N1 is the same config at the run's own initial weights."""
+    run, tag = spec
+    cfg, model, tag = load_model(run, tag)
+
+    def untrained() -> nn.Module:
+        torch.manual_seed(cfg.seed)  # the same initial weights the run started from
+        return Transformer(cfg.model)
+
+    tok = load_data_tokenizer(cfg.data.out_dir)
+    return Subject(model, tok, cfg.train.seq_len, untrained, {"run": str(run), "tag": tag}, run, cfg)
+
+
+def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
+    """A transformers MoE checkpoint with its own tokenizer; N1 is its architecture re-initialised (seed 0)."""
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    n = parameter_count(transformers.AutoConfig.from_pretrained(path))
+    gib = n * torch.tensor([], dtype=torch_dtype).element_size() / 2**30
+    print(f"{path}: {n / 1e9:.2f} B parameters, {gib:.1f} GiB of weights in {dtype}")
+    placement = {"device_map": "auto"} if device == "auto" else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
+    if device != "auto":
+        hf = hf.to(device)
+    model, config, where = HFMoEModel(hf.eval()), hf.config, hf.device
+
+    def untrained() -> nn.Module:  # why config and device, not hf: the checkpoint's weights may be freed first
+        torch.manual_seed(0)
+        twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        return HFMoEModel(twin.to(where).eval())
+
+    seq_len = min(seq_len, getattr(config, "max_position_embeddings", seq_len))
+    source = {"hf": str(path), "model_type": config.model_type}
+    return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True, type=parse_run, help="run folder, optionally RUN:TAG for a checkpoint")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", type=parse_run, help="a moe-lm run folder, optionally RUN:TAG for a checkpoint")
+    what.add_argument("--hf", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default: the run's validation split)")
+    ap.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default with --run: its validation split)")
     ap.add_argument(
         "--compare", type=parse_run, help="another checkpoint (RUN or RUN:TAG) routed on the same tokens: saturation"
     )
@@ -56,14 +116,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--min-count", type=int, default=20, help="minimum occurrences for vocabulary specialisation")
     ap.add_argument("--no-init-baseline", action="store_true", help="skip the untrained-model baseline (N1)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
+    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
+    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
     args = ap.parse_args()
     out = Path(args.out)
-    run, tag = args.run
+    if args.hf and not args.data:
+        ap.error("--hf needs --data (files or folders to route)")
     try:
-        cfg, model, tag = load_model(run, tag)
-        tok = load_data_tokenizer(cfg.data.out_dir)
-    except (FileNotFoundError, DataError, ValueError) as e:
+        subject = hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
+    except (FileNotFoundError, DataError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    tok = subject.tok
 
     def documents():
         if args.data:
@@ -77,24 +141,24 @@ def main() -> None:
         domains: list[str] = []
         source = {"data": args.data}
     else:
-        shard = load_split(cfg.data.out_dir, "val")
+        shard = load_split(subject.cfg.data.out_dir, "val")
         domains = list(shard.domains)
-        source = {"data": f"{cfg.data.out_dir} (validation split)"}
-    common = dict(seq_len=cfg.train.seq_len, batch_size=args.batch_size, max_tokens=args.max_tokens)
+        source = {"data": f"{subject.cfg.data.out_dir} (validation split)"}
+    common = dict(seq_len=subject.seq_len, batch_size=args.batch_size, max_tokens=args.max_tokens)
     try:
         trace = record_trace(
-            model, documents(), out / "trace", domains, source={**source, "run": str(run), "tag": tag}, **common
+            subject.model, documents(), out / "trace", domains, source={**source, **subject.source}, **common
         )
     except DataError as e:
         sys.exit(f"error: --data: {e}")
     if trace.n == 0:
         sys.exit(f"error: no tokens to analyse in {source['data']}")
     print(f"recorded {trace.n:,} tokens in {trace.meta['n_docs']} documents at {trace.meta['tokens_per_s']:,.0f} tok/s")
+    subject.model = None  # why: the N1 twin is built next; one copy of a large model at a time
     init_trace = None
     if not args.no_init_baseline:
-        torch.manual_seed(cfg.seed)  # the same initial weights the run started from
         init_trace = record_trace(
-            Transformer(cfg.model),
+            subject.untrained(),
             documents(),
             out / "trace_init",
             domains,
@@ -112,10 +176,15 @@ def main() -> None:
         compare_trace = record_trace(
             cmodel, documents(), out / "trace_compare", domains, source={**source, "run": label}, **common
         )
-    metrics_file = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else None
+    metrics_file = subject.run / "metrics.jsonl" if subject.run else None
+    rows = (
+        [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        if metrics_file and metrics_file.is_file()
+        else None
+    )
     result = build_report(trace, out, tok, args.tokens, init_trace, compare_trace, label, rows, args.min_count)
-    _log_wandb(cfg, run, out, result)
+    if subject.run:
+        _log_wandb(subject.cfg, subject.run, out, result)
     base = result["baseline_uniform_N0"]
     for layer, lm in result["layers"].items():
         r = lm["repetition"]

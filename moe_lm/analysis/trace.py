@@ -10,8 +10,9 @@ Format (a folder, append-only while recording; `meta.json` is written last and n
     weights_L{l}.f16       their gate weights            [N, K] float16
 Tokens of one document are contiguous and in order, so consecutive rows with the same doc are neighbours.
 
-Recording uses forward hooks on the routers' outputs (the `Routing` they return), never a recomputation from
-logits: under biased, group-limited routing only the router knows what it chose.
+Recording uses forward hooks on the routers' outputs (the `Routing` ours return, or the (logits, weights, indices)
+of a transformers gate; see hf_routing.py), never a recomputation from logits: under biased, group-limited routing
+only the router knows what it chose.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moe_lm.model import Transformer
+from moe_lm.analysis.hf_routing import gate_choices
+from moe_lm.model import Routing, Transformer
 
 FORMAT_VERSION = 1
 
@@ -123,7 +125,8 @@ class TraceWriter:
 
 
 class RoutingRecorder:
-    """Context manager: forward hooks that keep each MoE layer's last Routing (what the router returned)."""
+    """Context manager: forward hooks that keep each MoE layer's last choice, (experts [T, K], weights [T, K]) on
+    the CPU, from what the router returned. `model`: our Transformer, or an `HFMoEModel`."""
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
@@ -142,8 +145,9 @@ class RoutingRecorder:
         self._hooks.clear()
 
     def _hook(self, layer_id: int):
-        def hook(module, inputs, routing) -> None:
-            self.last[layer_id] = (routing.topk_idx.detach(), routing.topk_weight.detach())
+        def hook(module, inputs, output) -> None:
+            idx, w = (output.topk_idx, output.topk_weight) if isinstance(output, Routing) else gate_choices(output)
+            self.last[layer_id] = (idx.detach().cpu(), w.detach().cpu())
 
         return hook
 

@@ -1,0 +1,157 @@
+"""Routing analytics of transformers MoE checkpoints: the trace holds what each architecture's gate chose.
+
+Per architecture, a tiny random model made by transformers itself (config -> model -> save_pretrained, with a
+tiny tokenizer), with non-trivial selection biases where the architecture has them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
+from moe_lm.analysis.trace import RoutingRecorder
+from tests.conftest import WORDS, write_folder_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = dict(
+    vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, num_experts_per_tok=2,
+)  # fmt: skip
+# MLA has no grouped keys: as many key/value heads as query heads
+MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+CONFIGS = {
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, **MLA, n_routed_experts=8, n_shared_experts=1,
+        moe_intermediate_size=16, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+    ),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{**COMMON, "num_key_value_heads": 4}, **MLA, n_routed_experts=8, n_shared_experts=1,
+        moe_intermediate_size=16, n_group=4, topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1,
+    ),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16, n_group=4, topk_group=2,
+        first_k_dense_replace=1, head_dim=8,
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=16, head_dim=8),
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=8),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=8),
+}  # fmt: skip
+TEXT = [" ".join(words) for words in WORDS.values()] * 20
+
+
+def tiny_tokenizer(folder: Path) -> None:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TEXT, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+
+
+def tiny_checkpoint(kind: str, folder: Path) -> Path:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else None
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a strong, uneven selection bias
+                buf.copy_(torch.linspace(-0.3, 0.3, buf.numel())[torch.randperm(buf.numel())])
+    model.save_pretrained(folder)
+    tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=SUPPORTED)
+def checkpoint(request, tmp_path_factory):
+    return request.param, tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_every_supported_architecture_is_covered():
+    assert set(CONFIGS) == set(SUPPORTED)
+
+
+@torch.no_grad()
+def test_recorded_choices_are_what_the_gate_chose_and_all_the_model_used(checkpoint):
+    kind, path = checkpoint
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = HFMoEModel(hf)
+    tokens = torch.randint(0, 290, (3, 40), generator=torch.Generator().manual_seed(1))
+    gate_inputs = {}
+    hooks = [
+        g.register_forward_pre_hook(lambda m, a, l=l: gate_inputs.__setitem__(l, a[0])) for l, g in model.gates.items()
+    ]  # noqa: E501
+    with RoutingRecorder(model) as rec:
+        logits = model(tokens).logits
+    for h in hooks:
+        h.remove()
+    assert sorted(rec.last) == model.moe_layer_ids() and len(rec.last) >= 2
+    biased = False
+    for layer, gate in model.gates.items():
+        idx, w = rec.last[layer]
+        assert idx.shape == (3 * 40, gate.top_k)
+        _, own_w, own_idx = gate(gate_inputs[layer])  # the gate's own output, called again on the same input
+        assert torch.equal(idx.sort(-1).values, own_idx.sort(-1).values)
+        assert (w[:, :-1] >= w[:, 1:]).all()  # largest weight first
+        order = own_idx.argsort(-1)
+        torch.testing.assert_close(
+            w.gather(1, idx.argsort(-1)), own_w.float().gather(1, order), rtol=0, atol=0
+        )  # each expert keeps its own weight
+        if hasattr(gate, "e_score_correction_bias"):
+            plain = (gate_inputs[layer].reshape(-1, gate.hidden_dim) @ gate.weight.T).sigmoid().topk(gate.top_k).indices
+            biased |= not torch.equal(plain.sort(-1).values, idx.sort(-1).values)
+    if kind in ("deepseek_v3", "glm4_moe"):
+        assert biased, "the selection bias changed no choice: the test would not see it"
+
+    # a forward pass whose gates return exactly the recorded experts and weights gives the same logits
+    def replay(layer):
+        return lambda m, args, out: (out[0], rec.last[layer][1].to(out[1].dtype), rec.last[layer][0])
+
+    hooks = [g.register_forward_hook(replay(layer)) for layer, g in model.gates.items()]
+    try:
+        replayed = model(tokens).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    torch.testing.assert_close(replayed, logits, rtol=0, atol=1e-6)
+
+
+def test_analyze_routing_cli_on_the_checkpoint(checkpoint, tmp_path):
+    kind, path = checkpoint
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
+    out = tmp_path / "report"
+    cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), "--hf", str(path), "--data", str(corpus)]
+    cmd += ["--out", str(out), "--tokens", "the", "--min-count", "3", "--max-tokens", "20000", "--seq-len", "64"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "trace" / "meta.json").read_text())
+    assert meta["source"]["model_type"] == kind and meta["domains"] == sorted(WORDS)
+    assert meta["n_experts"] == 8 and meta["k"] == 2 and meta["n_tokens"] > 500
+    assert (out / "trace_init" / "meta.json").is_file() and (out / "routing.html").is_file()
+    result = json.loads((out / "metrics.json").read_text())
+    assert set(map(int, result["layers"])) == set(meta["layers"])
+    shares = np.array(result["layers"][str(meta["layers"][0])]["domain_token_share"])
+    np.testing.assert_allclose(shares.sum(1), 2.0)  # each domain's top-2 shares sum to k
+    assert list((out / "figures").glob("domain_experts_L*.png"))
+
+
+def test_an_unsupported_architecture_is_a_clear_error():
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    with pytest.raises(ValueError, match="'llama' is not supported.*deepseek_v3"):
+        HFMoEModel(transformers.AutoModelForCausalLM.from_config(cfg))
