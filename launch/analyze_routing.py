@@ -16,6 +16,7 @@ routing.html and metrics.json; and logs the figures to the run's wandb if it has
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 from collections.abc import Callable
@@ -40,11 +41,11 @@ from moe_lm.train.tracker import open_wandb
 DEFAULT_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
 
 
-def user_documents(paths: list[str], tok: Tokenizer, domains: list[str]):
-    """(domain index, token ids) for every document of the user's files; `domains` fills as names appear."""
+def user_documents(paths: list[str], tok: Tokenizer, domains: list[str], text_field: str, domain_field: str):
+    """(domain index, token ids) for every document of the user's sources; `domains` fills as names appear."""
     report = ReadReport()
     for path in paths:
-        for doc in iter_source(path, report):
+        for doc in iter_source(path, report, text_field, domain_field):
             if doc.domain not in domains:
                 domains.append(doc.domain)
             yield domains.index(doc.domain), np.array([tok.doc_start_id, *tok.encode(doc.text)], dtype=np.int64)
@@ -107,7 +108,13 @@ def main() -> None:
     what.add_argument("--run", type=parse_run, help="a moe-lm run folder, optionally RUN:TAG for a checkpoint")
     what.add_argument("--hf", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--data", nargs="*", help=".txt/.jsonl files or folders (default with --run: its validation split)")
+    ap.add_argument(
+        "--data",
+        nargs="*",
+        help="sources as in data.sources: files, folders, parquet, hf:NAME (default with --run: its validation split)",
+    )
+    ap.add_argument("--text-field", default="text", help="the column (or .jsonl key) with the text")
+    ap.add_argument("--domain-field", default="domain", help="the column naming the domain (absent: source name)")
     ap.add_argument(
         "--compare", type=parse_run, help="another checkpoint (RUN or RUN:TAG) routed on the same tokens: saturation"
     )
@@ -131,11 +138,11 @@ def main() -> None:
 
     def documents():
         if args.data:
-            return user_documents(args.data, tok, domains)
+            return user_documents(args.data, tok, domains, args.text_field, args.domain_field)
         return ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
 
     if args.data:
-        missing = [p for p in args.data if not Path(p).exists()]
+        missing = [p for p in args.data if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
         if missing:
             sys.exit(f"error: --data: not found: {', '.join(missing)} (give .txt/.jsonl files or folders)")
         domains: list[str] = []

@@ -184,8 +184,12 @@ class DataConfig:
     """Corpus, tokenizer and token shards (built by launch/prepare_data.py, read by training and analytics)."""
 
     # "default" builds the embedded multi-domain corpus from text this Python installation carries; otherwise
-    # paths to .txt / .jsonl files or folders (a folder of sub-folders is one domain per sub-folder).
+    # paths to .txt / .jsonl files or folders (a folder of sub-folders is one domain per sub-folder), .parquet /
+    # .arrow files, globs or folders of them, save_to_disk folders, or hf:NAME[:CONFIG][@SPLIT] (streamed).
     sources: list[str] = field(default_factory=lambda: ["default"])
+    # The column (or .jsonl key) that holds the text, and the one that names the domain (absent: the source's name).
+    text_field: str = "text"
+    domain_field: str = "domain"
     # Where the manifest, tokenizer and shards go.
     out_dir: str = "data/default"
     # Share of documents held out for validation (chosen by a hash of the document name, so stable).
@@ -200,6 +204,9 @@ class DataConfig:
 
     def validate(self, path: str = "data") -> None:
         _require(len(self.sources) > 0, f"{path}.sources", "must name at least one source (or 'default')")
+        _require(
+            bool(self.text_field) and bool(self.domain_field), f"{path}.text_field", "and domain_field must be set"
+        )
         _require(0.0 < self.val_fraction < 0.5, f"{path}.val_fraction", "must be in (0, 0.5)")
         _require(self.max_mb_per_domain > 0, f"{path}.max_mb_per_domain", "must be positive")
 

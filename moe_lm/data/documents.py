@@ -64,7 +64,9 @@ def read_text(path: Path, report: ReadReport) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
-def iter_file(path: Path, domain: str | None, report: ReadReport) -> Iterator[Document]:
+def iter_file(
+    path: Path, domain: str | None, report: ReadReport, text_field: str = "text", domain_field: str = "domain"
+) -> Iterator[Document]:
     """Documents of one .txt (the whole file is one document) or .jsonl file (one per line)."""
     if path.suffix == ".txt":
         text = read_text(path, report)
@@ -84,23 +86,33 @@ def iter_file(path: Path, domain: str | None, report: ReadReport) -> Iterator[Do
         except json.JSONDecodeError:
             report.skip("invalid JSON line", where)
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            report.skip("jsonl line without a string 'text' field", where)
+        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+            report.skip(f"jsonl line without a string {text_field!r} field", where)
             continue
-        if not obj["text"].strip():
+        if not obj[text_field].strip():
             report.skip("empty text", where)
             continue
-        line_domain = obj.get("domain")
-        yield Document(where, str(line_domain) if line_domain is not None else (domain or path.stem), obj["text"])
+        line_domain = obj.get(domain_field)
+        yield Document(where, str(line_domain) if line_domain is not None else (domain or path.stem), obj[text_field])
 
 
-def iter_source(source: str | Path, report: ReadReport) -> Iterator[Document]:
-    """Documents of one user source: a file, a folder of files (one domain), or a folder of domain folders."""
+def iter_source(
+    source: str | Path, report: ReadReport, text_field: str = "text", domain_field: str = "domain"
+) -> Iterator[Document]:
+    """Documents of one user source: a file, a folder of files (one domain), a folder of domain folders, or a
+    datasets-format source (parquet, arrow, save_to_disk, hf:NAME; see dataset_sources.py)."""
+    from moe_lm.data.dataset_sources import is_dataset_source, iter_dataset  # why here: it imports this module
+
+    if is_dataset_source(str(source)):
+        yield from _counted(iter_dataset(str(source), report, text_field, domain_field), report)
+        return
     path = Path(source)
     if not path.exists():
-        raise DataError(f"data source not found: {path} (give .txt/.jsonl files or folders, or 'default')")
+        raise DataError(
+            f"data source not found: {path} (give .txt/.jsonl/.parquet/.arrow files or folders, hf:NAME, or 'default')"
+        )
     if path.is_file():
-        yield from _counted(iter_file(path, None, report), report)
+        yield from _counted(iter_file(path, None, report, text_field, domain_field), report)
         return
     subdirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     groups = [(d.name, d) for d in subdirs] if subdirs else [(path.name, path)]
@@ -112,7 +124,7 @@ def iter_source(source: str | Path, report: ReadReport) -> Iterator[Document]:
         n_before = sum(report.documents.values())
         for f in files:
             # a .jsonl line's own "domain" field wins over its folder
-            yield from _counted(iter_file(f, domain, report), report)
+            yield from _counted(iter_file(f, domain, report, text_field, domain_field), report)
         if sum(report.documents.values()) == n_before:
             raise DataError(f"domain folder {folder} holds no usable .txt/.jsonl documents; remove it or add text")
 

@@ -14,6 +14,7 @@ its own partial folder (which holds a copy of the corpus) and nothing more.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moe_lm.config import DataConfig
+from moe_lm.data.dataset_sources import dataset_files, is_dataset_source
 from moe_lm.data.default_corpus import iter_default_corpus
 from moe_lm.data.documents import TEXT_SUFFIXES, DataError, Document, ReadReport, iter_source
 from moe_lm.data.shards import TokenShard
@@ -42,7 +44,7 @@ def iter_documents(cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
         if source == "default":
             yield from iter_default_corpus(cfg.max_mb_per_domain, report)
         else:
-            yield from iter_source(source, report)
+            yield from iter_source(source, report, cfg.text_field, cfg.domain_field)
 
 
 def is_validation(name: str, val_fraction: float) -> bool:
@@ -66,7 +68,8 @@ def build_signature(cfg: DataConfig, vocab_size: int, seed: int) -> dict:
 
 
 def sources_fingerprint(sources: list[str]) -> str | None:
-    """A hash of every source file's path, size and modification time (None for the embedded corpus alone).
+    """A hash of every source file's path, size and modification time, and of hf: names (None for the embedded
+    corpus alone).
 
     why not the contents: a stat per file is cheap enough to check at every training start, even for a large
     corpus; an edit changes the size or the modification time.
@@ -75,8 +78,12 @@ def sources_fingerprint(sources: list[str]) -> str | None:
     for source in sources:
         if source == "default":
             continue
-        path = Path(source).resolve()
-        found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+        if is_dataset_source(source):
+            found = dataset_files(source)
+            files += [source] if source.startswith("hf:") else []  # a hub dataset: its name (it cannot be stat'ed)
+        else:
+            path = Path(source).resolve()
+            found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
         for f in found:
             st = f.stat()
             files.append(f"{f}\t{st.st_size}\t{st.st_mtime_ns}")
@@ -94,9 +101,9 @@ def check_out_dir(cfg: DataConfig) -> None:
     source, or that holds files other than a data folder's own."""
     out = Path(cfg.out_dir).resolve()
     for source in cfg.sources:
-        if source == "default":
+        if source == "default" or source.startswith("hf:"):
             continue
-        src = Path(source).resolve()
+        src = (Path(source).parent if glob.has_magic(source) else Path(source)).resolve()
         if out == src or out in src.parents or src in out.parents:
             raise DataError(
                 f"data.out_dir={cfg.out_dir} overlaps the source {source}; preparing would overwrite the corpus. "

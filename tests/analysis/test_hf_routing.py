@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
@@ -19,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
 from moe_lm.analysis.trace import RoutingRecorder
-from tests.conftest import WORDS, write_folder_corpus
+from tests.conftest import WORDS, make_text
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = dict(
@@ -132,15 +134,19 @@ def test_recorded_choices_are_what_the_gate_chose_and_all_the_model_used(checkpo
 
 
 def test_analyze_routing_cli_on_the_checkpoint(checkpoint, tmp_path):
+    """The talk's set-up: a parquet file whose `subject` column names the domain (as MMLU's subjects)."""
     kind, path = checkpoint
-    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
+    subjects = dict(zip(("abstract_algebra", "professional_law", "world_religions"), WORDS, strict=True))
+    rows = [{"question": make_text(d, i), "subject": s} for s, d in subjects.items() for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mmlu_like.parquet")
     out = tmp_path / "report"
-    cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), "--hf", str(path), "--data", str(corpus)]
+    cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), "--hf", str(path)]
+    cmd += ["--data", str(tmp_path / "mmlu_like.parquet"), "--text-field", "question", "--domain-field", "subject"]
     cmd += ["--out", str(out), "--tokens", "the", "--min-count", "3", "--max-tokens", "20000", "--seq-len", "64"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "trace" / "meta.json").read_text())
-    assert meta["source"]["model_type"] == kind and meta["domains"] == sorted(WORDS)
+    assert meta["source"]["model_type"] == kind and meta["domains"] == list(subjects)
     assert meta["n_experts"] == 8 and meta["k"] == 2 and meta["n_tokens"] > 500
     assert (out / "trace_init" / "meta.json").is_file() and (out / "routing.html").is_file()
     result = json.loads((out / "metrics.json").read_text())

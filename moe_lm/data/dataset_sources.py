@@ -1,0 +1,157 @@
+"""Corpora in Hugging Face `datasets` formats, streamed as documents like any other source.
+
+    corpus/part-0.parquet, corpus/*.parquet, corpus/      parquet files, a glob of them, or a folder of them
+    shard.arrow                                           an Arrow file as `datasets` writes it
+    saved/                                                a folder written by Dataset(Dict).save_to_disk
+    hf:NAME, hf:NAME:CONFIG, hf:NAME@SPLIT, hf:NAME:CONFIG@SPLIT   `datasets.load_dataset(..., streaming=True)`
+
+Rows are read in batches (parquet row groups, memory-mapped Arrow, or the hub's stream), so a corpus larger than
+memory, or for hf: than the disk, is fine. The text is the `text_field` column; the domain is the `domain_field`
+column where the source has one, else the source's name. A source without the text column, or without rows, is an
+error naming it; a row whose text is not a non-empty string is a counted skip.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterator
+from pathlib import Path
+
+from moe_lm.data.documents import DataError, Document, ReadReport
+
+BATCH = 1024
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def is_dataset_source(source: str) -> bool:
+    """Whether `source` is one of this module's kinds (else a .txt/.jsonl file or folder)."""
+    if source.startswith("hf:"):
+        return True
+    if glob.has_magic(source):
+        return any(Path(p).suffix in (".parquet", ".arrow") for p in glob.glob(source))
+    path = Path(source)
+    if path.is_file():
+        return path.suffix in (".parquet", ".arrow")
+    return path.is_dir() and (any((path / m).is_file() for m in SAVED_MARKERS) or any(path.glob("*.parquet")))
+
+
+def dataset_files(source: str) -> list[Path]:
+    """The local files a source reads (for the change fingerprint); none for hf: sources."""
+    if source.startswith("hf:"):
+        return []
+    if glob.has_magic(source):
+        return sorted(Path(p).resolve() for p in glob.glob(source))
+    path = Path(source).resolve()
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def iter_dataset(source: str, report: ReadReport, text_field: str, domain_field: str) -> Iterator[Document]:
+    """Documents of one datasets-format source."""
+    if source.startswith("hf:"):
+        name, config, split = parse_hf(source)
+        yield from _rows(_hub_batches(name, config, split), source, name.rstrip("/").split("/")[-1], report,
+                         text_field, domain_field)  # fmt: skip
+        return
+    files = sorted(glob.glob(source)) if glob.has_magic(source) else None
+    path = Path(source)
+    if files is None and path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
+        yield from _rows(_saved_batches(path), source, path.name, report, text_field, domain_field)
+        return
+    if files is None:
+        files = [str(path)] if path.is_file() else sorted(str(p) for p in path.glob("*.parquet"))
+    if not files:
+        raise DataError(f"data source {source}: no .parquet or .arrow files match")
+    for f in files:
+        # without a domain column: a file's own name, or the folder's for a folder or glob of parts
+        domain = Path(f).stem if path.is_file() else Path(f).parent.name
+        yield from _rows(_file_batches(Path(f)), f, domain, report, text_field, domain_field)
+
+
+def parse_hf(source: str) -> tuple[str, str | None, str]:
+    """hf:NAME[:CONFIG][@SPLIT] -> (NAME, CONFIG or None, SPLIT, default "train")."""
+    spec, _, split = source.removeprefix("hf:").partition("@")
+    name, _, config = spec.partition(":")
+    if not name:
+        raise DataError(f"data source {source}: expected hf:NAME[:CONFIG][@SPLIT], e.g. hf:allenai/c4:en@train")
+    return name, config or None, split or "train"
+
+
+def _rows(batches, where: str, default_domain: str, report: ReadReport, text_field: str, domain_field: str):
+    """Documents from (column names, batch of columns) pairs; checks the text column once, counts bad rows."""
+    n = 0
+    for columns, batch in batches:
+        if text_field not in columns:
+            raise DataError(
+                f"data source {where} has no column {text_field!r} (its columns: {', '.join(columns)}); "
+                "set data.text_field to the column that holds the text"
+            )
+        texts, domains = batch[text_field], batch.get(domain_field)
+        for i, text in enumerate(texts):
+            row = n + i
+            if not isinstance(text, str):
+                report.skip(f"row whose {text_field!r} is not a string", f"{where}:{row}")
+            elif not text.strip():
+                report.skip("empty text", f"{where}:{row}")
+            else:
+                domain = str(domains[i]) if domains is not None and domains[i] is not None else default_domain
+                yield Document(f"{where}:{row}", domain, text)
+        n += len(texts)
+    if n == 0:
+        raise DataError(f"data source {where} has no rows (an empty file or split)")
+
+
+def _file_batches(path: Path):
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file it cannot read
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+        names = pf.schema_arrow.names
+        for batch in pf.iter_batches(batch_size=BATCH):
+            yield names, batch.to_pydict()
+        return
+    import datasets
+
+    try:
+        ds = datasets.Dataset.from_file(str(path))
+    except Exception as e:  # the same for Arrow files
+        raise DataError(f"{path}: not a readable Arrow file as datasets writes them ({e})") from None
+    yield from _dataset_batches(ds)
+
+
+def _saved_batches(folder: Path):
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except Exception as e:  # datasets raises several types (and fails on an empty saved table)
+        raise DataError(f"{folder}: datasets cannot load this save_to_disk folder ({type(e).__name__}: {e})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if "train" not in loaded and len(splits) != 1:
+            raise DataError(f"{folder} holds splits {splits}: none is 'train'; give one split's folder instead")
+        loaded = loaded["train" if "train" in loaded else splits[0]]
+    yield from _dataset_batches(loaded)
+
+
+def _hub_batches(name: str, config: str | None, split: str):
+    import datasets
+
+    stream = datasets.load_dataset(name, config, split=split, streaming=True)
+    yield from _dataset_batches(stream)
+
+
+def _dataset_batches(ds):
+    """(column names, batch) pairs of a Dataset or IterableDataset; an empty one yields one empty batch."""
+    names = list(ds.column_names or (ds.features or {}))
+    if hasattr(ds, "__len__") and len(ds) == 0:  # why: datasets' iter() fails on an empty table
+        yield names, {name: [] for name in names}
+        return
+    empty = True
+    for batch in ds.iter(batch_size=BATCH):
+        empty = False
+        yield list(batch), batch
+    if empty:
+        yield names, {name: [] for name in names}
