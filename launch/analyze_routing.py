@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
-from moe_lm.analysis.report import build_report
+from moe_lm.analysis.report import build_report, figure_layers
 from moe_lm.analysis.trace import record_trace
 from moe_lm.config import Config
 from moe_lm.data.documents import DataError, ReadReport, iter_source
@@ -123,6 +123,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--min-count", type=int, default=20, help="minimum occurrences for vocabulary specialisation")
     ap.add_argument("--no-init-baseline", action="store_true", help="skip the untrained-model baseline (N1)")
+    ap.add_argument(
+        "--layers",
+        nargs="*",
+        type=int,
+        help="MoE layers to draw and tabulate (default: all up to 8 MoE layers, "
+        "else the first, middle and last; the metrics cover every layer)",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
     ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
     ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
@@ -189,7 +196,14 @@ def main() -> None:
         if metrics_file and metrics_file.is_file()
         else None
     )
-    result = build_report(trace, out, tok, args.tokens, init_trace, compare_trace, label, rows, args.min_count)
+    try:
+        drawn = figure_layers(trace.layers, args.layers)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    print(f"figures and preferred-token tables for MoE layers {drawn} (--layers to choose)")
+    result = build_report(
+        trace, out, tok, args.tokens, init_trace, compare_trace, label, rows, args.min_count, layers_to_draw=drawn
+    )
     if subject.run:
         _log_wandb(subject.cfg, subject.run, out, result)
     base = result["baseline_uniform_N0"]
@@ -203,7 +217,8 @@ def main() -> None:
             f"{r['topk_overlap']:.3f} (random {base['topk_overlap']:.3f})"
         )
     print(
-        f"wrote {out / 'metrics.json'}, {out / 'routing.html'} and {len(list((out / 'figures').glob('*.png')))} figures"
+        f"wrote {out / 'metrics.json'}, {out / 'metrics.csv'}, {out / 'routing.html'} and "
+        f"{len(list((out / 'figures').glob('*.png')))} figures"
     )
 
 

@@ -204,9 +204,8 @@ class DataConfig:
 
     def validate(self, path: str = "data") -> None:
         _require(len(self.sources) > 0, f"{path}.sources", "must name at least one source (or 'default')")
-        _require(
-            bool(self.text_field) and bool(self.domain_field), f"{path}.text_field", "and domain_field must be set"
-        )
+        for name in ("text_field", "domain_field"):
+            _require(bool(getattr(self, name)), f"{path}.{name}", "must name a column (e.g. 'text' / 'domain')")
         _require(0.0 < self.val_fraction < 0.5, f"{path}.val_fraction", "must be in (0, 0.5)")
         _require(self.max_mb_per_domain > 0, f"{path}.max_mb_per_domain", "must be positive")
 

@@ -17,8 +17,9 @@ def palette(n: int) -> list[str]:
     return [matplotlib.colors.to_hex(cmap(i % cmap.N)) for i in range(n)]
 
 
-def routing_page(samples: list[dict], layers: list[int], n_experts: int, title: str) -> str:
-    """samples: [{"domain", "pieces": [str], "experts": {layer: [[e...]...]}, "weights": {layer: [[w...]...]}}]."""
+def routing_page(samples: list[dict], layers: list[int], n_experts: int, title: str, extra_html: str = "") -> str:
+    """samples: [{"domain", "pieces": [str], "experts": {layer: [[e...]...]}, "weights": {layer: [[w...]...]}}];
+    `extra_html` (already escaped) is appended after the documents."""
     colors = palette(n_experts)
     blocks = []
     for s in samples:
@@ -40,12 +41,14 @@ def routing_page(samples: list[dict], layers: list[int], n_experts: int, title: 
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:1.5em;max-width:70em}} .doc{{font-family:monospace;white-space:pre-wrap;
 line-height:1.7;border:1px solid #ddd;padding:.6em}} .t{{border-radius:2px;padding:0 1px}} .key{{padding:2px 6px;
-margin:2px;display:inline-block;font-family:monospace;color:#111}}</style></head><body>
+margin:2px;display:inline-block;font-family:monospace;color:#111}} .pref td{{padding:2px 8px;vertical-align:top;
+border-bottom:1px solid #eee}}</style></head><body>
 <h2>{html.escape(title)}</h2>
 <p>Each token is coloured by its <b>first-choice</b> expert in the selected layer; hover for every layer's chosen
 experts and gate weights.</p>
 <label>Layer <select id="layer" onchange="paint()">{options}</select></label><div>{legend}</div>
 {"".join(blocks)}
+{extra_html}
 <script>const C={json.dumps(colors)};
 function paint(){{const l=document.getElementById('layer').value;
 for(const s of document.querySelectorAll('.t')){{s.style.background=C[JSON.parse(s.dataset.e)[l]]+'99';}}}}

@@ -161,6 +161,36 @@ def vocabulary_specialisation(
     }
 
 
+def preferred_tokens(
+    experts: np.ndarray, token: np.ndarray, n_experts: int, min_count: int = 20, top: int = 10
+) -> list[list[dict]]:
+    """Per expert, its most preferred token ids: those (seen at least min_count times) whose occurrences pick the
+    expert most often relative to its base rate. lift = P(e in top-k | token) / P(e in top-k); 1 = no preference,
+    E/K = every occurrence of the token picks e while e takes the uniform share. Ties: the more frequent first."""
+    K = experts.shape[1]
+    token = np.asarray(token)
+    ids, inverse, counts = np.unique(token, return_inverse=True, return_counts=True)
+    per = np.zeros((len(ids), n_experts))
+    np.add.at(per, (np.repeat(inverse, K), np.asarray(experts, np.int64).ravel()), 1.0)
+    share = per / counts[:, None]  # P(e in top-k | token)
+    base = per.sum(0) / len(token)  # P(e in top-k)
+    keep = counts >= min_count
+    out = []
+    for e in range(n_experts):
+        if base[e] == 0 or not keep.any():
+            out.append([])
+            continue
+        lift = np.where(keep, share[:, e] / base[e], -np.inf)
+        order = np.lexsort((-counts, -lift))[: min(top, int(keep.sum()))]
+        out.append(
+            [
+                {"token": int(ids[i]), "count": int(counts[i]), "share": float(share[i, e]), "lift": float(lift[i])}
+                for i in order
+            ]  # fmt: skip
+        )
+    return out
+
+
 # ------------------------------------------------------------------------------------ consecutive tokens
 
 

@@ -137,6 +137,22 @@ def saturation_by_layer(layers: list[int], values: dict[int, float], k: int, E: 
     return fig
 
 
+def ablation_heatmap(delta: np.ndarray, control: np.ndarray, targets: list[str], domains: list[str]):
+    """Δloss (nats) per ablated target (rows) and domain (columns), the controls' mean Δ in brackets."""
+    lim = max(float(np.nanmax(np.abs(delta))), 1e-6)
+    fig, ax = plt.subplots(figsize=(1.6 * len(domains) + 2.5, 0.45 * len(targets) + 1.8))
+    im = ax.imshow(delta, aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim)
+    for i in range(len(targets)):
+        for j in range(len(domains)):
+            ax.text(j, i, f"{delta[i, j]:+.3f}\n({control[i, j]:+.3f})", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(domains)), domains, rotation=30, ha="right")
+    ax.set_yticks(range(len(targets)), targets)
+    ax.set_title("Loss change when routing around experts (controls: random experts of the layer)", fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.03, label="Δ loss (nats/token)")
+    fig.tight_layout()
+    return fig
+
+
 def save(fig, path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -7,6 +7,8 @@ occurrences of each token id (what is left of domain specialisation once the tok
 
 from __future__ import annotations
 
+import csv
+import html
 import json
 from math import log
 from pathlib import Path
@@ -63,6 +65,22 @@ def chosen_token_ids(tok, texts: list[str]) -> dict[str, int]:
     return found
 
 
+MAX_DEFAULT_FIGURE_LAYERS = 8
+
+
+def figure_layers(layers: list[int], chosen: list[int] | None = None) -> list[int]:
+    """The layers drawn per layer: `chosen`, or all of them up to MAX_DEFAULT_FIGURE_LAYERS, else the first, middle
+    and last MoE layers (a 58-MoE-layer model would otherwise draw 174 figures; metrics cover every layer)."""
+    if chosen:
+        unknown = sorted(set(chosen) - set(layers))
+        if unknown:
+            raise ValueError(f"--layers {unknown} are not MoE layers of this model (those are {layers})")
+        return sorted(set(chosen))
+    if len(layers) <= MAX_DEFAULT_FIGURE_LAYERS:
+        return list(layers)
+    return sorted({layers[0], layers[len(layers) // 2], layers[-1]})
+
+
 def build_report(
     trace: Trace,
     out: Path,
@@ -75,12 +93,15 @@ def build_report(
     min_count: int = 20,
     n_boot: int = 500,
     html_tokens: int = 250,
+    layers_to_draw: list[int] | None = None,
 ) -> dict:
-    """Write metrics.json, figures/*.png and routing.html into `out`; returns the metrics."""
+    """Write metrics.json, metrics.csv (tidy: layer x domain x expert), figures/*.png and routing.html into `out`;
+    returns the metrics. Per-layer figures and preferred-token tables for `figure_layers(...)`, numbers for all."""
     out.mkdir(parents=True, exist_ok=True)
     figs = out / "figures"
     figs.mkdir(exist_ok=True)
     E, K, layers, domains = trace.n_experts, trace.k, trace.layers, trace.domains
+    drawn = figure_layers(layers, layers_to_draw)
     n_per_domain = np.bincount(np.asarray(trace.domain, np.int64), minlength=len(domains))
     result: dict = {
         "trace": {
@@ -103,11 +124,15 @@ def build_report(
             "maxvio_floor": M.max_vio_floor(trace.n, E, K, trials=50),
         },
         "layers": {},
+        "figure_layers": drawn,
     }
     shuffled = M.shuffle_domains_within_token(trace.token, trace.domain)  # one N2 draw for every layer
     for layer in layers:
         lm = layer_metrics(trace, layer, min_count, n_boot, shuffled)
         result["layers"][str(layer)] = lm
+        if layer not in drawn:
+            continue
+        lm["preferred_tokens"] = M.preferred_tokens(np.asarray(trace.experts(layer)), trace.token, E, min_count)
         plots.save(
             plots.domain_expert_bars(np.array(lm["domain_token_share"]), domains, K, layer, n_per_domain),
             figs / f"domain_experts_L{layer}.png",
@@ -164,11 +189,54 @@ def build_report(
         train = [r for r in metrics_rows if r["kind"] == "train"]
         evals = [r for r in metrics_rows if r["kind"] == "eval"]
         plots.save(plots.load_over_training(train, evals, layers), figs / "load_over_training.png")
+    preferred = {layer: result["layers"][str(layer)]["preferred_tokens"] for layer in drawn}
     (out / "routing.html").write_text(
-        routing_page(_samples(trace, tok, html_tokens), layers, E, "Routing: first-choice expert per token")
+        routing_page(
+            _samples(trace, tok, html_tokens),
+            layers,
+            E,
+            "Routing: first-choice expert per token",
+            preferred_tables(preferred, tok, min_count),
+        )
     )
+    write_tidy(result, out / "metrics.csv")
     (out / "metrics.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def write_tidy(result: dict, path: Path) -> None:
+    """One row per layer x domain x expert: the domain's tokens, token-slots to the expert, its token share (a
+    domain's sum to K), assignment share (sum to 1) and relative load (mean 1), for re-plotting elsewhere."""
+    domains, K = result["trace"]["domains"], result["trace"]["k"]
+    tokens = result["trace"]["tokens_per_domain"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["layer", "domain", "expert", "domain_tokens", "token_slots", "token_share", "assignment_share",
+                    "relative_load"])  # fmt: skip
+        for layer, lm in result["layers"].items():
+            for d, name in enumerate(domains):
+                for e, share in enumerate(lm["domain_token_share"][d]):
+                    slots = round(share * tokens[d])
+                    w.writerow([layer, name, e, tokens[d], slots, share, share / K, lm["domain_relative_load"][d][e]])
+
+
+def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:
+    """HTML tables: per drawn layer and expert, its most preferred tokens with lift, share and count."""
+    parts = [
+        f"<h2>Most preferred tokens per expert</h2><p>Tokens seen at least {min_count} times, ranked by lift = "
+        "P(expert in top-k | token) / P(expert in top-k); share = P(expert in top-k | token); n = occurrences.</p>"
+    ]
+    for layer, experts in preferred.items():
+        rows = []
+        for e, top in enumerate(experts):
+            cells = " ".join(
+                f"<code>{html.escape(repr(tok.id_to_piece(t['token']).replace(chr(0x2581), ' ')))}</code> "
+                f"×{t['lift']:.1f} ({t['share']:.0%}, n={t['count']})"
+                for t in top
+            )
+            rows.append(f"<tr><td>e{e}</td><td>{cells or '-'}</td></tr>")
+        parts.append(f"<h3>layer {layer}</h3><table class='pref'>{''.join(rows)}</table>")
+    return "".join(parts)
 
 
 def _samples(trace: Trace, tok: Tokenizer, n_tokens: int) -> list[dict]:

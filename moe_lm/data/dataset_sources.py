@@ -8,7 +8,8 @@
 Rows are read in batches (parquet row groups, memory-mapped Arrow, or the hub's stream), so a corpus larger than
 memory, or for hf: than the disk, is fine. The text is the `text_field` column; the domain is the `domain_field`
 column where the source has one, else the source's name. A source without the text column, or without rows, is an
-error naming it; a row whose text is not a non-empty string is a counted skip.
+error naming it; a row whose text is not a non-empty string is a counted skip. Documents are named
+`<file>:<row>` or `hf:NAME[:CONFIG]@SPLIT:<row>` (the split always written, so `hf:x` and `hf:x@train` agree).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from moe_lm.data.documents import DataError, Document, ReadReport
 
 BATCH = 1024
+DATASET_SUFFIXES = (".parquet", ".arrow")
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
@@ -28,41 +30,41 @@ def is_dataset_source(source: str) -> bool:
     if source.startswith("hf:"):
         return True
     if glob.has_magic(source):
-        return any(Path(p).suffix in (".parquet", ".arrow") for p in glob.glob(source))
+        return bool(_data_files(source))
     path = Path(source)
     if path.is_file():
-        return path.suffix in (".parquet", ".arrow")
-    return path.is_dir() and (any((path / m).is_file() for m in SAVED_MARKERS) or any(path.glob("*.parquet")))
+        return path.suffix in DATASET_SUFFIXES
+    return path.is_dir() and (_is_saved(path) or bool(_data_files(source)))
 
 
 def dataset_files(source: str) -> list[Path]:
-    """The local files a source reads (for the change fingerprint); none for hf: sources."""
+    """The local files a source reads, resolved (for the change fingerprint); none for hf: sources."""
     if source.startswith("hf:"):
         return []
-    if glob.has_magic(source):
-        return sorted(Path(p).resolve() for p in glob.glob(source))
-    path = Path(source).resolve()
-    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    path = Path(source)
+    if not glob.has_magic(source) and path.is_dir() and _is_saved(path):
+        # why every file: the Arrow shards and the state/info json files together make the saved dataset
+        return sorted(p.resolve() for p in path.rglob("*") if p.is_file())
+    return [Path(f).resolve() for f in _data_files(source)]
 
 
 def iter_dataset(source: str, report: ReadReport, text_field: str, domain_field: str) -> Iterator[Document]:
     """Documents of one datasets-format source."""
     if source.startswith("hf:"):
         name, config, split = parse_hf(source)
-        yield from _rows(_hub_batches(name, config, split), source, name.rstrip("/").split("/")[-1], report,
-                         text_field, domain_field)  # fmt: skip
+        where = hf_source_name(name, config, split)
+        domain = name.rstrip("/").split("/")[-1]  # "allenai/c4" -> "c4"
+        yield from _rows(_hub_batches(where, name, config, split), where, domain, report, text_field, domain_field)
         return
-    files = sorted(glob.glob(source)) if glob.has_magic(source) else None
     path = Path(source)
-    if files is None and path.is_dir() and any((path / m).is_file() for m in SAVED_MARKERS):
+    if not glob.has_magic(source) and path.is_dir() and _is_saved(path):
         yield from _rows(_saved_batches(path), source, path.name, report, text_field, domain_field)
         return
-    if files is None:
-        files = [str(path)] if path.is_file() else sorted(str(p) for p in path.glob("*.parquet"))
+    files = _data_files(source)
     if not files:
-        raise DataError(f"data source {source}: no .parquet or .arrow files match")
+        raise DataError(f"data source {source}: no .parquet or .arrow files match; check the path or the glob")
     for f in files:
-        # without a domain column: a file's own name, or the folder's for a folder or glob of parts
+        # without a domain column: a file's own name, or its folder's for a folder or glob of parts
         domain = Path(f).stem if path.is_file() else Path(f).parent.name
         yield from _rows(_file_batches(Path(f)), f, domain, report, text_field, domain_field)
 
@@ -76,16 +78,36 @@ def parse_hf(source: str) -> tuple[str, str | None, str]:
     return name, config or None, split or "train"
 
 
+def hf_source_name(name: str, config: str | None, split: str) -> str:
+    """The canonical spelling hf:NAME[:CONFIG]@SPLIT, the prefix of its documents' names."""
+    return f"hf:{name}{':' + config if config else ''}@{split}"
+
+
+def _is_saved(folder: Path) -> bool:
+    """Whether a folder was written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return any((folder / m).is_file() for m in SAVED_MARKERS)
+
+
+def _data_files(source: str) -> list[str]:
+    """The .parquet/.arrow files a file, glob or folder names, sorted (a folder: its own files, not sub-folders')."""
+    if glob.has_magic(source):
+        found = glob.glob(source)
+    else:
+        path = Path(source)
+        found = [str(p) for p in path.iterdir()] if path.is_dir() else [source] if path.is_file() else []
+    return sorted(f for f in found if Path(f).suffix in DATASET_SUFFIXES and Path(f).is_file())
+
+
 def _rows(batches, where: str, default_domain: str, report: ReadReport, text_field: str, domain_field: str):
-    """Documents from (column names, batch of columns) pairs; checks the text column once, counts bad rows."""
+    """Documents from (column names, batch of columns) pairs; checks the text column, counts bad rows."""
     n = 0
     for columns, batch in batches:
-        if text_field not in columns:
+        if columns and text_field not in columns:  # why `columns and`: an empty stream may not know its columns
             raise DataError(
                 f"data source {where} has no column {text_field!r} (its columns: {', '.join(columns)}); "
                 "set data.text_field to the column that holds the text"
             )
-        texts, domains = batch[text_field], batch.get(domain_field)
+        texts, domains = batch.get(text_field, []), batch.get(domain_field)
         for i, text in enumerate(texts):
             row = n + i
             if not isinstance(text, str):
@@ -97,17 +119,18 @@ def _rows(batches, where: str, default_domain: str, report: ReadReport, text_fie
                 yield Document(f"{where}:{row}", domain, text)
         n += len(texts)
     if n == 0:
-        raise DataError(f"data source {where} has no rows (an empty file or split)")
+        raise DataError(f"data source {where} has no rows (an empty file or split); remove it from data.sources")
 
 
 def _file_batches(path: Path):
+    """Batches of one .parquet file (by row groups) or one .arrow file (memory-mapped)."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
             pf = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file it cannot read
-            raise DataError(f"{path}: not a readable parquet file ({e})") from None
+            raise DataError(f"{path}: not a readable parquet file ({e}); replace or remove it") from None
         names = pf.schema_arrow.names
         for batch in pf.iter_batches(batch_size=BATCH):
             yield names, batch.to_pydict()
@@ -117,11 +140,12 @@ def _file_batches(path: Path):
     try:
         ds = datasets.Dataset.from_file(str(path))
     except Exception as e:  # the same for Arrow files
-        raise DataError(f"{path}: not a readable Arrow file as datasets writes them ({e})") from None
+        raise DataError(f"{path}: not an Arrow file as datasets writes them ({e}); replace or remove it") from None
     yield from _dataset_batches(ds)
 
 
 def _saved_batches(folder: Path):
+    """Batches of a save_to_disk folder: the Dataset, or a DatasetDict's train split (or its only split)."""
     import datasets
 
     try:
@@ -131,16 +155,31 @@ def _saved_batches(folder: Path):
     if isinstance(loaded, datasets.DatasetDict):
         splits = list(loaded)
         if "train" not in loaded and len(splits) != 1:
-            raise DataError(f"{folder} holds splits {splits}: none is 'train'; give one split's folder instead")
+            raise DataError(f"{folder} holds splits {splits}, none named 'train'; give one split's folder instead")
         loaded = loaded["train" if "train" in loaded else splits[0]]
     yield from _dataset_batches(loaded)
 
 
-def _hub_batches(name: str, config: str | None, split: str):
+def _hub_batches(where: str, name: str, config: str | None, split: str):
+    """Batches of datasets.load_dataset(NAME, CONFIG, split=SPLIT, streaming=True): nothing is downloaded whole."""
     import datasets
 
-    stream = datasets.load_dataset(name, config, split=split, streaming=True)
-    yield from _dataset_batches(stream)
+    try:
+        stream = datasets.load_dataset(name, config, split=split, streaming=True)
+    except StopIteration:  # why: datasets peeks at the first row to infer columns, and an empty split has none
+        raise DataError(f"data source {where} has no rows (an empty split); remove it from data.sources") from None
+    except Exception as e:  # unknown name, config or split, no network, gated dataset, ...: many types
+        raise DataError(
+            f"data source {where}: datasets.load_dataset could not open it ({type(e).__name__}: {e}); "
+            "check NAME, CONFIG and SPLIT in hf:NAME[:CONFIG][@SPLIT], the network, and HF_TOKEN for gated data"
+        ) from e
+    try:
+        yield from _dataset_batches(stream)
+    except Exception as e:  # a broken shard or a dropped connection mid-stream: say which source
+        raise DataError(
+            f"data source {where}: reading the stream failed ({type(e).__name__}: {e}); "
+            "check the dataset's files and the network, then prepare again"
+        ) from e
 
 
 def _dataset_batches(ds):

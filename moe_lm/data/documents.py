@@ -129,6 +129,17 @@ def iter_source(
             raise DataError(f"domain folder {folder} holds no usable .txt/.jsonl documents; remove it or add text")
 
 
+def source_files(source: str | Path) -> list[Path]:
+    """The local files a source reads, resolved, for the change fingerprint ([] for hf: sources: nothing to stat)."""
+    from moe_lm.data.dataset_sources import dataset_files, is_dataset_source  # why here: it imports this module
+
+    if is_dataset_source(str(source)):
+        return dataset_files(str(source))
+    path = Path(source).resolve()
+    # why every .txt/.jsonl below the folder (not only those read): a new file there is a change worth noticing
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+
+
 def _counted(docs: Iterator[Document], report: ReadReport) -> Iterator[Document]:
     for doc in docs:
         report.documents[doc.domain] += 1

@@ -26,9 +26,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moe_lm.config import DataConfig
-from moe_lm.data.dataset_sources import dataset_files, is_dataset_source
 from moe_lm.data.default_corpus import iter_default_corpus
-from moe_lm.data.documents import TEXT_SUFFIXES, DataError, Document, ReadReport, iter_source
+from moe_lm.data.documents import DataError, Document, ReadReport, iter_source, source_files
 from moe_lm.data.shards import TokenShard
 from moe_lm.data.tokenize_shards import tokenize_to_shards
 from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer
@@ -78,13 +77,9 @@ def sources_fingerprint(sources: list[str]) -> str | None:
     for source in sources:
         if source == "default":
             continue
-        if is_dataset_source(source):
-            found = dataset_files(source)
-            files += [source] if source.startswith("hf:") else []  # a hub dataset: its name (it cannot be stat'ed)
-        else:
-            path = Path(source).resolve()
-            found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
-        for f in found:
+        if source.startswith("hf:"):
+            files.append(source)  # a hub dataset cannot be stat'ed: its name stands for it
+        for f in source_files(source):
             st = f.stat()
             files.append(f"{f}\t{st.st_size}\t{st.st_mtime_ns}")
     return hashlib.sha256("\n".join(files).encode()).hexdigest() if files else None

@@ -53,15 +53,21 @@ def select_experts(
 def select_experts_torch(scores_TE, bias_E, k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
     """`select_experts` in PyTorch ops: any device and dtype, and the reference the kernel is tested against."""
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
-    if n_group > 1:
-        T, E = choice_TE.shape
-        grouped_TGe = choice_TE.view(T, n_group, E // n_group)
-        group_score_TG = grouped_TGe.topk(2, dim=-1).values.sum(-1)
-        keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
-        keep_TG.scatter_(1, group_score_TG.topk(topk_group, dim=-1).indices, True)
-        # why -inf and not 0: biased scores can be negative, so a 0 could still beat an eligible expert.
-        choice_TE = grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
-    return choice_TE.topk(k, dim=-1).indices
+    return limit_to_groups(choice_TE, n_group, topk_group).topk(k, dim=-1).indices
+
+
+def limit_to_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Choice scores [T, E] with every expert outside the `topk_group` best groups (by the sum of their top-2
+    scores) set to -inf."""
+    if n_group <= 1:
+        return choice_TE
+    T, E = choice_TE.shape
+    grouped_TGe = choice_TE.view(T, n_group, E // n_group)
+    group_score_TG = grouped_TGe.topk(2, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
+    keep_TG.scatter_(1, group_score_TG.topk(topk_group, dim=-1).indices, True)
+    # why -inf and not 0: biased scores can be negative, so a 0 could still beat an eligible expert.
+    return grouped_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def gate_weights(scores_TE: torch.Tensor, idx_TK: torch.Tensor, norm_topk_prob: bool, scale: float) -> torch.Tensor:

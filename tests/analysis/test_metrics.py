@@ -130,3 +130,35 @@ def test_jsd_and_domain_shuffle_baseline():
     shuffled2 = M.shuffle_domains_within_token(token, domain2)
     for t in range(30):  # each token id keeps its domain mix
         assert sorted(shuffled2[token == t]) == sorted(domain2[token == t])
+
+
+def test_preferred_tokens_of_a_token_id_router_are_its_own_tokens():
+    """Expert = token id mod E (k = 1): each expert's preferred tokens are exactly the ids it gets, with lift =
+    1 / (its base rate); tokens below min_count are left out."""
+    rng = np.random.default_rng(0)
+    E = 4
+    token = rng.integers(0, 12, 6000)
+    token[:5] = 99  # a rare token (5 occurrences, routed to expert 3)
+    experts = (token % E)[:, None]
+    pref = M.preferred_tokens(experts, token, E, min_count=20, top=10)
+    for e in range(E):
+        base = np.mean(token % E == e)
+        got = {t["token"] for t in pref[e] if t["lift"] > 1}
+        assert got == {t for t in range(12) if t % E == e}
+        for t in pref[e]:
+            if t["token"] % E == e:
+                assert t["share"] == 1.0 and t["lift"] == pytest.approx(1 / base)
+            else:
+                assert t["share"] == 0.0 and t["lift"] == 0.0
+    assert all(t["token"] != 99 for p in pref for t in p)
+    assert all(p[i]["lift"] >= p[i + 1]["lift"] for p in pref for i in range(len(p) - 1))
+
+
+def test_figure_layers_default_and_choice():
+    from moe_lm.analysis.report import figure_layers
+
+    assert figure_layers([1, 2, 3]) == [1, 2, 3]
+    assert figure_layers(list(range(3, 61))) == [3, 32, 60]  # a DeepSeek-V3-sized stack: first, middle, last
+    assert figure_layers(list(range(3, 61)), [10, 5]) == [5, 10]
+    with pytest.raises(ValueError, match=r"\[2\] are not MoE layers"):
+        figure_layers(list(range(3, 61)), [2])

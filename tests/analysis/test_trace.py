@@ -133,6 +133,17 @@ def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, tmp
     assert "init_N1" in m and "maxvio_floor" in m["baseline_uniform_N0"] and "1" in m["saturation"]
     page = (out / "routing.html").read_text()
     assert '<select id="layer"' in page and page.count("class='t'") > 100 and "L1: e" in page
+    assert "Most preferred tokens per expert" in page and len(layer["preferred_tokens"]) == 8
+    # the tidy table: one row per layer x domain x expert, consistent with metrics.json
+    import csv
+
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert len(rows) == len(m["layers"]) * 3 * 8
+    for d, name in enumerate(m["trace"]["domains"]):
+        mine = [r for r in rows if r["layer"] == "1" and r["domain"] == name]
+        assert sum(float(r["token_share"]) for r in mine) == pytest.approx(2)  # k
+        assert sum(int(r["token_slots"]) for r in mine) == 2 * m["trace"]["tokens_per_domain"][d]
+        assert [float(r["relative_load"]) for r in mine] == pytest.approx(layer["domain_relative_load"][d])
 
 
 def test_analyze_routing_on_the_users_own_files(tiny_run, tmp_path):

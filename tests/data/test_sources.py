@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import numpy as np
@@ -10,10 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moe_lm.config import DataConfig
+from moe_lm.config import ConfigError, DataConfig
 from moe_lm.data.dataset_sources import parse_hf
-from moe_lm.data.documents import DataError, ReadReport, iter_source
-from moe_lm.data.prepare import load_split, prepare_data
+from moe_lm.data.documents import DataError, ReadReport, iter_source, source_files
+from moe_lm.data.prepare import load_split, prepare_data, sources_fingerprint
 from moe_lm.data.tokenizer import load_data_tokenizer
 from tests.conftest import WORDS, make_text
 
@@ -107,3 +108,94 @@ def test_prepare_on_parquet_keeps_the_domain_column(tmp_path):
             assert shard.domains[shard.doc_domain[d]] == by_name[name]["domain"]
             assert tok.decode(np.asarray(shard.document(d))[1:].tolist()) == by_name[name]["text"]
     assert meta["signature"]["source_files"]  # an edit to the parquet file makes the data stale
+
+
+def test_domains_come_from_the_column_stringified_else_from_the_source(tmp_path):
+    rows = [{"text": "alpha beta", "domain": 3}, {"text": "gamma delta", "domain": None}]
+    assert [d.domain for d in read(write_parquet(tmp_path / "nums.parquet", rows))[0]] == ["3", "nums"]
+    for domain in ("law", "art"):  # a glob over domain folders: each file's folder names its domain
+        write_parquet(tmp_path / "by" / domain / "p.parquet", [{"text": f"{domain} text"}])
+    docs, report = read(f"{tmp_path}/by/*/*.parquet")
+    assert [(d.text, d.domain) for d in docs] == [("art text", "art"), ("law text", "law")]
+    assert report.documents == {"art": 1, "law": 1}
+
+
+def test_a_dataset_dict_reads_its_only_split_and_refuses_an_ambiguous_one(tmp_path):
+    ds = datasets.Dataset.from_list(ROWS)
+    datasets.DatasetDict({"validation": ds.select(range(4))}).save_to_disk(tmp_path / "one")
+    assert [d.text for d in read(tmp_path / "one")[0]] == [r["text"] for r in ROWS[:4]]
+    datasets.DatasetDict({"a": ds, "b": ds}).save_to_disk(tmp_path / "two")
+    with pytest.raises(DataError, match=r"splits \['a', 'b'\], none named 'train'; give one split's folder"):
+        read(tmp_path / "two")
+
+
+def test_hf_documents_are_named_canonically_with_the_name_as_domain(tmp_path):
+    hub = tmp_path / "org" / "corpus"
+    write_parquet(hub / "train.parquet", [{"text": r["text"]} for r in ROWS])
+    docs, report = read(f"hf:{hub}")  # no split given: train, written out in the names
+    assert [d.name for d in docs] == [f"hf:{hub}@train:{i}" for i in range(len(ROWS))]
+    assert [d.text for d in docs] == [r["text"] for r in ROWS]
+    assert report.documents == {"corpus": len(ROWS)}  # NAME's last path component
+
+
+def test_hf_errors_name_the_source(tmp_path):
+    (tmp_path / "empty").mkdir()
+    pq.ParquetWriter(tmp_path / "empty" / "train.parquet", pa.schema([("text", pa.string())])).close()
+    with pytest.raises(DataError, match=re.escape(f"hf:{tmp_path / 'empty'}@train has no rows")):
+        read(f"hf:{tmp_path / 'empty'}")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "train.jsonl").write_text("")  # no rows, and so no columns either
+    with pytest.raises(DataError, match=re.escape(f"hf:{tmp_path / 'blank'}@train has no rows")):
+        read(f"hf:{tmp_path / 'blank'}")
+    write_parquet(tmp_path / "hub" / "train.parquet", [{"content": "hello"}])
+    with pytest.raises(DataError, match=r"hub@train has no column 'text' \(its columns: content\)"):
+        read(f"hf:{tmp_path / 'hub'}")
+    with pytest.raises(DataError, match=r"hub@validation: datasets.load_dataset could not open it .*SPLIT"):
+        read(f"hf:{tmp_path / 'hub'}@validation")
+
+
+def test_missing_paths_and_empty_globs_are_named(tmp_path):
+    for source in (tmp_path / "gone.parquet", tmp_path / "gone", f"{tmp_path}/gone/*.parquet"):
+        with pytest.raises(DataError, match=re.escape(f"data source not found: {source}")):
+            read(source)
+
+
+def test_jsonl_honours_text_and_domain_fields(tmp_path):
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps({"body": r["text"], "topic": r["domain"]}) for r in ROWS] + [json.dumps({"body": 3})]
+    path.write_text("\n".join(lines) + "\n")
+    docs, report = read(path, text_field="body", domain_field="topic")
+    assert [(d.text, d.domain) for d in docs] == [(r["text"], r["domain"]) for r in ROWS]
+    assert report.skipped == {"jsonl line without a string 'body' field": 1}
+    assert report.examples["jsonl line without a string 'body' field"] == [f"{path}:{len(ROWS) + 1}"]
+    docs, report = read(path)  # the default fields: no line has a "text" key
+    assert docs == [] and report.skipped == {"jsonl line without a string 'text' field": len(ROWS) + 1}
+
+
+def test_source_files_and_the_fingerprint_follow_what_is_read(tmp_path):
+    parts = [write_parquet(tmp_path / "corpus" / f"p{i}.parquet", ROWS[:2]) for i in range(2)]
+    (tmp_path / "corpus" / "README.md").write_text("not data")
+    expected = [p.resolve() for p in parts]
+    assert source_files(tmp_path / "corpus") == expected
+    assert source_files(f"{tmp_path}/corpus/*.parquet") == expected
+    assert source_files(parts[0]) == expected[:1]
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "saved")
+    saved = source_files(tmp_path / "saved")
+    assert {"state.json", "dataset_info.json"} <= {p.name for p in saved} and any(p.suffix == ".arrow" for p in saved)
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("some text")
+    assert source_files(tmp_path / "txt") == [(tmp_path / "txt" / "a.txt").resolve()]
+    assert source_files("hf:allenai/c4:en@train") == []
+
+    sources = [str(tmp_path / "corpus"), "hf:allenai/c4:en@train"]
+    before = sources_fingerprint(sources)
+    assert sources_fingerprint(["hf:allenai/c4:en@train"]) is not None  # a hub name alone still counts
+    assert sources_fingerprint([sources[0], "hf:allenai/c4:en@validation"]) != before
+    write_parquet(parts[0], ROWS[:3])  # an edit to one part
+    assert sources_fingerprint(sources) != before
+
+
+def test_empty_field_names_are_refused():
+    for name in ("text_field", "domain_field"):
+        with pytest.raises(ConfigError, match=rf"data\.{name} must name a column"):
+            DataConfig(**{name: ""}).validate()

@@ -1,0 +1,136 @@
+"""Causal expert ablation: route around chosen experts and measure each domain's loss change, against controls.
+
+Routing around an expert drops it just before the top-k: the router chooses its groups as always, then each token
+takes its next choice within them, with the gate weights of what it now chooses (from the unbiased scores, as
+always); a token whose kept groups hold fewer than k remaining experts takes its next choices from any group. It
+is applied from outside, as a hook that replaces the router's output with the router's own maths (its group limit
+and gate weights); the model code is untouched.
+
+The effect is measured per document (summed token losses), so its intervals come from a bootstrap over documents;
+the control for ablating n experts of a layer is ablating n other experts of that layer chosen at random.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moe_lm.analysis.trace import document_chunks
+from moe_lm.model import Routing, Transformer
+from moe_lm.model.router import gate_weights, limit_to_groups
+
+
+@contextlib.contextmanager
+def route_around(model: Transformer, layer: int, experts: Iterable[int]):
+    """Within the block, MoE layer `layer` never routes a token to `experts`."""
+    router = model.layers[layer].mlp.gate
+    cfg = router.cfg
+    gone = torch.tensor(sorted(set(experts)), dtype=torch.long)
+
+    def hook(module, inputs, routing: Routing) -> Routing:
+        K = cfg.num_experts_per_tok
+        choice = routing.scores + module.e_score_correction_bias
+        allowed = choice.index_fill(1, gone.to(choice.device), float("-inf"))
+        within = limit_to_groups(choice, cfg.n_group, cfg.topk_group).index_fill(
+            1, gone.to(choice.device), float("-inf")
+        )
+        short = (within > float("-inf")).sum(-1, keepdim=True) < K  # kept groups hold fewer than K left
+        idx = torch.where(short, allowed, within).topk(K, dim=-1).indices
+        return Routing(
+            routing.scores, idx, gate_weights(routing.scores, idx, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        )
+
+    handle = router.register_forward_hook(hook, prepend=True)  # why first: other hooks (a recorder) see the result
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def document_losses(model: Transformer, docs: list[tuple[int, np.ndarray]], seq_len: int, batch: int = 16):
+    """Per document: (summed next-token loss, predicted tokens). Documents are cut into windows of seq_len."""
+    model.eval()
+    loss = np.zeros(len(docs))
+    count = np.zeros(len(docs))
+    chunks = list(document_chunks(docs, seq_len))
+    for i in range(0, len(chunks), batch):
+        part = [c for c in chunks[i : i + batch] if len(c.tokens) > 1]
+        if not part:
+            continue
+        S = max(len(c.tokens) for c in part)
+        tokens = torch.zeros(len(part), S, dtype=torch.long)
+        mask = torch.zeros(len(part), S - 1, dtype=torch.bool)
+        for b, c in enumerate(part):
+            tokens[b, : len(c.tokens)] = torch.from_numpy(np.asarray(c.tokens, np.int64))
+            mask[b, : len(c.tokens) - 1] = True
+        logits = model(tokens[:, :-1]).logits.float()
+        ce = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
+        for b, c in enumerate(part):
+            loss[c.doc] += ce[b].sum().item()
+            count[c.doc] += mask[b].sum().item()
+    return loss, count
+
+
+def delta_by_domain(base, ablated, domain, n_domains: int, n_boot: int = 1000, seed: int = 0) -> list[dict]:
+    """Per domain: the change of mean token loss (ablated - base) and its 95 % document-bootstrap interval."""
+    (bl, bc), (al, _) = base, ablated
+    rng = np.random.default_rng(seed)
+    out = []
+    for d in range(n_domains):
+        docs = np.flatnonzero((np.asarray(domain) == d) & (bc > 0))
+        if len(docs) == 0:
+            out.append({"delta": float("nan"), "ci95": [float("nan"), float("nan")], "documents": 0})
+            continue
+        diff, n = al[docs] - bl[docs], bc[docs]
+        pick = rng.integers(0, len(docs), (n_boot, len(docs)))
+        boot = diff[pick].sum(1) / n[pick].sum(1)
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        out.append({"delta": float(diff.sum() / n.sum()), "ci95": [float(lo), float(hi)], "documents": len(docs)})
+    return out
+
+
+def ablation_study(
+    model: Transformer,
+    docs: list[tuple[int, np.ndarray]],
+    domains: list[str],
+    targets: list[tuple[int, list[int]]],
+    seq_len: int,
+    controls: int = 3,
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """Δloss per domain for each target (layer, experts) and for `controls` random same-size sets of its layer."""
+    rng = np.random.default_rng(seed)
+    domain = np.array([d for d, _ in docs])
+    base = document_losses(model, docs, seq_len)
+    E = model.cfg.moe.n_routed_experts
+    rows = []
+    for layer, experts in targets:
+        with route_around(model, layer, experts):
+            effect = delta_by_domain(base, document_losses(model, docs, seq_len), domain, len(domains), n_boot, seed)
+        others = [e for e in range(E) if e not in experts]
+        control_sets = [sorted(rng.choice(others, len(experts), replace=False).tolist()) for _ in range(controls)]
+        control_effects = []
+        for chosen in control_sets:
+            with route_around(model, layer, chosen):
+                losses = document_losses(model, docs, seq_len)
+            control_effects.append(delta_by_domain(base, losses, domain, len(domains), n_boot, seed))
+        rows.append(
+            {
+                "layer": layer,
+                "experts": list(experts),
+                "by_domain": dict(zip(domains, effect, strict=True)),
+                "controls": [
+                    {"experts": c, "by_domain": dict(zip(domains, ce, strict=True))}
+                    for c, ce in zip(control_sets, control_effects, strict=True)
+                ],
+            }
+        )
+    base_loss = {name: float(base[0][domain == d].sum() / max(base[1][domain == d].sum(), 1)) for d, name in
+                 enumerate(domains)}  # fmt: skip
+    return {"base_loss": base_loss, "ablations": rows}
