@@ -3,11 +3,13 @@
     python launch/ablate_experts.py --run runs/tiny --out runs/tiny/ablation
     python launch/ablate_experts.py --run runs/tiny --targets 3:5 3:1,2 --controls 5 --out ablation
     python launch/ablate_experts.py --run runs/tiny --data my_corpus/ --out ablation_mine
+    python launch/ablate_experts.py --hf path/to/DeepSeek-V2-Lite --data mmlu.parquet --domain-field subject --out abl
 
 For each target (LAYER:EXPERT[,EXPERT...]; default: in every MoE layer, the expert with the highest relative load
 on each domain), the model routes around it (tokens take their next choice) and the per-domain loss change is
 reported with a 95 % bootstrap interval over documents, next to --controls random same-size sets of experts of the
-same layer. Writes ablation.json, ablation.md and ablation.png into --out.
+same layer. Works on moe-lm runs and on transformers MoE checkpoints (--hf, the architectures analyze_routing.py
+takes). Writes ablation.json, ablation.md and ablation.png into --out.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import numpy as np
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.ablation import ablation_study
+from moe_lm.analysis.subject import hf_subject, run_subject, user_documents
 from moe_lm.analysis.trace import record_trace
-from moe_lm.data.documents import DataError, ReadReport, iter_source
+from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
-from moe_lm.data.tokenizer import load_data_tokenizer
-from moe_lm.interop.ds_checkpoint import load_model, parse_run
+from moe_lm.interop.ds_checkpoint import parse_run
 
 
 def parse_target(spec: str) -> tuple[int, list[int]]:
@@ -39,29 +41,39 @@ def parse_target(spec: str) -> tuple[int, list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True, type=parse_run, help="a run folder, optionally RUN:TAG")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", type=parse_run, help="a run folder, optionally RUN:TAG")
+    what.add_argument("--hf", help="a transformers MoE checkpoint folder")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--data", nargs="*", help="sources as in data.sources (default: the run's validation split)")
+    ap.add_argument("--data", nargs="*", help="sources as in data.sources (default with --run: its validation split)")
+    ap.add_argument("--text-field", default="text")
+    ap.add_argument("--domain-field", default="domain")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
+    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda or auto")
+    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
     ap.add_argument("--targets", nargs="*", type=parse_target, help="LAYER:EXPERT[,EXPERT...] to route around")
     ap.add_argument("--controls", type=int, default=3, help="random same-size expert sets per target")
     ap.add_argument("--max-documents", type=int, default=400)
     ap.add_argument("--n-boot", type=int, default=1000)
     args = ap.parse_args()
     out = Path(args.out)
+    if args.hf and not args.data:
+        ap.error("--hf needs --data (files or folders to measure the loss on)")
     try:
-        cfg, model, tag = load_model(*args.run)
-        docs, domains = documents(cfg, args.data)
-    except (FileNotFoundError, DataError, ValueError) as e:
+        subject = hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
+        docs, domains = documents(subject, args)
+    except (FileNotFoundError, DataError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    model, seq_len = subject.model, subject.seq_len
     docs = docs[: args.max_documents]
-    layers, E = model.moe_layer_ids(), cfg.model.moe.n_routed_experts
+    layers, E = model.moe_layer_ids(), model.cfg.moe.n_routed_experts
     bad = [t for t in args.targets or [] if t[0] not in layers or not all(0 <= e < E for e in t[1])]
     if bad:
         sys.exit(f"error: --targets {bad}: MoE layers are {layers}, experts 0..{E - 1}")
-    targets = args.targets or specialised_targets(model, docs, domains, cfg.train.seq_len, out)
+    targets = args.targets or specialised_targets(model, docs, domains, seq_len, out)
     print(f"routing around {len(targets)} targets with {args.controls} controls each, on {len(docs)} documents")
-    result = ablation_study(model, docs, domains, targets, cfg.train.seq_len, args.controls, args.n_boot)
-    result["run"], result["tag"] = str(args.run.run), tag
+    result = ablation_study(model, docs, domains, targets, seq_len, args.controls, args.n_boot)
+    result["subject"] = subject.source
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.json").write_text(json.dumps(result, indent=1))
     names = [f"L{r['layer']} e{','.join(map(str, r['experts']))}" for r in result["ablations"]]
@@ -74,17 +86,13 @@ def main() -> None:
     print((out / "ablation.md").read_text())
 
 
-def documents(cfg, data: list[str] | None):
+def documents(subject, args):
     """(domain index, token ids) per document, and the domain names: --data, or the run's validation split."""
-    if not data:
-        shard = load_split(cfg.data.out_dir, "val")
+    if not args.data:
+        shard = load_split(subject.cfg.data.out_dir, "val")
         return [(int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs)], shard.domains
-    tok, domains, docs, report = load_data_tokenizer(cfg.data.out_dir), [], [], ReadReport()
-    for source in data:
-        for doc in iter_source(source, report, cfg.data.text_field, cfg.data.domain_field):
-            if doc.domain not in domains:
-                domains.append(doc.domain)
-            docs.append((domains.index(doc.domain), np.array([tok.doc_start_id, *tok.encode(doc.text)])))
+    domains: list[str] = []
+    docs = list(user_documents(args.data, subject.tok, domains, args.text_field, args.domain_field))
     return docs, domains
 
 

@@ -19,27 +19,26 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moe_lm.analysis.hf_routing import HFMoEModel, reroute, topk_without
 from moe_lm.analysis.trace import document_chunks
 from moe_lm.model import Routing, Transformer
 from moe_lm.model.router import gate_weights, limit_to_groups
 
 
 @contextlib.contextmanager
-def route_around(model: Transformer, layer: int, experts: Iterable[int]):
-    """Within the block, MoE layer `layer` never routes a token to `experts`."""
-    router = model.layers[layer].mlp.gate
-    cfg = router.cfg
-    gone = torch.tensor(sorted(set(experts)), dtype=torch.long)
+def route_around(model: Transformer | HFMoEModel, layer: int, experts: Iterable[int]):
+    """Within the block, MoE layer `layer` never routes a token to `experts` (our Transformer or an HF model)."""
+    router = dict(zip(model.moe_layer_ids(), model.routers(), strict=True))[layer]
+    gone = sorted(set(experts))
 
-    def hook(module, inputs, routing: Routing) -> Routing:
-        K = cfg.num_experts_per_tok
+    def hook(module, inputs, routing):
+        if not isinstance(routing, Routing):  # a transformers gate: (logits, weights, indices)
+            w, idx = reroute(module, routing[0], gone)
+            return routing[0], w.to(routing[1].dtype), idx
+        cfg = module.cfg
         choice = routing.scores + module.e_score_correction_bias
-        allowed = choice.index_fill(1, gone.to(choice.device), float("-inf"))
-        within = limit_to_groups(choice, cfg.n_group, cfg.topk_group).index_fill(
-            1, gone.to(choice.device), float("-inf")
-        )
-        short = (within > float("-inf")).sum(-1, keepdim=True) < K  # kept groups hold fewer than K left
-        idx = torch.where(short, allowed, within).topk(K, dim=-1).indices
+        kept = limit_to_groups(choice, cfg.n_group, cfg.topk_group) > float("-inf") if cfg.n_group > 1 else None
+        idx = topk_without(choice, kept, gone, cfg.num_experts_per_tok)
         return Routing(
             routing.scores, idx, gate_weights(routing.scores, idx, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         )
@@ -68,7 +67,7 @@ def document_losses(model: Transformer, docs: list[tuple[int, np.ndarray]], seq_
         for b, c in enumerate(part):
             tokens[b, : len(c.tokens)] = torch.from_numpy(np.asarray(c.tokens, np.int64))
             mask[b, : len(c.tokens) - 1] = True
-        logits = model(tokens[:, :-1]).logits.float()
+        logits = model(tokens[:, :-1]).logits.float().cpu()
         ce = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
         for b, c in enumerate(part):
             loss[c.doc] += ce[b].sum().item()

@@ -161,3 +161,51 @@ def test_an_unsupported_architecture_is_a_clear_error():
                                    num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     with pytest.raises(ValueError, match="'llama' is not supported.*deepseek_v3"):
         HFMoEModel(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+@torch.no_grad()
+def test_the_ablation_replica_of_each_gate_reproduces_it_and_routes_around(checkpoint):
+    """`reroute` with nothing dropped gives the gate's own experts and weights; with experts dropped, no token is
+    routed to them and each keeps its other choices where its groups allow."""
+    from moe_lm.analysis.ablation import route_around
+    from moe_lm.analysis.hf_routing import reroute
+
+    kind, path = checkpoint
+    model = HFMoEModel(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    tokens = torch.randint(0, 290, (2, 48), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    hooks = [g.register_forward_hook(lambda m, a, o, l=l: seen.__setitem__(l, o)) for l, g in model.gates.items()]
+    model(tokens)
+    for h in hooks:
+        h.remove()
+    for layer, gate in model.gates.items():
+        logits, own_w, own_idx = seen[layer]
+        w, idx = reroute(gate, logits, [])
+        assert torch.equal(idx.sort(-1).values, own_idx.sort(-1).values)
+        torch.testing.assert_close(w.float().gather(1, idx.argsort(-1)), own_w.float().gather(1, own_idx.argsort(-1)))
+    layer = model.moe_layer_ids()[0]
+    with RoutingRecorder(model) as rec:
+        model(tokens)
+        before = rec.last[layer][0].clone()
+        with route_around(model, layer, [0, 3]):
+            model(tokens)
+            after = rec.last[layer][0]
+    assert ((before == 0) | (before == 3)).any() and not ((after == 0) | (after == 3)).any()
+
+
+def test_ablate_experts_cli_on_the_checkpoint(checkpoint, tmp_path):
+    kind, path = checkpoint
+    subjects = dict(zip(("abstract_algebra", "professional_law", "world_religions"), WORDS, strict=True))
+    rows = [{"text": make_text(d, i), "subject": s} for s, d in subjects.items() for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    layer = HFMoEModel(transformers.AutoModelForCausalLM.from_pretrained(path)).moe_layer_ids()[0]
+    cmd = [sys.executable, str(ROOT / "launch" / "ablate_experts.py"), "--hf", str(path), "--out", str(tmp_path / "a")]
+    cmd += ["--data", str(tmp_path / "rows.parquet"), "--domain-field", "subject", "--targets", f"{layer}:1,2"]
+    proc = subprocess.run(
+        [*cmd, "--controls", "1", "--n-boot", "50", "--seq-len", "64"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "a" / "ablation.json").read_text())
+    [row] = result["ablations"]
+    assert row["layer"] == layer and row["experts"] == [1, 2] and set(row["by_domain"]) == set(subjects)
+    assert result["subject"]["model_type"] == kind and (tmp_path / "a" / "ablation.png").is_file()

@@ -1,0 +1,81 @@
+"""What the analytics study: a moe-lm run's checkpoint or a transformers MoE checkpoint, with its tokenizer and
+documents; shared by launch/analyze_routing.py and launch/ablate_experts.py."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from moe_lm.analysis.hf_routing import HFMoEModel, parameter_count
+from moe_lm.config import Config
+from moe_lm.data.documents import ReadReport, iter_source
+from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
+from moe_lm.interop.ds_checkpoint import load_model
+from moe_lm.model import Transformer
+
+
+def user_documents(paths: list[str], tok: Tokenizer, domains: list[str], text_field: str, domain_field: str):
+    """(domain index, token ids) for every document of the user's sources; `domains` fills as names appear."""
+    report = ReadReport()
+    for path in paths:
+        for doc in iter_source(path, report, text_field, domain_field):
+            if doc.domain not in domains:
+                domains.append(doc.domain)
+            yield domains.index(doc.domain), np.array([tok.doc_start_id, *tok.encode(doc.text)], dtype=np.int64)
+    print(report.summary(), file=sys.stderr)
+
+
+@dataclass
+class Subject:
+    """What is analysed: the model, its tokenizer, the window length, and how to build its untrained twin (N1)."""
+
+    model: nn.Module
+    tok: Tokenizer
+    seq_len: int
+    untrained: Callable[[], nn.Module]
+    source: dict
+    run: Path | None = None  # a moe-lm run folder (its metrics, wandb and validation split)
+    cfg: Config | None = None
+
+
+def run_subject(spec) -> Subject:
+    """A moe-lm run's checkpoint; N1 is the same config at the run's own initial weights."""
+    run, tag = spec
+    cfg, model, tag = load_model(run, tag)
+
+    def untrained() -> nn.Module:
+        torch.manual_seed(cfg.seed)  # the same initial weights the run started from
+        return Transformer(cfg.model)
+
+    tok = load_data_tokenizer(cfg.data.out_dir)
+    return Subject(model, tok, cfg.train.seq_len, untrained, {"run": str(run), "tag": tag}, run, cfg)
+
+
+def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
+    """A transformers MoE checkpoint with its own tokenizer; N1 is its architecture re-initialised (seed 0)."""
+    import transformers
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    n = parameter_count(transformers.AutoConfig.from_pretrained(path))
+    gib = n * torch.tensor([], dtype=torch_dtype).element_size() / 2**30
+    print(f"{path}: {n / 1e9:.2f} B parameters, {gib:.1f} GiB of weights in {dtype}")
+    placement = {"device_map": "auto"} if device == "auto" else {}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
+    if device != "auto":
+        hf = hf.to(device)
+    model, config, where = HFMoEModel(hf.eval()), hf.config, hf.device
+
+    def untrained() -> nn.Module:  # why config and device, not hf: the checkpoint's weights may be freed first
+        torch.manual_seed(0)
+        twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        return HFMoEModel(twin.to(where).eval())
+
+    seq_len = min(seq_len, getattr(config, "max_position_embeddings", seq_len))
+    source = {"hf": str(path), "model_type": config.model_type}
+    return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source)
