@@ -24,11 +24,10 @@ import numpy as np
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.ablation import ablation_study
-from moe_lm.analysis.subject import hf_subject, run_subject, user_documents
+from moe_lm.analysis.subject import add_subject_args, open_subject, user_documents
 from moe_lm.analysis.trace import record_trace
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
-from moe_lm.interop.ds_checkpoint import parse_run
 
 
 def parse_target(spec: str) -> tuple[int, list[int]]:
@@ -41,28 +40,18 @@ def parse_target(spec: str) -> tuple[int, list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--run", type=parse_run, help="a run folder, optionally RUN:TAG")
-    what.add_argument("--hf", help="a transformers MoE checkpoint folder")
+    add_subject_args(ap)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--data", nargs="*", help="sources as in data.sources (default with --run: its validation split)")
-    ap.add_argument("--text-field", default="text")
-    ap.add_argument("--domain-field", default="domain")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
-    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda or auto")
-    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
     ap.add_argument("--targets", nargs="*", type=parse_target, help="LAYER:EXPERT[,EXPERT...] to route around")
     ap.add_argument("--controls", type=int, default=3, help="random same-size expert sets per target")
     ap.add_argument("--max-documents", type=int, default=400)
     ap.add_argument("--n-boot", type=int, default=1000)
     args = ap.parse_args()
     out = Path(args.out)
-    if args.hf and not args.data:
-        ap.error("--hf needs --data (files or folders to measure the loss on)")
+    subject = open_subject(ap, args)
     try:
-        subject = hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
         docs, domains = documents(subject, args)
-    except (FileNotFoundError, DataError, ValueError, OSError) as e:
+    except DataError as e:
         sys.exit(f"error: {e}")
     model, seq_len = subject.model, subject.seq_len
     docs = docs[: args.max_documents]

@@ -16,16 +16,14 @@ routing.html and metrics.json; and logs the figures to the run's wandb if it has
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from moe_lm.analysis.hf_routing import SUPPORTED
 from moe_lm.analysis.report import build_report, figure_layers
-from moe_lm.analysis.subject import hf_subject, run_subject, user_documents
+from moe_lm.analysis.subject import add_subject_args, open_subject, user_documents
 from moe_lm.analysis.trace import record_trace
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
@@ -37,17 +35,8 @@ DEFAULT_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--run", type=parse_run, help="a moe-lm run folder, optionally RUN:TAG for a checkpoint")
-    what.add_argument("--hf", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
+    add_subject_args(ap)
     ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--data",
-        nargs="*",
-        help="sources as in data.sources: files, folders, parquet, hf:NAME (default with --run: its validation split)",
-    )
-    ap.add_argument("--text-field", default="text", help="the column (or .jsonl key) with the text")
-    ap.add_argument("--domain-field", default="domain", help="the column naming the domain (absent: source name)")
     ap.add_argument(
         "--compare", type=parse_run, help="another checkpoint (RUN or RUN:TAG) routed on the same tokens: saturation"
     )
@@ -63,17 +52,9 @@ def main() -> None:
         help="MoE layers to draw and tabulate (default: all up to 8 MoE layers, "
         "else the first, middle and last; the metrics cover every layer)",
     )
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
-    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
-    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
     args = ap.parse_args()
     out = Path(args.out)
-    if args.hf and not args.data:
-        ap.error("--hf needs --data (files or folders to route)")
-    try:
-        subject = hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
-    except (FileNotFoundError, DataError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+    subject = open_subject(ap, args)
     tok = subject.tok
 
     def documents():
@@ -82,9 +63,6 @@ def main() -> None:
         return ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
 
     if args.data:
-        missing = [p for p in args.data if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
-        if missing:
-            sys.exit(f"error: --data: not found: {', '.join(missing)} (give .txt/.jsonl files or folders)")
         domains: list[str] = []
         source = {"data": args.data}
     else:

@@ -3,6 +3,8 @@ documents; shared by launch/analyze_routing.py and launch/ablate_experts.py."""
 
 from __future__ import annotations
 
+import argparse
+import glob
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,11 +14,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_lm.analysis.hf_routing import HFMoEModel, parameter_count
+from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
 from moe_lm.config import Config
-from moe_lm.data.documents import ReadReport, iter_source
+from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
-from moe_lm.interop.ds_checkpoint import load_model
+from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.model import Transformer
 
 
@@ -79,3 +81,32 @@ def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
     seq_len = min(seq_len, getattr(config, "max_position_embeddings", seq_len))
     source = {"hf": str(path), "model_type": config.model_type}
     return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source)
+
+
+def add_subject_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that name what is analysed and on which documents (both analytics scripts take them)."""
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--run", type=parse_run, help="a moe-lm run folder, optionally RUN:TAG for a checkpoint")
+    what.add_argument("--hf", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
+    ap.add_argument(
+        "--data", nargs="*", help="sources as in data.sources: files, folders, parquet, hf:NAME (default with --run: "
+        "its validation split)",
+    )  # fmt: skip
+    ap.add_argument("--text-field", default="text", help="the column (or .jsonl key) with the text")
+    ap.add_argument("--domain-field", default="domain", help="the column naming the domain (absent: source name)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
+    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
+    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
+
+
+def open_subject(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Subject:
+    """The Subject the flags name; a clear error (and exit) for what cannot be loaded."""
+    if args.hf and not args.data:
+        ap.error("--hf needs --data (the documents to run it on)")
+    missing = [p for p in args.data or [] if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
+    if missing:
+        ap.error(f"--data: not found: {', '.join(missing)}")
+    try:
+        return hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
+    except (FileNotFoundError, DataError, ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
