@@ -11,6 +11,7 @@ reported. Per-worker efficiency = tokens/s of 1 worker / ceiling; speed-up = 2 w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -35,9 +36,7 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     work = Path(tempfile.mkdtemp(prefix="bench_prepare_"))
     try:
-        data = prepare_data(
-            cfg.data.__class__(**{**cfg.data.__dict__, "out_dir": str(work / "data")}), cfg.model.vocab_size, log=print
-        )
+        data = prepare_data(dataclasses.replace(cfg.data, out_dir=str(work / "data")), cfg.model.vocab_size, log=print)
         docs = [{"name": d.name, "domain": d.domain, "text": d.text} for d in iter_documents(cfg.data, ReadReport())]
         stream = work / "documents.jsonl"
         with open(stream, "w", encoding="utf-8") as f:
