@@ -51,3 +51,9 @@ def run_worker(main, ap: argparse.ArgumentParser) -> None:
     init_distributed()
     main(args)
     shutdown_distributed()
+    # why: the checks are done and their result is written; the interpreter's teardown can still abort in a C++
+    # thread destructor of the CPU process group ("terminate called without an active exception", seen once in
+    # about ten suite runs), which would fail a passing check. Exit without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
