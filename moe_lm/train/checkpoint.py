@@ -33,11 +33,11 @@ from moe_lm.train import RunError
 RESUME_MUST_MATCH = ("model", "data")
 
 
-def _rank() -> int:
+def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
@@ -67,19 +67,19 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
     tag = f"step_{step:08d}"
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-        torch.save(_rng_state(), root / tag / f"rng_rank{_rank()}.pt")
+        torch.save(_rng_state(), root / tag / f"rng_rank{rank()}.pt")
         failed = None
     except OSError as e:
         failed = e
     if not _everywhere(failed is None):
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(root / tag, ignore_errors=True)  # this save's own, incomplete folder
         why = f"{type(failed).__name__}: {failed}" if failed else "another rank failed to write"
         raise RunError(
             f"could not write checkpoint {root / tag} ({why}); the last good checkpoint, "
             f"{latest_tag(run_dir) or 'none'}, is intact. Free disk space, then run the same command to resume"
         ) from failed
-    if _rank() == 0:
+    if rank() == 0:
         dump_config(cfg, root / tag / "config.yaml")
         (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
         # the binary state files; config.yaml and data_ref.json stay editable text
@@ -88,7 +88,7 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
         _write_synced(root / "latest.tmp", tag)
         os.replace(root / "latest.tmp", root / "latest")
         _prune(root, keep_last, tag)
-    _barrier()
+    barrier()
     return tag
 
 
@@ -177,7 +177,7 @@ def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) ->
     )
     if path is None:
         raise RunError(f"DeepSpeed could not load checkpoint {root / tag}")
-    rng_file = root / tag / f"rng_rank{_rank()}.pt"
+    rng_file = root / tag / f"rng_rank{rank()}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state

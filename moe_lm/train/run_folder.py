@@ -12,10 +12,9 @@ import shutil
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from moe_lm.interop.ds_checkpoint import ckpt_root
 from moe_lm.train import RunError
+from moe_lm.train.checkpoint import barrier, rank
 
 
 @contextlib.contextmanager
@@ -25,7 +24,7 @@ def run_folder(run_dir: Path, resume: bool, log):
     <run>.prev-<time> (nothing is deleted). A folder this process created is removed again if training fails
     before it wrote any metric or checkpoint."""
     created, lock = not run_dir.exists(), None
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+    if rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = _lock(run_dir)
         if not resume and (ckpt_root(run_dir).is_dir() or (run_dir / "metrics.jsonl").is_file()):
@@ -35,7 +34,7 @@ def run_folder(run_dir: Path, resume: bool, log):
             lock.close()
             run_dir.mkdir(parents=True)
             created, lock = True, _lock(run_dir)
-    _barrier()
+    barrier()
     try:
         yield
     except BaseException:
@@ -66,8 +65,3 @@ def _lock(run_dir: Path):
     handle.write(f"pid {os.getpid()} on {os.uname().nodename}")
     handle.flush()
     return handle
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
