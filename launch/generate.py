@@ -1,51 +1,24 @@
-"""Sample text from a trained run (KV-cached decoding).
+"""Sample text from a trained run (KV-cached decoding), optionally drafting with the MTP modules.
 
 python launch/generate.py --run runs/tiny --prompt "def main(" --max-tokens 100 --temperature 0.8 --top-p 0.95
 python launch/generate.py --run runs/tiny:step_00000500 --prompt "def main(" --temperature 0   # a checkpoint
+python launch/generate.py --run runs/tiny_mtp --prompt "def main(" --speculative mtp             # MTP drafts
+
+--speculative mtp drafts model.mtp.depth tokens per step with the MTP modules and verifies them in one forward pass
+of the main model: greedy output is token for token the plain one, sampled output has the plain distribution.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-import torch
+import time
 
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.inference.generate import generate
+from moe_lm.inference.sampling import Sampling
+from moe_lm.inference.speculative import speculative_generate
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
-from moe_lm.model.attention import KVCache
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
-    """One token id from logits [V]: greedy at temperature 0, else top-k / nucleus sampling."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p  # the smallest set whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-
-
-@torch.no_grad()
-def generate(model, prompt_ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    cache = KVCache()
-    tokens = torch.tensor([prompt_ids])
-    budget = min(max_tokens, model.cfg.max_seq_len - len(prompt_ids))
-    prefix = len(prompt_ids) if model.cfg.attn_mask == "prefix" else None
-    logits = model(tokens, prefix_len=prefix, cache=cache).logits[0, -1]
-    out = []
-    for _ in range(budget):
-        nxt = sample_next(logits, temperature, top_k, top_p, gen)
-        out.append(nxt)
-        logits = model(torch.tensor([[nxt]]), cache=cache).logits[0, -1]
-    return out
 
 
 def main() -> None:
@@ -57,6 +30,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative", choices=["mtp"], default=None, help="draft with the run's MTP modules")
+    ap.add_argument("--draft-depth", type=int, default=None, help="MTP modules to draft with (default: all)")
     args = ap.parse_args()
     if not 0 < args.top_p <= 1:
         ap.error(f"--top-p must be in (0, 1], got {args.top_p} (1 switches nucleus sampling off)")
@@ -67,8 +42,25 @@ def main() -> None:
         tok = load_data_tokenizer(cfg.data.out_dir)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    if args.speculative and not cfg.model.mtp.depth:
+        sys.exit(f"error: --speculative mtp: {args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
     prompt = [tok.doc_start_id, *tok.encode(args.prompt)]
-    ids = generate(model, prompt, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    t0 = time.perf_counter()
+    if args.speculative:
+        try:
+            ids, stats = speculative_generate(model, prompt, args.max_tokens, sampling, args.seed, args.draft_depth)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        rates = ", ".join(f"depth {j} {100 * r:.1f} %" for j, r in enumerate(stats.acceptance(), start=1))
+        seconds = time.perf_counter() - t0
+        print(
+            f"[{len(ids)} tokens in {stats.rounds} main-model passes, {len(ids) / seconds:.1f} tokens/s; drafts "
+            f"accepted: {rates}]",
+            file=sys.stderr,
+        )
+    else:
+        ids = generate(model, prompt, args.max_tokens, sampling, args.seed)
     print(args.prompt + tok.decode(ids))
 
 

@@ -117,6 +117,35 @@ class MoEConfig:
 
 
 @dataclass
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 §2.2): D sequential modules, module k predicting the token k + 1 ahead.
+
+    Module k shares the embedding and the output head with the main model and has its own projection, two RMSNorms,
+    one Transformer block (with an MoE FFN, its own router and bias) and its own head norm. The training loss adds
+    L_MTP = (loss_weight / D) * sum_k CE_k. The modules are a training objective and a draft model for speculative
+    decoding; the main model's next-token prediction never depends on them.
+    """
+
+    # D; 0 switches MTP off (the model is then exactly the one without this section).
+    depth: int = 0
+    # lambda (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1).
+    loss_weight: float = 0.3
+    # lambda from `late_start` on (the second phase of DeepSeek-V3's schedule).
+    late_loss_weight: float = 0.1
+    # When late_loss_weight takes over: a fraction of train.max_steps if <= 1 (DeepSeek-V3: 10/14.8 = 0.68), a step
+    # number if > 1; 0 = never (loss_weight throughout).
+    late_start: float = 0.0
+
+    def validate(self, path: str = "model.mtp") -> None:
+        _require(self.depth >= 0, f"{path}.depth", "must be >= 0 (0 = off)")
+        for name in ("loss_weight", "late_loss_weight", "late_start"):
+            value = getattr(self, name)
+            _require(
+                math.isfinite(value) and value >= 0, f"{path}.{name}", f"must be a finite number >= 0, got {value}"
+            )
+
+
+@dataclass
 class ModelConfig:
     """Decoder-only Transformer; the first `first_k_dense_replace` blocks use a dense SwiGLU MLP."""
 
@@ -138,6 +167,7 @@ class ModelConfig:
     mla: MLAConfig = field(default_factory=MLAConfig)
     gqa: GQAConfig = field(default_factory=GQAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
     def validate(self, path: str = "model") -> None:
         _require(self.vocab_size > 1, f"{path}.vocab_size", "must be > 1")
@@ -174,6 +204,14 @@ class ModelConfig:
                 "must be positive",
             )
         self.moe.validate(f"{path}.moe")
+        self.mtp.validate(f"{path}.mtp")
+        # why: inside a bidirectional prefix, module k at position i would see the embedding of token i + k, a
+        # target beyond the prefix.
+        _require(
+            self.mtp.depth == 0 or self.attn_mask == "causal",
+            f"{path}.mtp.depth",
+            "> 0 needs model.attn_mask=causal (an MTP module would see targets through a bidirectional prefix)",
+        )
 
 
 # ------------------------------------------------------------------------------------------- data/train
@@ -353,6 +391,11 @@ class Config:
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",
             f"= {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
+        _require(
+            self.train.seq_len > self.model.mtp.depth,
+            "model.mtp.depth",
+            f"= {self.model.mtp.depth} leaves no position to predict in windows of train.seq_len={self.train.seq_len}",
         )
 
 

@@ -174,30 +174,32 @@ def record_trace(
     """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`."""
     model.eval()
     recorder = RoutingRecorder(model)
-    writer = TraceWriter(
-        Path(out),
-        recorder.layers,
-        model.cfg.moe.n_routed_experts,
-        model.cfg.moe.num_experts_per_tok,
-        domains,
-        source or {},
-    )
+    writer: TraceWriter | None = None  # made at the first batch: its layers are the routers that ran
+    written = 0
     t0 = time.perf_counter()
     bar = tqdm(total=max_tokens, desc="recording routing", unit="tok", disable=not progress, leave=False)
     batch: list[DocChunk] = []
 
+    def open_writer(layers: list[int]) -> TraceWriter:
+        E, K = model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
+        return TraceWriter(Path(out), layers, E, K, domains, source or {})
+
     def flush() -> None:
+        nonlocal writer, written
         S = max(len(c.tokens) for c in batch)
         tokens = torch.zeros(len(batch), S, dtype=torch.long)  # right padding: causal, so it cannot affect real tokens
         for b, c in enumerate(batch):
             tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
-        model(tokens)
+        recorder.last.clear()
+        model(tokens)  # the inference path: decoder layers only (a model's MTP modules do not run)
+        if writer is None:
+            writer = open_writer([layer for layer in recorder.layers if layer in recorder.last])
         valid = torch.zeros(len(batch), S, dtype=torch.bool)
         for b, c in enumerate(batch):
             valid[b, : len(c.tokens)] = True
         flat = valid.flatten()
-        experts = {layer: idx[flat].numpy() for layer, (idx, _) in recorder.last.items()}
-        weights = {layer: w[flat].numpy() for layer, (_, w) in recorder.last.items()}
+        experts = {layer: recorder.last[layer][0][flat].numpy() for layer in writer.layers}
+        weights = {layer: recorder.last[layer][1][flat].numpy() for layer in writer.layers}
         writer.append(
             np.concatenate([c.tokens for c in batch]),
             np.concatenate([np.full(len(c.tokens), c.doc) for c in batch]),
@@ -207,6 +209,7 @@ def record_trace(
             weights,
         )
         bar.update(int(flat.sum()))
+        written = writer.n
         batch.clear()
 
     if model.cfg.attn_mask != "causal":
@@ -214,7 +217,7 @@ def record_trace(
     with recorder:
         for chunk in document_chunks(docs, seq_len):
             if max_tokens is not None:
-                room = max_tokens - writer.n - sum(len(c.tokens) for c in batch)
+                room = max_tokens - written - sum(len(c.tokens) for c in batch)
                 if room <= 0:
                     break
                 chunk.tokens = chunk.tokens[:room]
@@ -224,6 +227,8 @@ def record_trace(
         if batch:
             flush()
     bar.close()
+    if writer is None:  # no documents: an empty trace (the caller says there is nothing to analyse)
+        writer = open_writer(recorder.layers)
     seconds = time.perf_counter() - t0
     return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9)})
 

@@ -9,6 +9,9 @@ Two layout facts handled here:
   layout; on import we permute the rotary rows of the query and shared-key projections (even dims first), which
   is exact because attention scores are dot products.
 - HF never updates `e_score_correction_bias`; it is carried as a buffer both ways.
+
+MTP modules (model.mtp) are written and read in DeepSeek's published layout, as layers past the last decoder
+layer (moe_lm/interop/hf_mtp.py); `transformers` itself loads such a checkpoint as the main model alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
+from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScalingConfig
+from moe_lm.interop.hf_mtp import add_to_export, mtp_state_from_hf, mtp_tensors_for_hf, read_mtp_layers
 from moe_lm.model import Transformer
 
 
@@ -48,6 +52,7 @@ def to_hf_config(cfg: ModelConfig):
         routed_scaling_factor=m.routed_scaling_factor,
         norm_topk_prob=m.norm_topk_prob,
         first_k_dense_replace=cfg.first_k_dense_replace,
+        num_nextn_predict_layers=cfg.mtp.depth,
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std,
@@ -118,8 +123,11 @@ def _rope_scaling(hf, rope: dict, problems: list[str]) -> RopeScalingConfig:
     )
 
 
-def from_hf_config(hf) -> ModelConfig:
-    """Our ModelConfig for a `transformers` DeepseekV3 / Glm4Moe config; unsupported features are errors."""
+def from_hf_config(hf, mtp_depth: int = 0) -> ModelConfig:
+    """Our ModelConfig for a `transformers` DeepseekV3 / Glm4Moe config; unsupported features are errors.
+
+    `mtp_depth`: the MTP modules the checkpoint's weights hold (its config's num_nextn_predict_layers is an upper
+    bound only: transformers' DeepseekV3Config says 1 by default, with or without the weights)."""
     kind = hf.model_type
     if kind not in ("deepseek_v3", "glm4_moe"):
         raise ValueError(f"cannot import model_type {kind!r}: supported are deepseek_v3 and glm4_moe")
@@ -159,6 +167,7 @@ def from_hf_config(hf) -> ModelConfig:
         norm_eps=float(hf.rms_norm_eps),
         init_std=float(hf.initializer_range),
         moe=moe,
+        mtp=MTPConfig(depth=mtp_depth),
     )
     if kind == "deepseek_v3":
         mla = MLAConfig(
@@ -185,24 +194,39 @@ def export_hf(model: Transformer, out_dir: str | Path) -> Path:
     hf_cls = tf.DeepseekV3ForCausalLM if cfg.attention == "mla" else tf.Glm4MoeForCausalLM
     with torch.device("meta"):
         hf_model = hf_cls(hf_cfg)
-    state = {_to_hf_key(k): v.detach().float().cpu() for k, v in model.state_dict().items()}
+    own = model.state_dict()
+    state = {_to_hf_key(k): v.detach().float().cpu() for k, v in own.items() if not k.startswith("mtp.")}
     hf_model.load_state_dict(_fill_empty(state, hf_model), strict=True, assign=True)
     out_dir = Path(out_dir)
     hf_model.save_pretrained(out_dir, safe_serialization=True)
+    add_to_export(out_dir, mtp_tensors_for_hf(own, cfg.n_layers, cfg.mtp.depth))
     return out_dir
 
 
 def import_hf(path: str | Path) -> Transformer:
-    """Load a `transformers` DeepseekV3 / Glm4Moe checkpoint into our Transformer (fp32)."""
+    """Load a `transformers` DeepseekV3 / Glm4Moe checkpoint into our Transformer (fp32), with the MTP modules its
+    weights hold (DeepSeek's layout: layers past num_hidden_layers)."""
     tf = _transformers()
+    path = Path(path)
     hf_cfg = tf.AutoConfig.from_pretrained(path)
-    cfg = from_hf_config(hf_cfg)
+    mtp_layers = read_mtp_layers(path, hf_cfg.num_hidden_layers, getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)
+    cfg = from_hf_config(hf_cfg, mtp_depth=len(mtp_layers))
     hf_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf_state = hf_model.state_dict()
     model = Transformer(cfg)
     ours = model.state_dict()
     state = {}
+    for j, layer in mtp_layers.items():
+        main = {
+            "embed_tokens.weight": hf_state["model.embed_tokens.weight"],
+            "lm_head.weight": hf_state["lm_head.weight"],
+        }
+        state.update(mtp_state_from_hf(layer, j, main, f"{path} layer {cfg.n_layers + j}"))
     for key in ours:
+        if key.startswith("mtp."):
+            if key not in state and ours[key].numel():
+                raise KeyError(f"{path}: MTP layer {cfg.n_layers + int(key.split('.')[1])} has no tensor for {key!r}")
+            continue
         hf_key = _to_hf_key(key)
         if hf_key not in hf_state:
             if ours[key].numel() == 0:
@@ -228,12 +252,14 @@ def _fill_empty(state: dict[str, torch.Tensor], hf_model) -> dict[str, torch.Ten
 
 
 def _deinterleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Reorder rotary rows from interleaved pairs (x0, x1), (x2, x3)... to rotate-half (x0, x2, ..., x1, x3, ...)."""
+    """Reorder rotary rows from interleaved pairs (x0, x1), (x2, x3)... to rotate-half (x0, x2, ..., x1, x3, ...),
+    in every decoder layer and MTP block."""
     m = cfg.mla
     R, nope, H = m.qk_rope_head_dim, m.qk_nope_head_dim, cfg.n_heads
     perm = torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2)))
-    for i in range(cfg.n_layers):
-        prefix = f"layers.{i}.self_attn."
+    blocks = [f"layers.{i}." for i in range(cfg.n_layers)] + [f"mtp.{j}." for j in range(cfg.mtp.depth)]
+    for block in blocks:
+        prefix = f"{block}self_attn."
         q_key = prefix + ("q_b_proj.weight" if m.q_lora_rank else "q_proj.weight")
         q = state[q_key].view(H, nope + R, -1)
         state[q_key] = torch.cat((q[:, :nope], q[:, nope:][:, perm]), dim=1).reshape(H * (nope + R), -1)

@@ -98,6 +98,11 @@ class KVCache:
         self.layers[layer_id] = full
         return full
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions (speculative decoding drops what rejected drafts left behind)."""
+        self.layers = {i: tuple(t[..., :length, :] for t in ts) for i, ts in self.layers.items()}
+        self.length = min(self.length, length)
+
 
 def decode_mask(S: int, start: int, device: torch.device) -> torch.Tensor:
     """[1, 1, S, start + S] mask for S new queries after `start` cached positions (causal, aligned at the end)."""

@@ -1,4 +1,8 @@
-"""Parameter counts from the config alone: total, and active per token (shared + K routed experts)."""
+"""Parameter counts from the config alone: total, and active per token (shared + K routed experts).
+
+As DeepSeek-V3 reports its sizes (671 B total, 37 B active, "plus 14 B of MTP modules"), `total` and `active` are
+the main model's; the MTP modules' own parameters (not the embedding and head they share) are counted apart.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ class ParamCount(NamedTuple):
     total: int
     active: int  # parameters a token passes through: all but the (E - K) routed experts it skips
     routed_expert: int  # one routed expert
+    mtp_total: int = 0  # all MTP modules' own parameters (projection, norms, block)
+    mtp_active: int = 0  # of those, what one token passes through at every depth
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -43,5 +49,9 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         + cfg.first_k_dense_replace * dense_ffn
         + n_moe * moe_ffn
     )
-    active = total - n_moe * (m.n_routed_experts - m.num_experts_per_tok) * expert
-    return ParamCount(total, active, expert)
+    skipped = (m.n_routed_experts - m.num_experts_per_tok) * expert  # routed experts one token does not use
+    active = total - n_moe * skipped
+    # an MTP module: enorm, hnorm, eh_proj [D, 2D], the head norm, and one MoE block
+    mtp_module = 3 * D + 2 * D * D + per_block + moe_ffn
+    depth = cfg.mtp.depth
+    return ParamCount(total, active, expert, depth * mtp_module, depth * (mtp_module - skipped))

@@ -8,45 +8,37 @@ Shape legend: B = batch, S = sequence, D = model dim, V = vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from moe_lm.config import ModelConfig
-from moe_lm.model.attention import KVCache, attention_mask, build_attention, decode_mask, rope_cos_sin, rope_inv_freq
-from moe_lm.model.layers import MLP, RMSNorm
+from moe_lm.model.attention import KVCache, attention_mask, decode_mask, rope_cos_sin, rope_inv_freq
+from moe_lm.model.block import Block
+from moe_lm.model.layers import RMSNorm
 from moe_lm.model.moe import MoE
+from moe_lm.model.mtp import MTPModule
 from moe_lm.model.router import Router
 
 
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [B, S, V]
-    aux_loss: torch.Tensor  # scalar: sum of the enabled balance losses over MoE layers (0 in eval)
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = build_attention(cfg, layer_id)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg.dim, cfg.inter_dim) if layer_id < cfg.first_k_dense_replace else MoE(cfg)
-
-    def forward(self, x_BSD, cos, sin, mask, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos, sin, mask, cache)
-        if isinstance(self.mlp, MoE):
-            y, aux = self.mlp(self.post_attention_layernorm(h))
-        else:
-            y, aux = self.mlp(self.post_attention_layernorm(h)), h.new_zeros(())
-        return h + y, aux
+    aux_loss: (
+        torch.Tensor
+    )  # scalar: sum of the enabled balance losses over MoE layers, MTP blocks' included (0 in eval)
+    hidden: torch.Tensor  # [B, S, D] the final hidden states after the last norm (what lm_head reads; MTP's h^0)
+    # with forward(..., mtp=True): per MTP depth k = 1..D, logits [B, S - k, V]; position i predicts token i + k + 1
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
 
 
 class Transformer(nn.Module):
-    """forward(tokens [B, S], prefix_len=None, cache=None) -> ModelOutput(logits [B, S, V], aux_loss).
+    """forward(tokens [B, S], prefix_len=None, cache=None, mtp=False) -> ModelOutput(logits [B, S, V], aux_loss, ...).
 
-    With a KVCache the tokens continue after the cached positions (incremental decoding for generation).
+    With a KVCache the tokens continue after the cached positions (incremental decoding for generation). With
+    `model.mtp.depth` = D > 0 the model also holds D multi-token-prediction modules (`mtp`), which run only when
+    forward is asked for them (`mtp=True`, training and evaluation); the main model's logits never depend on them.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -60,12 +52,19 @@ class Transformer(nn.Module):
         rot_dim = self.layers[0].self_attn.rot_dim
         inv_freq, self.rope_factor = rope_inv_freq(rot_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        _init_weights(self, cfg.init_std)
+        # why after the main model's initialisation: its weights are then the same at every MTP depth (same seed),
+        # so runs with and without MTP start from the same main model. Module k is layer n_layers + k - 1, as
+        # DeepSeek numbers it in its checkpoints.
+        self.mtp = nn.ModuleList(MTPModule(cfg, cfg.n_layers + k) for k in range(cfg.mtp.depth))
+        _init_weights(self.mtp, cfg.init_std)
 
     def forward(
-        self, tokens_BS: torch.Tensor, prefix_len: torch.Tensor | int | None = None, cache: KVCache | None = None
+        self,
+        tokens_BS: torch.Tensor,
+        prefix_len: torch.Tensor | int | None = None,
+        cache: KVCache | None = None,
+        mtp: bool = False,
     ) -> ModelOutput:
         B, S = tokens_BS.shape
         start = cache.length if cache is not None else 0
@@ -84,15 +83,47 @@ class Transformer(nn.Module):
             aux_loss = aux_loss + aux
         if cache is not None:
             cache.length += S
-        return ModelOutput(self.lm_head(self.norm(x)), aux_loss)
+        hidden = self.norm(x)
+        out = ModelOutput(self.lm_head(hidden), aux_loss, hidden)
+        if mtp and len(self.mtp):
+            if cache is not None:
+                raise ValueError("forward(mtp=True) runs the MTP modules over whole windows, not with a KVCache")
+            out.mtp_logits, mtp_aux = self.mtp_logits(tokens_BS, hidden, cos, sin)
+            out.aux_loss = out.aux_loss + mtp_aux
+        return out
+
+    def mtp_logits(self, tokens_BS, hidden_BSD, cos, sin) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every MTP depth over a window: ([logits [B, S - k, V] for k = 1..D], their blocks' balance loss)."""
+        S = tokens_BS.shape[1]
+        logits, aux_loss, h = [], hidden_BSD.new_zeros((), dtype=torch.float32), hidden_BSD
+        for k, module in enumerate(self.mtp, start=1):
+            n = S - k  # positions i whose target t_{i+k+1} lies in the window
+            if n <= 0:
+                break
+            h, aux = module(h[:, :n], self.embed_tokens(tokens_BS[:, k : k + n]), cos[:n], sin[:n])
+            logits.append(self.lm_head(module.shared_head.norm(h)))
+            aux_loss = aux_loss + aux
+        return logits, aux_loss
+
+    def blocks(self) -> list[Block]:
+        """The decoder blocks, then the MTP modules' blocks (numbered n_layers, n_layers + 1, ...)."""
+        return [*self.layers, *self.mtp]
 
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        """Every MoE FFN, MTP blocks' included: what expert parallelism shards and checkpoints save per expert."""
+        return [block.mlp for block in self.blocks() if isinstance(block.mlp, MoE)]
 
     def moe_layer_ids(self) -> list[int]:
-        """Indices (in `layers`) of the MoE blocks; analytics and metrics name layers by them."""
-        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+        """Layer numbers of the MoE blocks (MTP module k is n_layers + k - 1); analytics and metrics name layers by
+        them."""
+        return [i for i, block in enumerate(self.blocks()) if isinstance(block.mlp, MoE)]
 
     def routers(self) -> list[Router]:
-        """Every MoE router, in layer order (the bias update must reach all of them)."""
+        """Every MoE router in layer order, MTP blocks' included (the bias update must reach all of them)."""
         return [moe.gate for moe in self.moe_layers()]
+
+
+def _init_weights(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)

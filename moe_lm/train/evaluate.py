@@ -1,5 +1,8 @@
 """Evaluation during training: loss per domain on fixed validation windows, and the headline routing metrics.
 
+`loss` is always the main head's next-token loss, so runs with and without MTP compare on the same number; the MTP
+depths' losses are reported beside it (`mtp_loss/depth_k`).
+
 The routing numbers come from what the routers chose on those windows, through the same functions the routing
 report uses (moe_lm/analysis/metrics.py): MaxVio_global, mean pairwise domain JSD (bits), and the shares of
 adjacent same-document tokens with the same first choice / overlapping top-k. Counts are summed over ranks.
@@ -27,8 +30,9 @@ def evaluate(
     `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window."""
     rank, world = dist.get_rank(), dist.get_world_size()
     engine.eval()
-    layers, E = model.moe_layer_ids(), model.cfg.moe.n_routed_experts
+    layers, E, depth = model.moe_layer_ids(), model.cfg.moe.n_routed_experts, len(model.mtp)
     loss = np.zeros((len(evalsets), 2))  # [domain, (loss sum, tokens)]
+    mtp_loss = np.zeros((depth, 2))  # [MTP depth, (loss sum, tokens)]
     counts = np.zeros((len(layers), len(evalsets), E))  # [layer, domain, expert] token-slots
     pairs = np.zeros((len(layers), 3))  # [layer, (adjacent pairs, same first choice, overlapping top-k)]
     with RoutingRecorder(model) as recorder:
@@ -37,16 +41,25 @@ def evaluate(
             mine = windows[rank::world][: len(windows) // world] if len(windows) >= world else windows[:0]
             for chunk in mine.split(micro):
                 inputs, targets = chunk[:, :-1].to(dev), chunk[:, 1:].to(dev)
-                logits = engine(inputs).logits.float()
-                ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+                recorder.last.clear()
+                out = engine(inputs, mtp=depth > 0)
+                ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
                 loss[d] += ce.item(), targets.numel()
-                doc = _documents(inputs.cpu().numpy(), doc_start_id)
+                for k, logits in enumerate(out.mtp_logits):
+                    mtp_targets = targets[:, k + 1 :]
+                    ce = F.cross_entropy(logits.float().flatten(0, 1), mtp_targets.flatten(), reduction="sum")
+                    mtp_loss[k] += ce.item(), mtp_targets.numel()
+                tokens = inputs.cpu().numpy()
                 for i, layer in enumerate(layers):
+                    if layer not in recorder.last:  # an MTP depth with no position to predict in a short window
+                        continue
                     experts = recorder.last[layer][0].cpu().numpy()
+                    # an MTP block routes the first S - k positions of each window; a decoder block all S
+                    doc = _documents(tokens[:, : len(experts) // len(tokens)], doc_start_id)
                     counts[i, d] += M.expert_counts(experts, E)
                     t, same_first, overlap = M.repetition_hits(experts, doc)
                     pairs[i] += len(t), same_first.sum(), overlap.sum()
-    loss, counts, pairs = (_sum_over_ranks(a, dev) for a in (loss, counts, pairs))
+    loss, mtp_loss, counts, pairs = (_sum_over_ranks(a, dev) for a in (loss, mtp_loss, counts, pairs))
     engine.train()
     result = {}
     for domain, (loss_sum, n) in zip(evalsets, loss, strict=True):
@@ -55,6 +68,8 @@ def evaluate(
             result[f"ppl/{domain}"] = math.exp(loss_sum / n)
     result["loss"] = loss[:, 0].sum() / max(loss[:, 1].sum(), 1)
     result["ppl"] = math.exp(result["loss"])
+    for k, (loss_sum, n) in enumerate(mtp_loss, start=1):
+        result[f"mtp_loss/depth_{k}"] = loss_sum / max(n, 1)
     for i, layer in enumerate(layers):
         n_pairs = max(pairs[i, 0], 1)
         result[f"maxvio_global/layer_{layer}"] = M.max_vio(counts[i].sum(0))

@@ -14,13 +14,22 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 x active matmul parameters + attention score/value matmuls (PaLM's accounting, causal not halved)."""
-    active_matmul = count_params(cfg).active - cfg.vocab_size * cfg.dim  # the embedding lookup is not a matmul
+    """6 x active matmul parameters + attention score/value matmuls (PaLM's accounting, causal not halved), per
+    token of a window, MTP modules included (depth k runs on seq_len - k of the seq_len positions)."""
+    n = count_params(cfg)
+    active_matmul = n.active - cfg.vocab_size * cfg.dim  # the embedding lookup is not a matmul
     if cfg.attention == "mla":
         qk, v = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
     else:
         qk = v = cfg.gqa.head_dim
-    return 6.0 * active_matmul + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * (qk + v)
+    attention = 6.0 * seq_len * cfg.n_heads * (qk + v)  # one layer
+    flops = 6.0 * active_matmul + cfg.n_layers * attention
+    D = cfg.mtp.depth
+    if D:
+        # one module: its own active parameters plus the shared output head, and one layer of attention
+        module = 6.0 * (n.mtp_active / D + cfg.vocab_size * cfg.dim) + attention
+        flops += module * sum(max(seq_len - k, 0) for k in range(1, D + 1)) / seq_len
+    return flops
 
 
 def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[float, str]:

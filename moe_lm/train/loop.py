@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe_lm.config import Config, ConfigError, config_to_dict, dump_config
 from moe_lm.data.batches import TrainWindows, eval_windows
@@ -31,8 +30,9 @@ from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
+from moe_lm.train.objective import next_token_losses, total_loss
 from moe_lm.train.run_folder import run_folder
-from moe_lm.train.schedule import lr_at
+from moe_lm.train.schedule import lr_at, mtp_weight_at
 from moe_lm.train.stop import StopOnSignal, Stopped
 from moe_lm.train.tracker import Tracker
 
@@ -73,11 +73,14 @@ def train(cfg: Config) -> dict:
             t0 = time.perf_counter()
             first = sample_base + (step - start_step) * G
             lr = lr_at(step, cfg.optim, t.max_steps)
-            loss, aux, applied = train_step(engine, model, _micro_batches(windows, first, t, rank, world, dev), lr)
+            mtp_weight = mtp_weight_at(step, cfg.model.mtp, t.max_steps)
+            batches = _micro_batches(windows, first, t, rank, world, dev)
+            losses, applied = train_step(engine, model, batches, lr, mtp_weight)
             balance, counts = balance_step(model, cfg.model.moe.bias_update_speed, apply=applied)
             step_done, dt = step + 1, time.perf_counter() - t0
             bad_steps = 0 if applied else bad_steps + 1
             if not applied:
+                loss = losses["loss"]
                 tracker.info(f"warning: step {step_done}: non-finite loss or gradient (loss {loss}); update skipped")
                 if bad_steps >= t.max_bad_steps:
                     raise RunError(
@@ -86,7 +89,9 @@ def train(cfg: Config) -> dict:
                         f"{latest_tag(run_dir) or 'none (no checkpoint was written)'} in {run_dir / 'checkpoints'}"
                     )
             if step_done % t.log_interval == 0 or step_done == end_step:
-                row = {"step": step_done, "loss": loss, "aux_loss": aux, "lr": lr, "skipped": not applied}
+                row = {"step": step_done, **losses, "lr": lr, "skipped": not applied}
+                if cfg.model.mtp.depth:
+                    row["mtp_weight"] = mtp_weight
                 _log_train(tracker, engine, model, {**row, **throughput(dt), "samples": first + G, **balance}, counts)
             if step_done % t.eval_interval == 0 or step_done == end_step:
                 last_eval = evaluate_at(step_done)
@@ -106,25 +111,29 @@ def train(cfg: Config) -> dict:
     return last_eval
 
 
-def train_step(engine, model: Transformer, micro_batches, lr: float) -> tuple[float, float, bool]:
-    """One optimizer step over this rank's micro-batches [micro, seq_len + 1]: (loss, aux loss) averaged over all
-    micro-batches and ranks, and whether the update was applied (DeepSpeed skips it when the gradient norm is not
-    finite, which a NaN/inf loss makes it)."""
+def train_step(engine, model: Transformer, micro_batches, lr: float, mtp_weight: float = 0.0) -> tuple[dict, bool]:
+    """One optimizer step over this rank's micro-batches [micro, seq_len + 1]. Returns the losses averaged over all
+    micro-batches and ranks ({"loss": the main head's CE, "aux_loss", "mtp_loss/depth_k" per MTP depth}) and
+    whether the update was applied (DeepSpeed skips it when the gradient norm is not finite, which a NaN/inf loss
+    makes it)."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     engine.train()
     for d in dispatchers(model):
         d.reset_stats()
-    sums = torch.zeros(3, device=next(model.parameters()).device)  # ce, aux, micro-batches
+    depth = len(model.mtp)
+    sums = torch.zeros(3 + depth, device=next(model.parameters()).device)  # ce, aux, mtp depths, micro-batches
     for batch in micro_batches:
-        out = engine(batch[:, :-1])
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        engine.backward(ce + out.aux_loss)
+        out = engine(batch[:, :-1], mtp=depth > 0)
+        ce, mtp = next_token_losses(out, batch[:, 1:])
+        engine.backward(total_loss(ce, mtp, mtp_weight, out.aux_loss))
         engine.step()
-        sums += torch.stack([ce.detach().float(), out.aux_loss.detach().float(), sums.new_ones(())])
+        sums += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), sums.new_ones(())])
     dist.all_reduce(sums)
-    loss, aux = (sums[:2] / sums[2]).tolist()
-    return loss, aux, engine.was_step_applied() and math.isfinite(loss)
+    means = (sums[:-1] / sums[-1]).tolist()
+    losses = {"loss": means[0], "aux_loss": means[1]}
+    losses.update({f"mtp_loss/depth_{k}": v for k, v in enumerate(means[2:], start=1)})
+    return losses, engine.was_step_applied() and math.isfinite(means[0])
 
 
 def _micro_batches(windows: TrainWindows, first: int, t, rank: int, world: int, dev):
@@ -148,7 +157,7 @@ def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: 
     tracker.log(row, {f"expert_load/layer_{i}": c.numpy() for i, c in zip(model.moe_layer_ids(), counts, strict=True)})
     maxvio = max((v for k, v in row.items() if k.startswith("maxvio/")), default=0.0)
     tracker.console(
-        f"step {row['step']}/{tracker.max_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | gnorm "
+        f"step {row['step']}/{tracker.max_steps} | loss {row['loss']:.4f}{_mtp_part(row)} | lr {row['lr']:.2e} | gnorm "
         f"{row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.1f}% | max MaxVio "
         f"{maxvio:.3f}",
         row["step"],
@@ -157,7 +166,8 @@ def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: 
 
 def _start_from(cfg: Config, run_dir: Path, tracker: Tracker) -> tuple[Config, Transformer | None]:
     """train.init_from=hf:PATH: the checkpoint's architecture replaces cfg.model (the MoE section's training
-    settings stay the config's), and its weights are the model, unless the run resumes from its own checkpoint."""
+    settings and the MTP section stay the config's), and its weights are the model, unless the run resumes from its
+    own checkpoint. MTP modules the checkpoint holds are loaded up to model.mtp.depth; deeper ones start afresh."""
     from moe_lm.interop.hf import from_hf_config, import_hf
 
     path = cfg.train.init_from.removeprefix("hf:")
@@ -169,7 +179,9 @@ def _start_from(cfg: Config, run_dir: Path, tracker: Tracker) -> tuple[Config, T
         raise ConfigError(f"train.init_from={cfg.train.init_from}: cannot load it ({e})") from None
     keep = ("experts_impl", "bias_update_speed", "seq_aux_alpha", "aux_alpha")
     model_cfg = dataclasses.replace(
-        model_cfg, moe=dataclasses.replace(model_cfg.moe, **{k: getattr(cfg.model.moe, k) for k in keep})
+        model_cfg,
+        moe=dataclasses.replace(model_cfg.moe, **{k: getattr(cfg.model.moe, k) for k in keep}),
+        mtp=cfg.model.mtp,
     )
     changed = [k for k, v in config_to_dict(model_cfg).items() if config_to_dict(cfg.model)[k] != v]
     tracker.info(f"train.init_from: model.* from {path}/config.json ({', '.join(changed) or 'nothing'} changed)")
@@ -178,7 +190,15 @@ def _start_from(cfg: Config, run_dir: Path, tracker: Tracker) -> tuple[Config, T
         tracker.info(f"train.init_from: its weights are not loaded, {run_dir} resumes from its own checkpoint")
         return cfg, None
     model = Transformer(model_cfg)
-    model.load_state_dict(import_hf(path).state_dict())
+    pretrained = import_hf(path)
+    ours = model.state_dict()
+    model.load_state_dict({k: v for k, v in pretrained.state_dict().items() if k in ours}, strict=False)
+    if model_cfg.mtp.depth or len(pretrained.mtp):
+        loaded = min(len(pretrained.mtp), model_cfg.mtp.depth)
+        tracker.info(
+            f"train.init_from: {len(pretrained.mtp)} MTP module(s) in the checkpoint, {loaded} loaded, "
+            f"{model_cfg.mtp.depth - loaded} initialised afresh (model.mtp.depth={model_cfg.mtp.depth})"
+        )
     return cfg, model
 
 
@@ -250,8 +270,9 @@ def _save(engine, model: Transformer, run_dir: Path, cfg: Config, state: dict, h
 
 def _header(cfg: Config, model: Transformer, world: int, G: int, data_meta: dict) -> str:
     n = count_params(cfg.model)
+    mtp = f" + {cfg.model.mtp.depth} MTP module(s) of {n.mtp_total / 1e6:.2f}M" if cfg.model.mtp.depth else ""
     return (
-        f"moe-lm: {n.total / 1e6:.2f}M parameters ({n.active / 1e6:.2f}M active per token), "
+        f"moe-lm: {n.total / 1e6:.2f}M parameters ({n.active / 1e6:.2f}M active per token){mtp}, "
         f"{len(model.moe_layers())} MoE layers x {cfg.model.moe.n_routed_experts} experts (top-"
         f"{cfg.model.moe.num_experts_per_tok}), world {world}, ZeRO-{cfg.parallel.zero_stage}, "
         f"global batch {G} x {cfg.train.seq_len} tokens; data {cfg.data.out_dir}: "
@@ -266,6 +287,12 @@ def _eval_line(ev: dict) -> str:
         return max((v for k, v in ev.items() if k.startswith(prefix)), default=0.0)
 
     return (
-        f"eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.1f}) | {domains} | max MaxVio_global "
+        f"eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.1f}){_mtp_part(ev)} | {domains} | max MaxVio_global "
         f"{worst('maxvio_global/'):.3f} | max domain JSD {worst('domain_jsd/'):.3f} bits"
     )
+
+
+def _mtp_part(row: dict) -> str:
+    """' | mtp1 4.1234 | mtp2 ...' for the MTP depths' losses in a logged row ('' without MTP)."""
+    prefix = "mtp_loss/depth_"
+    return "".join(f" | mtp{k[len(prefix) :]} {v:.4f}" for k, v in row.items() if k.startswith(prefix))

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_lm.config import Config, LoggingConfig, MLAConfig, OptimConfig, ParallelConfig, TrainConfig
+from moe_lm.config import Config, LoggingConfig, MLAConfig, MTPConfig, OptimConfig, ParallelConfig, TrainConfig
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine, param_groups
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers, ensure_groups
+from moe_lm.train.objective import next_token_losses, total_loss
 from tests.distributed import run_worker
 from tests.tiny import tiny_model_cfg
 
@@ -37,6 +38,7 @@ def main(args: argparse.Namespace) -> None:
             max_seq_len=SEQ,
             mla=MLAConfig(),
             moe=dict(routed_scaling_factor=1.0, moe_inter_dim=16, seq_aux_alpha=1e-2, bias_update_speed=0.0),
+            mtp=MTPConfig(depth=args.mtp),
         ),
         # eps 1e-6, not 1e-8: where a gradient element is ~1e-8, Adam's update g/(|g|+eps) turns fp32 rounding
         # differences (an expert's rows summed in another order) into ~1e-5 parameter differences, which would
@@ -60,12 +62,14 @@ def main(args: argparse.Namespace) -> None:
     for _ in range(2):
         tokens = torch.randint(0, VOCAB, (world * MICRO, SEQ + 1), generator=gen)
         mine = tokens[rank * MICRO : (rank + 1) * MICRO]
-        out = engine(mine[:, :-1])
-        loss = F.cross_entropy(out.logits.flatten(0, 1), mine[:, 1:].flatten()) + out.aux_loss
-        engine.backward(loss)
+        out = engine(mine[:, :-1], mtp=True)
+        engine.backward(total_loss(*next_token_losses(out, mine[:, 1:]), 0.3, out.aux_loss))
         engine.step()
-        ref_out = reference(tokens[:, :-1])
+        ref_out = reference(tokens[:, :-1], mtp=True)
+        # the reference written out: the global batch's mean CE per head, L_MTP = (0.3 / D) sum_k CE_k
         ref_loss = F.cross_entropy(ref_out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + ref_out.aux_loss
+        for k, logits in enumerate(ref_out.mtp_logits, start=1):
+            ref_loss = ref_loss + 0.3 / args.mtp * F.cross_entropy(logits.flatten(0, 1), tokens[:, 1 + k :].flatten())
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), o.grad_clip).item()
         ref_opt.step()
@@ -103,5 +107,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--mtp", type=int, default=0, help="MTP depth (0 = off)")
     ap.add_argument("--out", required=True)
     run_worker(main, ap)

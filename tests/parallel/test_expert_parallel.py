@@ -21,15 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def ep_check(tmp_path, n: int, ep: int, zero: int) -> dict:
+def ep_check(tmp_path, n: int, ep: int, zero: int, mtp: int) -> dict:
     out = tmp_path / "ep.json"
-    launch("tests/parallel/dist_ep.py", "--ep", str(ep), "--zero", str(zero), "--out", str(out), n=n)
+    launch("tests/parallel/dist_ep.py", "--ep", str(ep), "--zero", str(zero), "--mtp", str(mtp), "--out", str(out), n=n)
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("n, ep, zero", [(2, 2, 1), (2, 2, 2), (4, 2, 2)])
-def test_expert_parallel_step_matches_single_process(tmp_path, n, ep, zero):
-    r = ep_check(tmp_path, n, ep, zero)
+@pytest.mark.parametrize("n, ep, zero, mtp", [(2, 2, 1, 0), (2, 2, 2, 0), (4, 2, 2, 0), (2, 2, 2, 2)])
+def test_expert_parallel_step_matches_single_process(tmp_path, n, ep, zero, mtp):
+    """One step at EP 2 equals a single process on the global batch (with MTP depth 2: the MTP blocks' experts are
+    sharded too, and the MTP loss is in the reference)."""
+    r = ep_check(tmp_path, n, ep, zero, mtp)
     assert r["world"] == n
     assert r["logits"] < 1e-5, r
     assert r["grad_norm_rel"] < 1e-5, r  # clipping is exact: the global norm, experts counted once

@@ -107,8 +107,8 @@ def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=6, ckpt_interval=2, max_bad_steps=10)
     real_step = loop.train_step
 
-    def poisoned(engine, model, batches, lr):
-        result = real_step(engine, model, batches, lr)
+    def poisoned(engine, model, batches, *args):
+        result = real_step(engine, model, batches, *args)
         if engine.global_steps == 4:  # after step 4's update, whose loss was finite
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))

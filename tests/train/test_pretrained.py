@@ -71,6 +71,39 @@ def test_step_zero_loss_of_a_pretrained_checkpoint_equals_transformers(tiny_data
     assert "dim: 32" in saved and "n_routed_experts: 8" in saved
 
 
+def test_init_from_a_checkpoint_with_mtp_loads_its_modules(tiny_data, tmp_path, capsys):
+    """An export with MTP (DeepSeek's layout) as train.init_from, with model.mtp.depth=1: the step-0 MTP loss is the
+    checkpoint's own (recomputed here from import_hf); with depth 2 the second module starts afresh."""
+    from moe_lm.config import MTPConfig
+    from moe_lm.interop.hf import export_hf, import_hf
+    from moe_lm.model import Transformer
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1)
+    torch.manual_seed(5)
+    source = Transformer(dataclasses.replace(cfg.model, mtp=MTPConfig(depth=1))).eval()
+    export_hf(source, tmp_path / "hf")
+    mtp = MTPConfig(depth=1)
+    run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=mtp))
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, init_from=f"hf:{tmp_path / 'hf'}"))
+    loop.train(run)
+    assert "1 MTP module(s) in the checkpoint, 1 loaded, 0 initialised afresh" in capsys.readouterr().out
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step0 = next(r for r in rows if r["kind"] == "eval" and r["step"] == 0)
+    imported, t = import_hf(tmp_path / "hf").eval(), run.train
+    total = n = 0
+    with torch.no_grad():
+        for w in eval_windows(
+            load_split(run.data.out_dir, "val"), t.seq_len, t.eval_batches * t.micro_batch_size
+        ).values():
+            logits = imported(w[:, :-1], mtp=True).mtp_logits[0]
+            total += F.cross_entropy(logits.flatten(0, 1), w[:, 2:].flatten(), reduction="sum").item()
+            n += w[:, 2:].numel()
+    assert step0["mtp_loss/depth_1"] == pytest.approx(total / n, rel=1e-5)
+    deeper = dataclasses.replace(run, model=dataclasses.replace(run.model, mtp=MTPConfig(depth=2)))
+    loop.train(dataclasses.replace(deeper, train=dataclasses.replace(deeper.train, out_dir=str(tmp_path / "run2"))))
+    assert "1 MTP module(s) in the checkpoint, 1 loaded, 1 initialised afresh" in capsys.readouterr().out
+
+
 def test_init_from_errors_and_resume_ignores_it(tiny_data, tmp_path, capsys):
     with pytest.raises(ConfigError, match="train.init_from=hf:.*nowhere: cannot load it"):
         loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", init_from=f"hf:{tmp_path / 'nowhere'}"))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lm.config import load_config
+from moe_lm.config import MTPConfig, load_config
 from moe_lm.interop.ds_checkpoint import COMPLETE, latest_tag
-from moe_lm.train import checkpoint, loop
+from moe_lm.train import checkpoint, loop, objective
 from moe_lm.train.schedule import lr_at
 from tests.conftest import tiny_train_cfg
 
@@ -63,6 +63,44 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
         assert ra["bias_mean/layer_1"] == pytest.approx(rb["bias_mean/layer_1"], rel=1e-6, abs=1e-9)
 
 
+def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, capsys):
+    """With model.mtp.depth = 2: per-depth MTP losses in the train and eval rows (and on the console), eval's `loss`
+    is the main head's, the MTP routers are balanced and logged, and resuming reproduces the run."""
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "straight", max_steps=8, ckpt_interval=100, eval_interval=4)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=2, late_start=0.5)))
+    loop.train(cfg)
+    assert "| mtp1 " in capsys.readouterr().out
+    interrupted = with_train(cfg, out_dir=str(tmp_path / "resumed"), stop_at=4)
+    loop.train(interrupted)
+    loop.train(with_train(interrupted, stop_at=0))
+    a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    keys = ("loss", "mtp_loss/depth_1", "mtp_loss/depth_2", "bias_mean/layer_2", "bias_mean/layer_3")
+    for ra, rb in zip(a, b, strict=True):
+        for key in keys:  # layers 2 and 3 are the MTP blocks (n_layers = 2)
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key, ra[key], rb[key])
+    assert [r["mtp_weight"] for r in a] == [0.3] * 4 + [0.1] * 4  # the schedule switched at half the run
+    assert a[-1]["mtp_loss/depth_1"] < a[0]["mtp_loss/depth_1"]
+    evals = rows(tmp_path / "straight", "eval")
+    assert {"mtp_loss/depth_1", "mtp_loss/depth_2", "maxvio_global/layer_3", "domain_jsd/layer_3"} <= set(evals[-1])
+    # eval's `loss` is the main head's alone: recomputed here on the same windows from the final checkpoint
+    from moe_lm.data.batches import eval_windows
+    from moe_lm.data.prepare import load_split
+    from moe_lm.interop.ds_checkpoint import load_model
+
+    _, model, _ = load_model(tmp_path / "straight")
+    windows = eval_windows(load_split(cfg.data.out_dir, "val"), cfg.train.seq_len, cfg.train.micro_batch_size)
+    with torch.no_grad():
+        sums = [
+            torch.nn.functional.cross_entropy(
+                model(w[:, :-1]).logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum"
+            )
+            for w in windows.values()
+        ]
+    main_loss = sum(sums).item() / sum(w[:, 1:].numel() for w in windows.values())
+    assert evals[-1]["loss"] == pytest.approx(main_loss, rel=1e-5)
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkeypatch):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
     calls = {"n": 0}
@@ -87,7 +125,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkey
 
 
 def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_path, monkeypatch):
-    real_ce = loop.F.cross_entropy
+    real_ce = objective.F.cross_entropy
     bad_steps = set()
     state = {"calls": 0}
 
@@ -99,7 +137,7 @@ def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_pat
                 out = out * float("nan")
         return out
 
-    monkeypatch.setattr(loop.F, "cross_entropy", ce)
+    monkeypatch.setattr(objective.F, "cross_entropy", ce)
     bad_steps.update({3})
     cfg = tiny_train_cfg(tiny_data, tmp_path / "one_bad", max_steps=5)
     loop.train(cfg)

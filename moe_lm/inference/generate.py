@@ -1,0 +1,25 @@
+"""Plain autoregressive decoding with a KV cache (MLA caches only its compressed latent and rotary key)."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lm.inference.sampling import Sampling
+from moe_lm.model import Transformer
+from moe_lm.model.attention import KVCache
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_ids: list[int], max_tokens: int, sampling: Sampling, seed: int) -> list[int]:
+    """Up to `max_tokens` new token ids after the prompt (fewer where the context ends), one forward pass each."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache()
+    budget = min(max_tokens, model.cfg.max_seq_len - len(prompt_ids))
+    prefix = len(prompt_ids) if model.cfg.attn_mask == "prefix" else None
+    logits = model(torch.tensor([prompt_ids]), prefix_len=prefix, cache=cache).logits[0, -1]
+    out = []
+    for i in range(budget):
+        out.append(sampling.sample(logits, gen))
+        if i + 1 < budget:
+            logits = model(torch.tensor([[out[-1]]]), cache=cache).logits[0, -1]
+    return out
