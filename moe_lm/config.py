@@ -301,6 +301,11 @@ class TrainConfig:
     max_bad_steps: int = 5
     # Stop early (with a checkpoint) after this step, leaving the run resumable; 0 = run to max_steps.
     stop_at: int = 0
+    # What a window of seq_len + 1 tokens trains: "lm" predicts every next token; "prefix_lm" predicts only the
+    # tokens after its first prefix_len tokens (the prefix is input only; with model.attn_mask=prefix the model sees
+    # it bidirectionally: the prefix-LM / UniLM objective).
+    objective: Literal["lm", "prefix_lm"] = "lm"
+    prefix_len: int = 0
     # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
     # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
     init_from: str = ""
@@ -320,6 +325,13 @@ class TrainConfig:
         ):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
         _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
+        if self.objective == "prefix_lm":
+            _require(
+                0 < self.prefix_len < self.seq_len,
+                f"{path}.prefix_len",
+                f"must be between 1 and train.seq_len - 1 = {self.seq_len - 1} for objective=prefix_lm, "
+                f"got {self.prefix_len}",
+            )
         _require(
             self.init_from == "" or self.init_from.startswith("hf:"),
             f"{path}.init_from",
@@ -391,6 +403,12 @@ class Config:
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",
             f"= {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
+        _require(
+            self.model.attn_mask == "causal" or self.train.objective == "prefix_lm",
+            "model.attn_mask",
+            "= prefix needs train.objective=prefix_lm with a train.prefix_len (the plain LM objective supplies no "
+            "prefix to attend to bidirectionally)",
         )
         _require(
             self.train.seq_len > self.model.mtp.depth,

@@ -1,7 +1,8 @@
 """Evaluation during training: loss per domain on fixed validation windows, and the headline routing metrics.
 
-`loss` is always the main head's next-token loss, so runs with and without MTP compare on the same number; the MTP
-depths' losses are reported beside it (`mtp_loss/depth_k`).
+`loss` is always the main head's next-token loss on the objective's labels (all tokens, or those after the prefix),
+so runs with and without MTP compare on the same number; the MTP depths' losses are reported beside it
+(`mtp_loss/depth_k`).
 
 The routing numbers come from what the routers chose on those windows, through the same functions the routing
 report uses (moe_lm/analysis/metrics.py): MaxVio_global, mean pairwise domain JSD (bits), and the shares of
@@ -15,16 +16,22 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.model import Transformer
+from moe_lm.train.objective import Objective, loss_sums
 
 
 @torch.no_grad()
 def evaluate(
-    engine, model: Transformer, evalsets: dict[str, torch.Tensor], micro: int, dev, doc_start_id: int
+    engine,
+    model: Transformer,
+    evalsets: dict[str, torch.Tensor],
+    micro: int,
+    dev,
+    doc_start_id: int,
+    objective: Objective = Objective(),
 ) -> dict[str, float]:
     """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows;
     `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window."""
@@ -40,16 +47,12 @@ def evaluate(
             # every rank runs the same number of forward passes (expert parallelism needs all ranks in each one)
             mine = windows[rank::world][: len(windows) // world] if len(windows) >= world else windows[:0]
             for chunk in mine.split(micro):
-                inputs, targets = chunk[:, :-1].to(dev), chunk[:, 1:].to(dev)
                 recorder.last.clear()
-                out = engine(inputs, mtp=depth > 0)
-                ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-                loss[d] += ce.item(), targets.numel()
-                for k, logits in enumerate(out.mtp_logits):
-                    mtp_targets = targets[:, k + 1 :]
-                    ce = F.cross_entropy(logits.float().flatten(0, 1), mtp_targets.flatten(), reduction="sum")
-                    mtp_loss[k] += ce.item(), mtp_targets.numel()
-                tokens = inputs.cpu().numpy()
+                out, labels = objective.run(engine, chunk.to(dev), mtp=depth > 0)
+                nll, n, per_depth = loss_sums(out, labels)
+                loss[d] += nll, n
+                mtp_loss += np.array(per_depth).reshape(depth, 2)
+                tokens = chunk[:, :-1].numpy()
                 for i, layer in enumerate(layers):
                     if layer not in recorder.last:  # an MTP depth with no position to predict in a short window
                         continue

@@ -30,7 +30,7 @@ from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
-from moe_lm.train.objective import next_token_losses, total_loss
+from moe_lm.train.objective import Objective, next_token_losses, total_loss
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
 from moe_lm.train.stop import StopOnSignal, Stopped
@@ -39,6 +39,7 @@ from moe_lm.train.tracker import Tracker
 
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured; returns the last evaluation's metrics."""
+    cfg.validate()  # a config built in code (dataclasses.replace) skipped load_config's checks
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev, t, run_dir = device(), cfg.train, Path(cfg.train.out_dir)
@@ -49,6 +50,7 @@ def train(cfg: Config) -> dict:
     windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
     evalsets = _evalsets(cfg, tracker)
     G = t.micro_batch_size * t.grad_accum_steps * world
+    objective = Objective.of(cfg)
     with run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
         torch.manual_seed(cfg.seed)
         model = pretrained or Transformer(cfg.model)
@@ -75,7 +77,7 @@ def train(cfg: Config) -> dict:
             lr = lr_at(step, cfg.optim, t.max_steps)
             mtp_weight = mtp_weight_at(step, cfg.model.mtp, t.max_steps)
             batches = _micro_batches(windows, first, t, rank, world, dev)
-            losses, applied = train_step(engine, model, batches, lr, mtp_weight)
+            losses, applied = train_step(engine, model, batches, lr, mtp_weight, objective)
             balance, counts = balance_step(model, cfg.model.moe.bias_update_speed, apply=applied)
             step_done, dt = step + 1, time.perf_counter() - t0
             bad_steps = 0 if applied else bad_steps + 1
@@ -111,7 +113,9 @@ def train(cfg: Config) -> dict:
     return last_eval
 
 
-def train_step(engine, model: Transformer, micro_batches, lr: float, mtp_weight: float = 0.0) -> tuple[dict, bool]:
+def train_step(
+    engine, model: Transformer, micro_batches, lr: float, mtp_weight: float = 0.0, objective: Objective = Objective()
+) -> tuple[dict, bool]:
     """One optimizer step over this rank's micro-batches [micro, seq_len + 1]. Returns the losses averaged over all
     micro-batches and ranks ({"loss": the main head's CE, "aux_loss", "mtp_loss/depth_k" per MTP depth}) and
     whether the update was applied (DeepSpeed skips it when the gradient norm is not finite, which a NaN/inf loss
@@ -124,8 +128,8 @@ def train_step(engine, model: Transformer, micro_batches, lr: float, mtp_weight:
     depth = len(model.mtp)
     sums = torch.zeros(3 + depth, device=next(model.parameters()).device)  # ce, aux, mtp depths, micro-batches
     for batch in micro_batches:
-        out = engine(batch[:, :-1], mtp=depth > 0)
-        ce, mtp = next_token_losses(out, batch[:, 1:])
+        out, labels = objective.run(engine, batch, mtp=depth > 0)
+        ce, mtp = next_token_losses(out, labels)
         engine.backward(total_loss(ce, mtp, mtp_weight, out.aux_loss))
         engine.step()
         sums += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), sums.new_ones(())])
@@ -143,7 +147,7 @@ def _micro_batches(windows: TrainWindows, first: int, t, rank: int, world: int, 
 
 
 def _evaluate(engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, step: int) -> dict:
-    result = evaluate(engine, model, evalsets, cfg.train.micro_batch_size, dev, doc_start_id)
+    result = evaluate(engine, model, evalsets, cfg.train.micro_batch_size, dev, doc_start_id, Objective.of(cfg))
     tracker.log({"kind": "eval", "step": step, **result})
     tracker.console(_eval_line(result), step)
     return result
@@ -213,13 +217,8 @@ def _prepare_default_corpus(cfg: Config, tracker: Tracker) -> None:
 
 
 def _check_inputs(cfg: Config) -> dict:
-    """What can be checked before anything is built: the training objective, and that the prepared data is the
-    one the config names (sources, their files, settings, vocabulary). Returns meta.json."""
-    if cfg.model.attn_mask == "prefix":
-        raise ConfigError(
-            "model.attn_mask=prefix: training is causal language modelling, which supplies no prefix; use "
-            "model.attn_mask=causal (prefix models can be built and exported, not trained, for now)"
-        )
+    """What can be checked before anything is built: that the prepared data is the one the config names (sources,
+    their files, settings, vocabulary). Returns meta.json."""
     meta = read_meta(cfg.data.out_dir)
     trained_here = cfg.data.tokenizer == "train"  # then the vocabulary is model.vocab_size pieces exactly
     if meta["vocab_size"] > cfg.model.vocab_size or (trained_here and meta["vocab_size"] != cfg.model.vocab_size):

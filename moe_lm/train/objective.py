@@ -1,26 +1,60 @@
-"""The training objective: next-token cross-entropy of the main head, plus the MTP depths' (DeepSeek-V3 §2.2).
+"""The training objective: which tokens of a window are predicted, how the model sees the rest, and the losses.
 
-    loss = CE_main + (lambda / D) * sum_k CE_k + balance losses
+A window holds tokens t_0 .. t_S; the model reads t_0 .. t_{S-1} and position j predicts t_{j+1}.
+- "lm": every t_1 .. t_S is a label.
+- "prefix_lm" with prefix_len P: t_0 .. t_{P-1} are input only; the labels are t_P .. t_S (positions j >= P - 1).
+  With model.attn_mask=prefix the model attends bidirectionally inside the prefix (UniLM / prefix LM); with a
+  causal mask it is the same labels under causal attention (a GPT scored on the same targets). No label lies
+  inside the prefix, so bidirectional attention never sees a token it is asked to predict.
 
-Each CE is the mean over the positions that have a target: all S for the main head, S - k at depth k (position i
-of depth k predicts token i + k + 1 of the window). The paper divides each sum by the sequence length instead;
-for S >> D the two differ by a factor (S - k) / S.
+    loss = CE_main + (lambda / D) * sum_k CE_k + balance losses           (MTP, DeepSeek-V3 §2.2)
+
+Each CE is the mean over the labelled positions: for MTP depth k, position i predicts t_{i+k+1}, labelled iff the
+main head's label at position i + k is (the paper divides each sum by the sequence length instead; for S >> D the
+two differ by a factor (S - k) / S).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from moe_lm.config import Config
 from moe_lm.model import ModelOutput
 
+IGNORE = -100  # F.cross_entropy's ignore_index: a position with no label
 
-def next_token_losses(out: ModelOutput, targets_BS: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(main head's mean CE, [mean CE of MTP depth k for k = 1..D]) against targets [B, S] (the window shifted by
-    one)."""
-    ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets_BS.flatten())
+
+@dataclass(frozen=True)
+class Objective:
+    kind: str = "lm"  # "lm" | "prefix_lm"
+    prefix_len: int = 0
+    bidirectional_prefix: bool = False  # the model's attn_mask is "prefix"
+
+    @classmethod
+    def of(cls, cfg: Config) -> Objective:
+        t = cfg.train
+        return cls(t.objective, t.prefix_len if t.objective == "prefix_lm" else 0, cfg.model.attn_mask == "prefix")
+
+    def run(self, model, window_BS1: torch.Tensor, mtp: bool = False) -> tuple[ModelOutput, torch.Tensor]:
+        """The model's output on a batch of windows [B, S + 1] and the labels [B, S] (IGNORE where unlabelled)."""
+        prefix = self.prefix_len if self.bidirectional_prefix else None
+        return model(window_BS1[:, :-1], prefix_len=prefix, mtp=mtp), self.labels(window_BS1)
+
+    def labels(self, window_BS1: torch.Tensor) -> torch.Tensor:
+        labels = window_BS1[:, 1:].clone()
+        if self.kind == "prefix_lm":
+            labels[:, : self.prefix_len - 1] = IGNORE
+        return labels
+
+
+def next_token_losses(out: ModelOutput, labels_BS: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(main head's mean CE, [mean CE of MTP depth k for k = 1..D]) over the labelled positions."""
+    ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE)
     mtp = [
-        F.cross_entropy(logits.float().flatten(0, 1), targets_BS[:, k:].flatten())
+        F.cross_entropy(logits.float().flatten(0, 1), labels_BS[:, k:].flatten(), ignore_index=IGNORE)
         for k, logits in enumerate(out.mtp_logits, start=1)
     ]
     return ce, mtp
@@ -32,3 +66,14 @@ def total_loss(ce: torch.Tensor, mtp: list[torch.Tensor], mtp_weight: float, aux
     if mtp:
         loss = loss + (mtp_weight / len(mtp)) * torch.stack(mtp).sum()
     return loss
+
+
+def loss_sums(out: ModelOutput, labels_BS: torch.Tensor) -> tuple[float, int, list[tuple[float, int]]]:
+    """For evaluation: (summed main-head NLL, labelled positions, [(summed NLL, positions) per MTP depth])."""
+
+    def summed(logits, labels):
+        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        return nll.item(), int((labels != IGNORE).sum())
+
+    main = summed(out.logits, labels_BS)
+    return *main, [summed(logits, labels_BS[:, k:]) for k, logits in enumerate(out.mtp_logits, start=1)]

@@ -213,7 +213,7 @@ def test_optimizer_values_are_validated_up_front(override, key):
 def test_prefix_mask_without_a_prefix_objective_is_refused_before_anything_is_built(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="prefix"))
-    with pytest.raises(ConfigError, match="attn_mask=prefix"):
+    with pytest.raises(ConfigError, match="attn_mask = prefix needs train.objective=prefix_lm"):
         loop.train(cfg)
     assert not (tmp_path / "run").exists()
 
