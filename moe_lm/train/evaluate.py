@@ -20,7 +20,7 @@ import torch.distributed as dist
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.model import Transformer
-from moe_lm.train.objective import Objective, loss_sums
+from moe_lm.train.objective import NEXT_TOKEN, Objective, loss_sums
 
 
 @torch.no_grad()
@@ -31,7 +31,7 @@ def evaluate(
     micro: int,
     dev,
     doc_start_id: int,
-    objective: Objective = Objective(),
+    objective: Objective = NEXT_TOKEN,
 ) -> dict[str, float]:
     """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows;
     `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window."""

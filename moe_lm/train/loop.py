@@ -30,7 +30,7 @@ from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
-from moe_lm.train.objective import Objective, next_token_losses, total_loss
+from moe_lm.train.objective import NEXT_TOKEN, Objective, next_token_losses, total_loss
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
 from moe_lm.train.stop import StopOnSignal, Stopped
@@ -114,7 +114,7 @@ def train(cfg: Config) -> dict:
 
 
 def train_step(
-    engine, model: Transformer, micro_batches, lr: float, mtp_weight: float = 0.0, objective: Objective = Objective()
+    engine, model: Transformer, micro_batches, lr: float, mtp_weight: float = 0.0, objective: Objective = NEXT_TOKEN
 ) -> tuple[dict, bool]:
     """One optimizer step over this rank's micro-batches [micro, seq_len + 1]. Returns the losses averaged over all
     micro-batches and ranks ({"loss": the main head's CE, "aux_loss", "mtp_loss/depth_k" per MTP depth}) and

@@ -50,6 +50,9 @@ class Objective:
         return labels
 
 
+NEXT_TOKEN = Objective()  # plain language modelling: every next token is a label
+
+
 def next_token_losses(out: ModelOutput, labels_BS: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(main head's mean CE, [mean CE of MTP depth k for k = 1..D]) over the labelled positions."""
     ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE)
