@@ -1,0 +1,2 @@
+"""Experiments that test the claims moe-lm rests on: arms x seeds of training runs, a final evaluation on the
+whole validation split, seed-paired intervals and a verdict fixed in advance (launch/experiment.py)."""

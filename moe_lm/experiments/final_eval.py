@@ -1,0 +1,150 @@
+"""The final evaluation of an experiment's run: the whole validation split, every document, per-document sums.
+
+Each document is cut into windows of seq_len + 1 tokens overlapping by one (as training cuts its windows, but the
+context restarts with each document), so every token after a document's first is predicted exactly once.
+`score_from` = P > 1 scores only the tokens at window positions >= P (the prefix-LM targets, the same labels for
+every arm of an experiment); a model with a prefix mask then sees positions < P bidirectionally. Windows shorter than
+P + 1 tokens have no label.
+
+Saved per document: the summed NLL of its labels and their number, its domain, and, with routing, the token-slots
+per (MoE layer, expert); and per window position (over all windows): summed NLL and labels, for the loss by
+distance from a prefix boundary. Everything an experiment compares is a function of these (or of the per-token arrays
+kept for the token-shuffled JSD baseline), so intervals can resample documents.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moe_lm.analysis import metrics as M
+from moe_lm.analysis.trace import RoutingRecorder
+from moe_lm.data.prepare import load_split
+from moe_lm.interop.ds_checkpoint import load_model
+from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective
+
+RESULT, ARRAYS = "final_eval.json", "final_eval.npz"
+
+
+def document_windows(doc: np.ndarray, seq_len: int) -> list[np.ndarray]:
+    """Windows of at most seq_len + 1 tokens, consecutive windows sharing one token; none for a 1-token document."""
+    return [doc[s : s + seq_len + 1] for s in range(0, max(len(doc) - 1, 0), seq_len)]
+
+
+@torch.no_grad()
+def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batch_size: int = 16) -> dict:
+    """Evaluate the run's final checkpoint on its whole validation split; writes final_eval.json/.npz there."""
+    cfg, model, tag = load_model(run_dir)
+    shard = load_split(cfg.data.out_dir, "val")
+    S = cfg.train.seq_len
+    objective = NEXT_TOKEN
+    if score_from > 1:
+        objective = Objective("prefix_lm", score_from, cfg.model.attn_mask == "prefix")
+    elif cfg.model.attn_mask == "prefix":
+        raise ValueError(f"{run_dir}: a prefix-mask model needs score_from > 1 (its prefix length)")
+    windows = [(d, w) for d in range(shard.n_docs) for w in document_windows(np.asarray(shard.document(d)), S)]
+    windows = [(d, w) for d, w in windows if len(w) > (score_from if score_from > 1 else 1)]
+    n_docs, layers = shard.n_docs, []
+    nll, count = np.zeros(n_docs), np.zeros(n_docs, dtype=np.int64)
+    position_nll, position_count = np.zeros(S), np.zeros(S, dtype=np.int64)  # by position in the window
+    expert_counts, tokens, token_domain, token_experts = None, [], [], []
+    recorder = RoutingRecorder(model)
+    with recorder:
+        for i in range(0, len(windows), batch_size):
+            part = windows[i : i + batch_size]
+            L = max(len(w) for _, w in part)
+            batch = torch.zeros(len(part), L, dtype=torch.long)  # right padding: after every label, never read
+            for b, (_, w) in enumerate(part):
+                batch[b, : len(w)] = torch.from_numpy(w.astype(np.int64))
+            recorder.last.clear()
+            out, labels = objective.run(model, batch)
+            for b, (_, w) in enumerate(part):
+                labels[b, len(w) - 1 :] = IGNORE  # the padding's "labels"
+            nll_BS = F.cross_entropy(out.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+            labelled = labels != IGNORE
+            for b, (d, _) in enumerate(part):
+                nll[d] += nll_BS[b].sum().item()
+                count[d] += int(labelled[b].sum())
+            position_nll[: L - 1] += nll_BS.sum(0).double().numpy()
+            position_count[: L - 1] += labelled.sum(0).numpy()
+            if routing:
+                layers = layers or [layer for layer in recorder.layers if layer in recorder.last]
+                if expert_counts is None:
+                    expert_counts = np.zeros((n_docs, len(layers), cfg.model.moe.n_routed_experts), np.int64)
+                valid = torch.zeros(len(part), L - 1, dtype=torch.bool)
+                for b, (_, w) in enumerate(part):
+                    valid[b, : len(w) - 1] = True
+                flat = valid.flatten().numpy()
+                doc_of = np.repeat([d for d, _ in part], L - 1)[flat]
+                ids = batch[:, :-1].flatten().numpy()[flat]
+                per_layer = [recorder.last[layer][0].numpy()[flat] for layer in layers]
+                for j, experts in enumerate(per_layer):
+                    np.add.at(expert_counts[:, j], (np.repeat(doc_of, experts.shape[1]), experts.ravel()), 1)
+                tokens.append(ids)
+                token_domain.append(shard.doc_domain[doc_of])
+                token_experts.append(np.stack(per_layer, 1))
+    domain = np.asarray(shard.doc_domain[:n_docs])
+    result = summarise(nll, count, domain, shard.domains)
+    result.update(checkpoint=tag, score_from=score_from, windows=len(windows))
+    arrays = {
+        "nll": nll,
+        "count": count,
+        "domain": domain,
+        "position_nll": position_nll,
+        "position_count": position_count,
+    }
+    if routing and expert_counts is not None:
+        arrays["expert_counts"] = expert_counts
+        experts = np.concatenate(token_experts)
+        result["routing"] = routing_summary(
+            expert_counts,
+            domain,
+            len(shard.domains),
+            layers,
+            np.concatenate(tokens),
+            np.concatenate(token_domain),
+            experts,
+        )
+    np.savez(Path(run_dir) / ARRAYS, **arrays)
+    (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def summarise(nll: np.ndarray, count: np.ndarray, domain: np.ndarray, domains: list[str]) -> dict:
+    """Token-weighted loss overall and per domain from per-document sums."""
+    out = {"loss": float(nll.sum() / max(count.sum(), 1)), "labels": int(count.sum()), "documents": int(len(nll))}
+    for i, name in enumerate(domains):
+        sel = domain == i
+        if count[sel].sum():
+            out[f"loss/{name}"] = float(nll[sel].sum() / count[sel].sum())
+    return out
+
+
+def routing_summary(counts_NLE, doc_domain, n_domains, layers, token, token_domain, token_experts) -> dict:
+    """Per MoE layer: MaxVio_global (and its finite-sample floor), mean pairwise domain JSD, and the JSD left once
+    domain labels are shuffled among occurrences of the same token id (N2: what token identity alone explains)."""
+    shuffled = M.shuffle_domains_within_token(token, token_domain)
+    E, K = counts_NLE.shape[2], token_experts.shape[2]
+    out = {}
+    for j, layer in enumerate(layers):
+        experts = token_experts[:, j]
+        out[f"layer_{layer}"] = {
+            "maxvio_global": M.max_vio(counts_NLE[:, j].sum(0)),
+            "maxvio_floor": M.max_vio_floor(len(token), E, K),
+            "domain_jsd": domain_jsd_of(counts_NLE[:, j], doc_domain, n_domains),
+            "domain_jsd_shuffled": M.mean_pairwise(
+                M.domain_jsd(M.domain_expert_counts(experts, shuffled, n_domains, E))
+            ),
+        }
+    return out
+
+
+def domain_jsd_of(counts_NE: np.ndarray, doc_domain: np.ndarray, n_domains: int) -> float:
+    """Mean pairwise JSD (bits) between the domains' expert distributions, from per-document counts."""
+    per_domain = np.zeros((n_domains, counts_NE.shape[1]))
+    np.add.at(per_domain, doc_domain, counts_NE)
+    return M.mean_pairwise(M.domain_jsd(per_domain))

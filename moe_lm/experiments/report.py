@@ -1,0 +1,310 @@
+"""An experiment's report: what was held equal, the results, every comparison with its intervals and verdict.
+
+Writes report.md, results.json and figures/*.png into the experiment's output folder. Every number comes from the
+runs' final evaluations (the whole validation split, per document) and their metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moe_lm.analysis import metrics as M
+from moe_lm.experiments import stats
+from moe_lm.experiments.final_eval import ARRAYS, domain_jsd_of
+from moe_lm.experiments.runner import Run
+from moe_lm.experiments.spec import Comparison, Experiment
+from moe_lm.model import count_params
+from moe_lm.train.flops import train_flops_per_token
+
+RULES = {
+    "lower": "supported if the 95 % t-interval of the seed-paired delta (a - b) lies below 0 and every seed agrees; "
+    "contradicted if it lies above 0",
+    "higher": "supported if the interval lies above 0 and every seed agrees; contradicted if it lies below 0",
+    "not_lower": "supported if the interval lies above -margin (no gain for a larger than the margin); contradicted "
+    "if it lies below -margin",
+    "not_higher": "supported if the interval lies below +margin; contradicted if it lies above +margin",
+}
+
+
+class ArmData:
+    """One arm's runs (in seed order) with their per-document arrays."""
+
+    def __init__(self, runs: list[Run]) -> None:
+        self.runs = sorted(runs, key=lambda r: r.seed)
+        self.arrays = [dict(np.load(r.folder / ARRAYS)) for r in self.runs]
+
+    def metric(self, name: str, s: int, docs: np.ndarray | None = None) -> float:
+        a = self.arrays[s]
+        docs = np.arange(len(a["nll"])) if docs is None else docs
+        if name == "loss":
+            return float(a["nll"][docs].sum() / max(a["count"][docs].sum(), 1))
+        counts = a["expert_counts"][docs]  # [docs, layers, E]
+        if name == "maxvio_global":
+            return float(np.mean([M.max_vio(counts[:, j].sum(0)) for j in range(counts.shape[1])]))
+        n_domains = int(a["domain"].max()) + 1
+        if name == "domain_jsd":
+            return float(
+                np.mean([domain_jsd_of(counts[:, j], a["domain"][docs], n_domains) for j in range(counts.shape[1])])
+            )
+        if name == "jsd_over_shuffled":  # per run only: the shuffled baseline needs every token
+            layers = self.runs[s].result["routing"].values()
+            return float(np.mean([v["domain_jsd"] - v["domain_jsd_shuffled"] for v in layers]))
+        raise ValueError(f"unknown metric {name!r}")
+
+
+def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:
+    """Seed-paired deltas, their t-interval, a hierarchical bootstrap (seeds, then documents within domains) and the
+    verdict; per domain too for the loss."""
+    n = min(len(a.runs), len(b.runs))
+    deltas = [a.metric(c.metric, s) - b.metric(c.metric, s) for s in range(n)]
+    mean, lo, hi = stats.t_interval(deltas)
+    verdict, why = stats.verdict(deltas, lo, hi, c.expect, c.margin)
+    out = {"name": c.name, "a": c.a, "b": c.b, "metric": c.metric, "expect": c.expect, "margin": c.margin,
+           "role": c.role, "deltas": deltas, "mean": mean, "t_interval": [lo, hi], "verdict": verdict,
+           "why": why}  # fmt: skip
+    domain = a.arrays[0]["domain"]
+    if c.metric != "jsd_over_shuffled" and n > 0:
+
+        def metric(arm, s, docs, which=c.metric):
+            return (a, b)[arm].metric(which, s, docs)
+
+        out["bootstrap"] = list(stats.hierarchical_bootstrap(metric, n, domain, n_boot))
+    if c.metric == "loss":
+        out["by_domain"] = {}
+        for d in np.unique(domain):
+            docs = np.flatnonzero(domain == d)
+            per_seed = [a.metric("loss", s, docs) - b.metric("loss", s, docs) for s in range(n)]
+            m, dlo, dhi = stats.t_interval(per_seed)
+            out["by_domain"][int(d)] = {"mean": m, "t_interval": [dlo, dhi]}
+    return out
+
+
+def overall(comparisons: list[dict]) -> str:
+    verdicts = [c["verdict"] for c in comparisons if c["role"] == "claim"]
+    if verdicts and all(v == "supported" for v in verdicts):
+        return "supported"
+    return "contradicted" if "contradicted" in verdicts else "inconclusive"
+
+
+def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
+    rows = []
+    for arm, data in by_arm.items():
+        cfg = data.runs[0].cfg
+        n = count_params(cfg.model)
+        t = cfg.train
+        times = [r.train_seconds for r in data.runs if r.train_seconds]
+        rows.append({
+            "arm": arm, "overrides": exp.arms[arm], "total_params": n.total + n.mtp_total, "active_params":
+            n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len),
+            "tokens_seen": t.max_steps * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
+            "train_seconds": float(np.mean(times)) if times else None,
+            "loss": [r.result["loss"] for r in data.runs],
+        })  # fmt: skip
+    return rows
+
+
+def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    by_arm = {arm: ArmData([r for r in runs if r.arm == arm]) for arm in exp.arms}
+    by_arm = {arm: data for arm, data in by_arm.items() if data.runs}
+    comparisons = [
+        compare(c, by_arm[c.a], by_arm[c.b], n_boot) for c in exp.comparisons if c.a in by_arm and c.b in by_arm
+    ]
+    domains = sorted({k[5:] for r in runs for k in r.result if k.startswith("loss/")})
+    results = {
+        "experiment": exp.name, "claim": exp.claim, "source": exp.source, "steps": exp.steps, "seeds": exp.seeds,
+        "score_from": exp.score_from, "verdict": overall(comparisons), "arms": arm_table(exp, by_arm),
+        "comparisons": comparisons, "domains": domains,
+        "runs": [{"arm": r.arm, "seed": r.seed, "folder": str(r.folder), **r.result} for r in runs],
+    }  # fmt: skip
+    figures = draw(exp, by_arm, comparisons, domains, out / "figures")
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    (out / "report.md").write_text(markdown(exp, results, by_arm, figures))
+    return results
+
+
+def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures: list[str]) -> str:
+    first = next(iter(by_arm.values())).runs[0].result
+    lines = [
+        f"# {exp.name}: {exp.claim}",
+        "",
+        f"**Source.** {exp.source}",
+        "",
+        f"**Verdict: {results['verdict']}** (supported if every comparison below is supported; contradicted if any "
+        "is contradicted; otherwise inconclusive).",
+    ]
+    if exp.verdict:
+        lines += ["", exp.verdict.strip()]
+    lines += [
+        "",
+        f"Each arm trained for {exp.steps} steps with seeds 0..{exp.seeds - 1} (the seed fixes initialisation and "
+        f"data order, so arms are paired by seed), then evaluated on the whole validation split: "
+        f"{first['documents']} documents, {first['labels']:,} scored tokens"
+        + (f" (window positions >= {exp.score_from})" if exp.score_from > 1 else "")
+        + ".",
+        "",
+        "## Arms and what is held equal",
+        "",
+        "| arm | overrides | parameters (total / active) | train FLOPs/token | tokens seen | train time |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["arms"]:
+        secs = f"{row['train_seconds']:.0f} s" if row["train_seconds"] else "-"
+        over = " ".join(f"`{o}`" for o in row["overrides"]) or "(none)"
+        lines.append(
+            f"| {row['arm']} | {over} | {row['total_params'] / 1e6:.2f} M / {row['active_params'] / 1e6:.2f} M | "
+            f"{row['train_flops_per_token'] / 1e6:.2f} M | {row['tokens_seen'] / 1e6:.2f} M | {secs} |"
+        )
+    doms = results["domains"]
+    lines += ["", "## Results (validation loss, nats/token; mean ± sd over seeds)", ""]
+    lines += ["| arm | loss | " + " | ".join(doms) + " |", "|---|---|" + "---|" * len(doms)]
+    for arm, data in by_arm.items():
+        cells = [_mean_sd([r.result["loss"] for r in data.runs])]
+        cells += [_mean_sd([r.result.get(f"loss/{d}", np.nan) for r in data.runs]) for d in doms]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if "routing" in exp.measures:
+        lines += ["", "| arm | MaxVio_global (floor) | domain JSD, bits | JSD, token-shuffled (N2) | JSD - N2 |"]
+        lines.append("|---|---|---|---|---|")
+        for arm, data in by_arm.items():
+            per = [list(r.result["routing"].values()) for r in data.runs]
+            mv = [np.mean([v["maxvio_global"] for v in p]) for p in per]
+            floor = np.mean([v["maxvio_floor"] for v in per[0]])
+            jsd = [np.mean([v["domain_jsd"] for v in p]) for p in per]
+            sh = [np.mean([v["domain_jsd_shuffled"] for v in p]) for p in per]
+            lines.append(
+                f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(sh)} | "
+                f"{_mean_sd(np.subtract(jsd, sh))} |"
+            )
+    lines += ["", "## Comparisons (delta = a - b; 95 % intervals)", ""]
+    lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | bootstrap | verdict |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for c in results["comparisons"]:
+        pred = c["expect"].replace("_", " ") + (f" (margin {c['margin']})" if c["expect"].startswith("not") else "")
+        seeds = ", ".join(f"{d:+.4f}" for d in c["deltas"])
+        lo, hi = c["t_interval"]
+        boot = f"({c['bootstrap'][0]:+.4f}, {c['bootstrap'][1]:+.4f})" if "bootstrap" in c else "-"
+        judged = f"**{c['verdict']}**: {c['why']}" if c["role"] == "claim" else "context (not judged)"
+        pred = f"a {pred}" if c["role"] == "claim" else "-"
+        lines.append(
+            f"| {c['name']} | {c['metric']} | {pred} | {seeds} | {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) | "
+            f"{boot} | {judged} |"
+        )
+    for c in (c for c in results["comparisons"] if "by_domain" in c):
+        lines += ["", f"Per domain, {c['name']} (loss): " + ", ".join(
+            f"{doms[d]} {v['mean']:+.4f} ({v['t_interval'][0]:+.4f}, {v['t_interval'][1]:+.4f})"
+            for d, v in c["by_domain"].items() if d < len(doms)
+        )]  # fmt: skip
+    lines += ["", "Rules, fixed before the runs: " + "; ".join(f"*{k}*: {v}" for k, v in RULES.items()) + "."]
+    if figures:
+        lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
+    if exp.untested:
+        lines += ["", "## Not tested here", ""] + [f"- {u}" for u in exp.untested]
+    if exp.notes:
+        lines += ["", "## Notes", "", exp.notes.strip()]
+    runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
+    command = f"python launch/experiment.py {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
+    lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
+    return "\n".join(lines) + "\n"
+
+
+def _mean_sd(values) -> str:
+    v = np.asarray(values, dtype=float)
+    if len(v) < 2:
+        return f"{v.mean():.4f}"
+    return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}"
+
+
+def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], domains: list[str], folder: Path):
+    """Validation loss over training (against tokens and against training FLOPs), per-domain deltas of the loss
+    comparisons, and MaxVio_batch over steps when routing is measured. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from moe_lm.analysis.plots import save
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, data in by_arm.items():
+        curves = [_rows(r.folder, "eval") for r in data.runs]
+        steps = sorted(set.intersection(*({row["step"] for row in c} for c in curves)))
+        if not steps:
+            continue
+        loss = np.array([[next(row["loss"] for row in c if row["step"] == s) for s in steps] for c in curves])
+        t = data.runs[0].cfg.train
+        tokens = np.array(steps) * t.micro_batch_size * t.grad_accum_steps * t.seq_len
+        flops = tokens * train_flops_per_token(data.runs[0].cfg.model, t.seq_len)
+        for ax, x in zip(axes, (tokens, flops), strict=True):
+            ax.plot(x, loss.mean(0), marker="o", label=arm)
+            ax.fill_between(x, loss.min(0), loss.max(0), alpha=0.2)
+    axes[0].set_xlabel("training tokens")
+    axes[1].set_xlabel("training FLOPs")
+    for ax in axes:
+        ax.set_ylabel("validation loss (training-time windows)")
+        ax.legend()
+    fig.suptitle(f"{exp.name}: mean over seeds, band = min-max")
+    save(fig, folder / "curves.png")
+    written.append(str(folder / "curves.png"))
+    loss_cmp = [c for c in comparisons if "by_domain" in c]
+    if loss_cmp:
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains) * len(loss_cmp)), 4))
+        width = 0.8 / len(loss_cmp)
+        for i, c in enumerate(loss_cmp):
+            x = np.arange(len(domains)) + i * width
+            means = [c["by_domain"].get(d, {}).get("mean", np.nan) for d in range(len(domains))]
+            lo = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[0] for d in range(len(domains))]
+            hi = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[1] for d in range(len(domains))]
+            err = np.array([np.subtract(means, lo), np.subtract(hi, means)])
+            err = np.where(np.isfinite(err), err, 0)
+            ax.bar(x, means, width, yerr=err, capsize=3, label=c["name"])
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(domains)) + 0.4 - width / 2, domains)
+        ax.set_ylabel("delta loss (a - b), 95 % t-interval over seeds")
+        ax.legend()
+        save(fig, folder / "deltas.png")
+        written.append(str(folder / "deltas.png"))
+    if exp.score_from > 1 and loss_cmp:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for c in loss_cmp:
+            curves = []
+            for s in range(len(c["deltas"])):
+                pa, pb = (by_arm[arm].arrays[s] for arm in (c["a"], c["b"]))
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    curves.append(pa["position_nll"] / pa["position_count"] - pb["position_nll"] / pb["position_count"])
+            mean = np.nanmean(curves, 0)
+            x = np.arange(len(mean)) + 1 - exp.score_from  # target t_{j+1}'s distance from the boundary
+            keep = x >= 0
+            ax.plot(x[keep], mean[keep], label=c["name"])
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xlabel("target's distance from the prefix boundary (tokens)")
+        ax.set_ylabel("delta loss (a - b), mean over seeds")
+        ax.legend()
+        save(fig, folder / "delta_by_distance.png")
+        written.append(str(folder / "delta_by_distance.png"))
+    if "routing" in exp.measures:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for arm, data in by_arm.items():
+            curves = []
+            for r in data.runs:
+                rows = _rows(r.folder, "train")
+                curves.append([np.mean([v for k, v in row.items() if k.startswith("maxvio/")]) for row in rows])
+            n = min(len(c) for c in curves)
+            steps = [row["step"] for row in _rows(data.runs[0].folder, "train")][:n]
+            ax.plot(steps, np.mean([c[:n] for c in curves], 0), label=arm)
+        ax.set_xlabel("step")
+        ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
+        ax.set_yscale("log")
+        ax.legend()
+        save(fig, folder / "maxvio_batch.png")
+        written.append(str(folder / "maxvio_batch.png"))
+    return written
+
+
+def _rows(folder: Path, kind: str) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]

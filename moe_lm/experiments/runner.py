@@ -1,0 +1,106 @@
+"""Running an experiment's arms x seeds: one single-process training run at a time, each cached by its config.
+
+A run's folder is `<runs>/<hash>`, the hash of its resolved config (every key but train.out_dir), so a finished run
+is never trained twice and identical arms of different experiments share their runs. A run is finished when its
+final evaluation (final_eval.json) matches what the experiment asks for (the scored positions, routing or not); a
+run whose training was interrupted resumes from its last checkpoint (the training loop's own resume). Training
+runs as a subprocess of `launch/train.py` (the real command, its log in <run>/train.log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_lm.config import Config, config_to_dict, dump_config, load_config
+from moe_lm.experiments.final_eval import RESULT, evaluate_run
+from moe_lm.experiments.spec import Experiment
+from moe_lm.interop.ds_checkpoint import latest_tag
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_INFO = "experiment_run.json"
+
+
+@dataclass
+class Run:
+    arm: str
+    seed: int
+    cfg: Config
+    folder: Path
+    result: dict | None = None  # final_eval.json
+    train_seconds: float | None = None
+    cached: bool = False
+
+
+def resolve_run(exp: Experiment, arm: str, seed: int, runs_root: Path) -> Run:
+    """The arm's config at `seed` (experiment overrides, then the arm's, then seed and steps) and its folder."""
+    overrides = [*exp.overrides, *exp.arms[arm], f"seed={seed}", f"train.max_steps={exp.steps}"]
+    cfg = load_config(exp.config, overrides)
+    folder = Path(runs_root) / config_hash(cfg)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(folder)))
+    return Run(arm, seed, cfg, folder)
+
+
+def config_hash(cfg: Config) -> str:
+    """12 hex digits identifying everything that determines a run's result (not where it is written)."""
+    d = config_to_dict(cfg)
+    d["train"].pop("out_dir")
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def is_done(run: Run, exp: Experiment) -> bool:
+    path = run.folder / RESULT
+    if not path.is_file():
+        return False
+    result = json.loads(path.read_text())
+    return result.get("score_from") == exp.score_from and ("routing" in result) >= ("routing" in exp.measures)
+
+
+def execute(run: Run, exp: Experiment, log=print) -> Run:
+    """Train (or resume) the run unless finished, then evaluate it; fills run.result."""
+    if is_done(run, exp):
+        run.result, run.cached = json.loads((run.folder / RESULT).read_text()), True
+        run.train_seconds = _info(run).get("train_seconds")
+        return run
+    if latest_tag(run.folder) != f"step_{exp.steps:08d}":
+        run.folder.mkdir(parents=True, exist_ok=True)
+        dump_config(run.cfg, run.folder / "launch.yaml")
+        (run.folder / RUN_INFO).write_text(json.dumps({"experiment": exp.name, "arm": run.arm, "seed": run.seed}))
+        t0 = time.perf_counter()
+        with open(run.folder / "train.log", "a") as out:
+            cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run.folder / "launch.yaml")]
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            tail = (run.folder / "train.log").read_text()[-2000:]
+            raise RuntimeError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")
+        info = {**_info(run), "train_seconds": time.perf_counter() - t0}
+        (run.folder / RUN_INFO).write_text(json.dumps(info))
+    run.result = evaluate_run(run.folder, exp.score_from, routing="routing" in exp.measures)
+    run.train_seconds = _info(run).get("train_seconds")
+    return run
+
+
+def _info(run: Run) -> dict:
+    path = run.folder / RUN_INFO
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def run_experiment(exp: Experiment, runs_root: Path, log=print) -> list[Run]:
+    """Every arm x seed, one at a time, in seed-major order (so that a partial run already holds paired seeds)."""
+    runs = []
+    total = len(exp.arms) * exp.seeds
+    for seed in range(exp.seeds):
+        for arm in exp.arms:
+            run = resolve_run(exp, arm, seed, runs_root)
+            t0 = time.perf_counter()
+            execute(run, exp, log)
+            how = "cached" if run.cached else f"{time.perf_counter() - t0:.0f} s"
+            log(f"[{len(runs) + 1}/{total}] {arm} seed {seed}: loss {run.result['loss']:.4f} ({how}, {run.folder})")
+            runs.append(run)
+    return runs

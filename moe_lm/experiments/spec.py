@@ -1,0 +1,139 @@
+"""An experiment definition: a claim, the arms that test it, and the verdict rule, read from YAML.
+
+    configs/experiments/moe-dense.yaml
+        claim: ...            what is tested, in one sentence
+        source: ...           where the claim comes from (paper, table)
+        config: ../tiny.yaml  the base preset (relative to this file)
+        overrides: [...]      dotted overrides for every arm
+        steps: 360            train.max_steps of every run (--steps)
+        seeds: 3              seeds 0 .. n-1 (--seeds); the seed fixes initialisation and data order, so arms are
+                              paired by seed
+        score_from: 1         evaluation scores the tokens from this window position on (128: the prefix-LM targets)
+        measures: [routing]   beyond the loss: MaxVio_global, domain JSD and its token-shuffled baseline
+        arms:                 name -> overrides
+        extended_arms:        more arms, run with --extended
+        comparisons:          each: delta = metric(a) - metric(b) per seed, and the prediction to test
+          - {a: moe, b: dense-active, metric: loss, expect: lower}
+          - {a: moe, b: dense-total, metric: loss, expect: not_lower, margin: 0.02}
+        presets:              named variants (--preset gpu): keys replace the top-level ones
+
+`expect` is fixed before anything runs: lower / higher (a below / above b), not_lower / not_higher (a does not beat
+b by more than `margin`, e.g. "bidirectional attention brings no gain"). See stats.verdict for the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from moe_lm.config import ConfigError
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
+EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher")
+METRICS = ("loss", "maxvio_global", "domain_jsd", "jsd_over_shuffled")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    a: str
+    b: str
+    metric: str = "loss"
+    expect: str = "lower"
+    margin: float = 0.0  # for not_lower / not_higher: the largest effect that still counts as "no gain"
+    label: str = ""
+    role: str = "claim"  # "claim": part of the verdict; "context": reported with its interval, not judged
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.a} - {self.b}"
+
+
+@dataclass
+class Experiment:
+    name: str
+    claim: str
+    source: str
+    config: Path
+    arms: dict[str, list[str]]
+    comparisons: list[Comparison]
+    overrides: list[str] = field(default_factory=list)
+    steps: int = 360
+    seeds: int = 3
+    score_from: int = 1
+    measures: list[str] = field(default_factory=list)
+    verdict: str = ""
+    untested: list[str] = field(default_factory=list)
+    notes: str = ""
+    # a probe experiment measures the runs of another experiment (`arms_from`, e.g. rank on mask's checkpoints)
+    probe: str = ""
+    arms_from: str = ""
+    probe_arms: list[str] = field(default_factory=list)
+    windows: int = 32
+
+
+def load_experiment(name_or_path: str, preset: str | None = None, extended: bool = False) -> Experiment:
+    """The experiment `configs/experiments/NAME.yaml` (or a path to such a file), with a preset applied."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")))
+        raise ConfigError(f"no experiment {name_or_path!r} ({path} not found); defined: {known}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({e})") from None
+    presets = raw.pop("presets", {}) or {}
+    if raw.get("arms_from"):  # a probe: the arms (and their schedule) are the other experiment's
+        other = str(raw["arms_from"])
+        source = load_experiment(str(path.parent / other) if Path(other).suffix else other, preset, extended)
+        raw.setdefault("arms", source.arms)
+        for key in ("steps", "seeds", "overrides", "score_from"):
+            raw.setdefault(key, getattr(source, key))
+        raw.setdefault("config", str(source.config))
+    if preset:
+        if preset not in presets:
+            raise ConfigError(f"{path}: no preset {preset!r}; defined: {', '.join(presets) or 'none'}")
+        raw.update(presets[preset])
+    extended_arms = raw.pop("extended_arms", {}) or {}
+    arms = {str(k): list(v or []) for k, v in (raw.pop("arms", None) or {}).items()}
+    if extended:
+        arms.update({str(k): list(v or []) for k, v in extended_arms.items()})
+    comparisons = []
+    for c in raw.pop("comparisons", []) or []:
+        comparisons.append(Comparison(**c))
+    known = {"claim", "source", "config", "overrides", "steps", "seeds", "score_from", "measures", "verdict",
+             "untested", "notes", "probe", "arms_from", "probe_arms", "windows"}  # fmt: skip
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(known | {'arms', 'comparisons'})}")
+    exp = Experiment(
+        name=path.stem,
+        arms=arms,
+        comparisons=[c for c in comparisons if c.a in arms and c.b in arms],
+        **{k: v for k, v in raw.items() if k != "config"},
+        config=(path.parent / raw.get("config", "../tiny.yaml")).resolve(),
+    )
+    _check(exp, path, comparisons, set(arms) | set(extended_arms))
+    return exp
+
+
+def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms: set[str]) -> None:
+    if not exp.arms:
+        raise ConfigError(f"{path}: no arms")
+    for c in comparisons:  # (a comparison with an --extended arm is dropped without --extended)
+        missing = [arm for arm in (c.a, c.b) if arm not in all_arms]
+        if missing:
+            raise ConfigError(f"{path}: comparison {c.name} names arms {missing} that are not defined")
+        if c.expect not in EXPECTATIONS:
+            raise ConfigError(f"{path}: comparison {c.name}: expect must be one of {EXPECTATIONS}, got {c.expect!r}")
+        if c.role not in ("claim", "context"):
+            raise ConfigError(f"{path}: comparison {c.name}: role must be claim or context, got {c.role!r}")
+        if c.metric not in METRICS:
+            raise ConfigError(f"{path}: comparison {c.name}: metric must be one of {METRICS}, got {c.metric!r}")
+        if c.metric != "loss" and "routing" not in exp.measures:
+            raise ConfigError(f"{path}: comparison {c.name} uses {c.metric}, which needs `measures: [routing]`")
+    if exp.steps < 1 or exp.seeds < 1 or exp.score_from < 1:
+        raise ConfigError(f"{path}: steps, seeds and score_from must be >= 1")

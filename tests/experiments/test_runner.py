@@ -1,0 +1,152 @@
+"""The experiment runner: arms x seeds trained through the real command, cached by config (and shared between
+experiments), the whole-split evaluation against a direct computation, and the report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from moe_lm.config import ConfigError, dump_config
+from moe_lm.data.prepare import load_split
+from moe_lm.experiments.final_eval import document_windows, evaluate_run
+from moe_lm.experiments.report import write_report
+from moe_lm.experiments.runner import resolve_run, run_experiment
+from moe_lm.experiments.spec import load_experiment
+from moe_lm.interop.ds_checkpoint import load_model
+from tests.conftest import tiny_train_cfg
+
+pytestmark = pytest.mark.slow
+
+
+def definition(folder, base, name: str = "exp", **extra) -> str:
+    spec = {
+        "claim": "two experts per token beat one",
+        "source": "a test",
+        "config": str(base),
+        "steps": 3,
+        "seeds": 2,
+        "overrides": ["train.eval_interval=3"],
+        "arms": {"k2": [], "k1": ["model.moe.num_experts_per_tok=1"]},
+        "comparisons": [{"a": "k2", "b": "k1", "metric": "loss", "expect": "lower"}],
+        **extra,
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tiny_data):
+    folder = tmp_path_factory.mktemp("exp")
+    dump_config(tiny_train_cfg(tiny_data, folder / "unused", eval_batches=1), folder / "base.yaml")
+    return folder / "base.yaml"
+
+
+def test_runs_are_cached_shared_and_reported(base, tmp_path):
+    runs_root = tmp_path / "runs"
+    exp = load_experiment(definition(tmp_path, base, measures=["routing"]))
+    runs = run_experiment(exp, runs_root, log=lambda s: None)
+    assert [(r.arm, r.seed, r.cached) for r in runs] == [("k2", 0, False), ("k1", 0, False), ("k2", 1, False),
+                                                         ("k1", 1, False)]  # fmt: skip
+    assert len({r.folder for r in runs}) == 4 and all((r.folder / "final_eval.npz").is_file() for r in runs)
+    logs = {r.folder: (r.folder / "train.log").stat().st_size for r in runs}
+    # the same command again: nothing is trained or evaluated again
+    again = run_experiment(exp, runs_root, log=lambda s: None)
+    assert all(r.cached for r in again) and [r.result for r in again] == [r.result for r in runs]
+    assert {r.folder: (r.folder / "train.log").stat().st_size for r in again} == logs
+    # another experiment with an identical arm shares its runs; more steps are other runs
+    other = load_experiment(
+        definition(tmp_path, base, name="other", arms={"k2": [], "wide": ["model.dim=64"]}, comparisons=[])
+    )
+    assert resolve_run(other, "k2", 1, runs_root).folder == runs[2].folder
+    longer = load_experiment(definition(tmp_path, base, steps=4))
+    assert resolve_run(longer, "k2", 0, runs_root).folder != runs[0].folder
+    # an evaluation lost (or asked differently) is redone from the checkpoint, without training again
+    (runs[0].folder / "final_eval.json").unlink()
+    redo = run_experiment(exp, runs_root, log=lambda s: None)[0]
+    assert not redo.cached and redo.result == runs[0].result
+    assert (runs[0].folder / "train.log").stat().st_size == logs[runs[0].folder]
+
+    results = write_report(exp, runs, tmp_path / "report", n_boot=200)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Comparisons" in report and results["verdict"] in report
+    (c,) = results["comparisons"]
+    assert len(c["deltas"]) == 2
+    assert c["deltas"][0] == pytest.approx(runs[0].result["loss"] - runs[1].result["loss"])
+    assert c["verdict"] in ("supported", "contradicted", "inconclusive")
+    assert {"curves.png", "deltas.png", "maxvio_batch.png"} <= {p.name for p in (tmp_path / "report/figures").iterdir()}
+    saved = json.loads((tmp_path / "report" / "results.json").read_text())
+    assert saved["arms"][1]["active_params"] < saved["arms"][0]["active_params"]  # k1 runs fewer experts
+    assert "maxvio_global" in next(iter(runs[0].result["routing"].values()))
+
+
+def test_final_evaluation_equals_a_direct_computation(base, tmp_path):
+    """The batched, padded whole-split evaluation against one window at a time; and prefix scoring counts only the
+    positions from score_from on."""
+    exp = load_experiment(definition(tmp_path, base, seeds=1))
+    (run,) = run_experiment(dataclass_replace(exp, arms={"k2": []}), tmp_path / "runs", log=lambda s: None)
+    cfg, model, _ = load_model(run.folder)
+    shard = load_split(cfg.data.out_dir, "val")
+    nll = n = 0.0
+    with torch.no_grad():
+        for d in range(shard.n_docs):
+            for w in document_windows(np.asarray(shard.document(d)), cfg.train.seq_len):
+                w = torch.from_numpy(w.astype(np.int64))[None]
+                if w.shape[1] < 2:
+                    continue
+                logits = model(w[:, :-1]).logits
+                nll += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
+                n += w.shape[1] - 1
+    assert run.result["loss"] == pytest.approx(nll / n, rel=1e-5) and run.result["labels"] == n
+    scored = evaluate_run(run.folder, score_from=10)
+    windows = [
+        w for d in range(shard.n_docs) for w in document_windows(np.asarray(shard.document(d)), cfg.train.seq_len)
+    ]
+    expected = sum(len(w) - 10 for w in windows if len(w) > 10)  # labels t_10 .. : window positions 9 ..
+    assert scored["labels"] == expected
+
+
+def test_definition_errors_name_the_problem(base, tmp_path):
+    with pytest.raises(ConfigError, match="no experiment 'nope'.*defined: .*moe-dense"):
+        load_experiment("nope")
+    bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k3", "metric": "loss", "expect": "lower"}])
+    with pytest.raises(ConfigError, match=r"names arms \['k3'\]"):
+        load_experiment(bad)
+    bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k1", "metric": "maxvio_global"}])
+    with pytest.raises(ConfigError, match="needs `measures: \\[routing\\]`"):
+        load_experiment(bad)
+    with pytest.raises(ConfigError, match="no preset 'gpu'"):
+        load_experiment(definition(tmp_path, base), preset="gpu")
+
+
+def dataclass_replace(exp, **kw):
+    import dataclasses
+
+    return dataclasses.replace(exp, **kw)
+
+
+def test_rank_probe_on_a_prefix_experiments_checkpoints(base, tmp_path):
+    """The rank experiment's machinery on tiny causal / bidirectional-prefix runs: the probe runs, every causal
+    matrix is exactly full rank, and the report names its checks."""
+    from moe_lm.experiments.rank_probe import run_rank_probe
+
+    prefix = ["train.objective=prefix_lm", "train.prefix_len=16"]
+    definition(tmp_path, base, name="masklike", seeds=1, score_from=16, comparisons=[],
+               arms={"causal": prefix, "bidir": [*prefix, "model.attn_mask=prefix"]})  # fmt: skip
+    spec = {"claim": "c", "source": "s", "probe": "rank", "arms_from": "masklike.yaml", "windows": 4,
+            "probe_arms": ["causal", "bidir"]}  # fmt: skip
+    (tmp_path / "ranklike.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    exp = load_experiment(str(tmp_path / "ranklike.yaml"))
+    assert exp.score_from == 16 and exp.seeds == 1
+    runs = run_experiment(exp, tmp_path / "runs", log=lambda s: None)
+    results = run_rank_probe(exp, runs, tmp_path / "reports" / "ranklike")
+    assert results["checks"][0]["verdict"] == "supported"  # exact full rank of every causal matrix
+    assert {m["state"] for m in results["models"]} == {"trained", "untrained"}
+    untrained_bidir = next(m for m in results["models"] if m["arm"] == "bidir" and m["state"] == "untrained")
+    assert untrained_bidir["layers"][0]["prefix/erank"]["mean"] < 2.0  # near-uniform at initialisation
+    assert "## Checks" in (tmp_path / "reports" / "ranklike" / "report.md").read_text()
