@@ -20,7 +20,7 @@ import time
 import torch
 
 from moe_lm.config import ConfigError, load_config
-from moe_lm.model import Transformer
+from moe_lm.model import build_model
 from moe_lm.parallel.deepspeed_setup import param_groups
 from moe_lm.train.balance import balance_step
 from moe_lm.train.flops import train_flops_per_token
@@ -31,7 +31,7 @@ class Arm:
     def __init__(self, name: str, cfg) -> None:
         self.name, self.cfg = name, cfg
         torch.manual_seed(cfg.seed)
-        self.model = Transformer(cfg.model).train()
+        self.model = build_model(cfg.model).train()
         o = cfg.optim
         self.opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
         self.depth = cfg.model.mtp.depth
@@ -83,7 +83,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for arm in arms:
         med = statistics.median(arm.times)
-        flops = train_flops_per_token(arm.cfg.model, t.seq_len) * tokens / 1e9
+        flops = train_flops_per_token(arm.cfg.model, t.seq_len, arm.cfg.train.prefix_len) * tokens / 1e9
         spread = f"{1e3 * min(arm.times):.1f}-{1e3 * max(arm.times):.1f}"
         print(f"| {arm.name} | {1e3 * med:.1f} ({spread}) | {tokens / med:,.0f} | {flops:.2f} | {med / base:.3f} |")
 

@@ -149,9 +149,14 @@ class MTPConfig:
 class ModelConfig:
     """Decoder-only Transformer; the first `first_k_dense_replace` blocks use a dense SwiGLU MLP."""
 
+    # "decoder": decoder-only (every experiment's default); "encdec": an encoder over the prefix and a decoder with
+    # cross-attention over the rest (RedLLM-style, moe_lm/model/encdec.py), trained with train.objective=prefix_lm.
+    arch: Literal["decoder", "encdec"] = "decoder"
     vocab_size: int = 4096
     dim: int = 128
+    # Layers of the decoder (for arch=encdec: of its decoder stack; the encoder has n_enc_layers).
     n_layers: int = 4
+    n_enc_layers: int = 0
     n_heads: int = 4
     # Width of the dense SwiGLU MLP in the first `first_k_dense_replace` layers.
     inter_dim: int = 256
@@ -173,10 +178,11 @@ class ModelConfig:
         _require(self.vocab_size > 1, f"{path}.vocab_size", "must be > 1")
         for name in ("dim", "n_layers", "n_heads", "inter_dim", "max_seq_len"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+        deepest = max(self.n_layers, self.n_enc_layers) if self.arch == "encdec" else self.n_layers
         _require(
-            0 <= self.first_k_dense_replace <= self.n_layers,
+            0 <= self.first_k_dense_replace <= deepest,
             f"{path}.first_k_dense_replace",
-            f"must be between 0 and n_layers={self.n_layers}",
+            f"must be between 0 and the number of layers, {deepest}",
         )
         if self.attention == "mla":
             _require(self.mla.qk_rope_head_dim % 2 == 0, f"{path}.mla.qk_rope_head_dim", "must be even (RoPE)")
@@ -205,6 +211,15 @@ class ModelConfig:
             )
         self.moe.validate(f"{path}.moe")
         self.mtp.validate(f"{path}.mtp")
+        if self.arch == "encdec":
+            _require(self.n_enc_layers > 0, f"{path}.n_enc_layers", "must be positive for arch=encdec")
+            _require(self.attention == "gqa", f"{path}.attention", "must be gqa for arch=encdec (GQA cross-attention)")
+            _require(self.mtp.depth == 0, f"{path}.mtp.depth", "must be 0 for arch=encdec")
+            _require(
+                self.attn_mask == "causal",
+                f"{path}.attn_mask",
+                "must be causal for arch=encdec (its encoder is bidirectional, its decoder causal, by design)",
+            )
         # why: inside a bidirectional prefix, module k at position i would see the embedding of token i + k, a
         # target beyond the prefix.
         _require(
@@ -403,6 +418,11 @@ class Config:
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",
             f"= {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
+        _require(
+            self.model.arch == "decoder" or self.train.objective == "prefix_lm",
+            "model.arch",
+            "= encdec needs train.objective=prefix_lm (the encoder reads the prefix, the decoder predicts the rest)",
         )
         _require(
             self.model.attn_mask == "causal" or self.train.objective == "prefix_lm",

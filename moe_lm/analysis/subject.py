@@ -19,7 +19,7 @@ from moe_lm.config import Config
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
-from moe_lm.model import Transformer
+from moe_lm.model import build_model
 
 
 def user_documents(paths: list[str], tok: Tokenizer, domains: list[str], text_field: str, domain_field: str):
@@ -53,7 +53,7 @@ def run_subject(spec) -> Subject:
 
     def untrained() -> nn.Module:
         torch.manual_seed(cfg.seed)  # the same initial weights the run started from
-        return Transformer(cfg.model)
+        return build_model(cfg.model)
 
     tok = load_data_tokenizer(cfg.data.out_dir)
     return Subject(model, tok, cfg.train.seq_len, untrained, {"run": str(run), "tag": tag}, run, cfg)

@@ -25,7 +25,7 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.data.prepare import load_split
 from moe_lm.interop.ds_checkpoint import load_model
-from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective
+from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, reads_prefix
 
 RESULT, ARRAYS = "final_eval.json", "final_eval.npz"
 
@@ -43,9 +43,9 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
     S = cfg.train.seq_len
     objective = NEXT_TOKEN
     if score_from > 1:
-        objective = Objective("prefix_lm", score_from, cfg.model.attn_mask == "prefix")
-    elif cfg.model.attn_mask == "prefix":
-        raise ValueError(f"{run_dir}: a prefix-mask model needs score_from > 1 (its prefix length)")
+        objective = Objective("prefix_lm", score_from, reads_prefix(cfg.model))
+    elif reads_prefix(cfg.model):
+        raise ValueError(f"{run_dir}: a prefix-mask or encoder-decoder model needs score_from > 1 (its prefix)")
     windows = [(d, w) for d in range(shard.n_docs) for w in document_windows(np.asarray(shard.document(d)), S)]
     windows = [(d, w) for d, w in windows if len(w) > (score_from if score_from > 1 else 1)]
     n_docs, layers = shard.n_docs, []

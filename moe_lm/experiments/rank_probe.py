@@ -30,7 +30,7 @@ from moe_lm.experiments import stats
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment
 from moe_lm.interop.ds_checkpoint import load_model
-from moe_lm.model import Transformer
+from moe_lm.model import Transformer, build_model
 
 BLOCKS = ("full", "prefix", "target")
 
@@ -96,7 +96,7 @@ def probe_model(model: Transformer, windows: torch.Tensor, prefix_len: int, batc
 def untrained_twin(cfg, **model_changes) -> Transformer:
     """The run's architecture at the initialisation training started from (the same seed)."""
     torch.manual_seed(cfg.seed)
-    return Transformer(dataclasses.replace(cfg.model, **model_changes)).eval()
+    return build_model(dataclasses.replace(cfg.model, **model_changes)).eval()
 
 
 def run_rank_probe(exp: Experiment, runs: list[Run], out: Path) -> dict:

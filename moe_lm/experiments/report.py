@@ -98,7 +98,7 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
         times = [r.train_seconds for r in data.runs if r.train_seconds]
         rows.append({
             "arm": arm, "overrides": exp.arms[arm], "total_params": n.total + n.mtp_total, "active_params":
-            n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len),
+            n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len, t.prefix_len),
             "tokens_seen": t.max_steps * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
             "train_seconds": float(np.mean(times)) if times else None,
             "loss": [r.result["loss"] for r in data.runs],
@@ -238,7 +238,7 @@ def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], d
         loss = np.array([[next(row["loss"] for row in c if row["step"] == s) for s in steps] for c in curves])
         t = data.runs[0].cfg.train
         tokens = np.array(steps) * t.micro_batch_size * t.grad_accum_steps * t.seq_len
-        flops = tokens * train_flops_per_token(data.runs[0].cfg.model, t.seq_len)
+        flops = tokens * train_flops_per_token(data.runs[0].cfg.model, t.seq_len, t.prefix_len)
         for ax, x in zip(axes, (tokens, flops), strict=True):
             ax.plot(x, loss.mean(0), marker="o", label=arm)
             ax.fill_between(x, loss.min(0), loss.max(0), alpha=0.2)

@@ -48,10 +48,21 @@ def resolve_run(exp: Experiment, arm: str, seed: int, runs_root: Path) -> Run:
 
 
 def config_hash(cfg: Config) -> str:
-    """12 hex digits identifying everything that determines a run's result (not where it is written)."""
-    d = config_to_dict(cfg)
-    d["train"].pop("out_dir")
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+    """12 hex digits identifying everything that determines a run's result (not where it is written): the settings
+    that differ from the defaults, so that a key added later (with a default) keeps the old runs' hashes."""
+    changed = {k: v for k, v in _flat(config_to_dict(cfg)).items() if _DEFAULTS.get(k, object()) != v}
+    changed.pop("train.out_dir", None)
+    return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+_DEFAULTS = _flat(config_to_dict(Config()))
 
 
 def is_done(run: Run, exp: Experiment) -> bool:

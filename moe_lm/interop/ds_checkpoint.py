@@ -24,7 +24,7 @@ import torch
 
 from moe_lm.config import Config, load_config
 from moe_lm.data.tokenizer import data_tokenizer_sha256
-from moe_lm.model import Transformer
+from moe_lm.model import Transformer, build_model
 
 COMPLETE = "COMPLETE"
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -178,7 +178,7 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
     if cfg.model.moe.experts_impl == "megablocks":
         # why: offline tools run on CPU, and the weights do not depend on the expert backend
         cfg.model.moe.experts_impl = "grouped"
-    model = Transformer(cfg.model)
+    model = build_model(cfg.model)
     model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
     bad = [name for name, p in model.named_parameters() if not p.isfinite().all()]
     if bad:

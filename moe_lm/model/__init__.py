@@ -6,6 +6,16 @@ from moe_lm.model.params import ParamCount, count_params
 from moe_lm.model.router import Router, Routing, update_biases
 from moe_lm.model.transformer import ModelOutput, Transformer
 
+
+def build_model(cfg):
+    """The model a ModelConfig describes: the decoder-only Transformer, or (arch=encdec) the encoder-decoder."""
+    if cfg.arch == "encdec":
+        from moe_lm.model.encdec import EncoderDecoder
+
+        return EncoderDecoder(cfg)
+    return Transformer(cfg)
+
+
 __all__ = [
     "Experts",
     "MoE",
@@ -14,6 +24,7 @@ __all__ = [
     "Router",
     "Routing",
     "Transformer",
+    "build_model",
     "count_params",
     "update_biases",
 ]

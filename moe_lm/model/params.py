@@ -6,6 +6,7 @@ the main model's; the MTP modules' own parameters (not the embedding and head th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 from moe_lm.config import ModelConfig
@@ -35,23 +36,29 @@ def attention_params(cfg: ModelConfig) -> int:
     return 2 * D * H * g.head_dim + 2 * D * g.n_kv_heads * g.head_dim
 
 
+def stack_params(cfg: ModelConfig, n_layers: int, active: bool = False, cross: bool = False) -> int:
+    """Parameters of n blocks, the first first_k_dense_replace of them dense (all of them, or only those one token
+    passes through if `active`); `cross`: each block also has a cross-attention and its norm (encdec decoder)."""
+    D, m = cfg.dim, cfg.moe
+    expert = 3 * D * m.moe_inter_dim
+    n_routed = m.num_experts_per_tok if active else m.n_routed_experts
+    moe_ffn = D * m.n_routed_experts + (n_routed + m.n_shared_experts) * expert
+    n_dense = min(cfg.first_k_dense_replace, n_layers)
+    per_block = attention_params(cfg) + 2 * D + (attention_params(cfg) + D if cross else 0)
+    return n_layers * per_block + n_dense * 3 * D * cfg.inter_dim + (n_layers - n_dense) * moe_ffn
+
+
 def count_params(cfg: ModelConfig) -> ParamCount:
     D, m = cfg.dim, cfg.moe
-    n_moe = cfg.n_layers - cfg.first_k_dense_replace
     expert = 3 * D * m.moe_inter_dim
-    per_block = attention_params(cfg) + 2 * D  # + the two block norms
-    dense_ffn = 3 * D * cfg.inter_dim
-    moe_ffn = D * m.n_routed_experts + m.n_routed_experts * expert + m.n_shared_experts * expert
-    total = (
-        2 * cfg.vocab_size * D  # embedding and untied head
-        + D  # final norm
-        + cfg.n_layers * per_block
-        + cfg.first_k_dense_replace * dense_ffn
-        + n_moe * moe_ffn
-    )
-    skipped = (m.n_routed_experts - m.num_experts_per_tok) * expert  # routed experts one token does not use
-    active = total - n_moe * skipped
+    encdec = cfg.arch == "encdec"
+    outside = 2 * cfg.vocab_size * D + D + (D if encdec else 0)  # embedding, untied head, final norm(s)
+    total, active = outside, outside
+    for n_layers, cross in ((cfg.n_layers, encdec), (cfg.n_enc_layers if encdec else 0, False)):
+        total += stack_params(cfg, n_layers, cross=cross)
+        active += stack_params(cfg, n_layers, active=True, cross=cross)
     # an MTP module: enorm, hnorm, eh_proj [D, 2D], the head norm, and one MoE block
-    mtp_module = 3 * D + 2 * D * D + per_block + moe_ffn
+    mtp = dataclasses.replace(cfg, first_k_dense_replace=0)
+    module, module_active = (3 * D + 2 * D * D + stack_params(mtp, 1, a) for a in (False, True))
     depth = cfg.mtp.depth
-    return ParamCount(total, active, expert, depth * mtp_module, depth * (mtp_module - skipped))
+    return ParamCount(total, active, expert, depth * module, depth * module_active)

@@ -23,7 +23,7 @@ from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import build_signature, load_split, prepare_data, read_meta, signature_changes
 from moe_lm.interop.ds_checkpoint import latest_tag
-from moe_lm.model import Transformer, count_params
+from moe_lm.model import Transformer, build_model, count_params
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.train import RunError, checkpoint
@@ -53,7 +53,7 @@ def train(cfg: Config) -> dict:
     objective = Objective.of(cfg)
     with run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
         torch.manual_seed(cfg.seed)
-        model = pretrained or Transformer(cfg.model)
+        model = pretrained or build_model(cfg.model)
         model = apply_expert_parallel(model, cfg.parallel.ep_size)  # every rank: the same model
         engine = build_engine(model, cfg)
         start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
@@ -61,7 +61,7 @@ def train(cfg: Config) -> dict:
             dump_config(cfg, run_dir / "config.yaml")
         tracker.start(start_step)
         peak, peak_source = peak_flops(dev, cfg.logging.peak_tflops)
-        flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * G * t.seq_len
+        flops_per_step = train_flops_per_token(cfg.model, t.seq_len, t.prefix_len) * G * t.seq_len
         throughput = Throughput(flops_per_step, G * t.seq_len, peak * world, tracker.info)
         tracker.info(f"{_header(cfg, model, world, G, data_meta)}; MFU against {peak_source}")
         last_eval, bad_steps = {}, 0

@@ -4,7 +4,8 @@ A window holds tokens t_0 .. t_S; the model reads t_0 .. t_{S-1} and position j 
 - "lm": every t_1 .. t_S is a label.
 - "prefix_lm" with prefix_len P: t_0 .. t_{P-1} are input only; the labels are t_P .. t_S (positions j >= P - 1).
   With model.attn_mask=prefix the model attends bidirectionally inside the prefix (UniLM / prefix LM); with a
-  causal mask it is the same labels under causal attention (a GPT scored on the same targets). No label lies
+  causal mask it is the same labels under causal attention (a GPT scored on the same targets); an encoder-decoder
+  (model.arch=encdec) encodes the prefix and decodes the rest. No label lies
   inside the prefix, so bidirectional attention never sees a token it is asked to predict.
 
     loss = CE_main + (lambda / D) * sum_k CE_k + balance losses           (MTP, DeepSeek-V3 §2.2)
@@ -31,16 +32,18 @@ IGNORE = -100  # F.cross_entropy's ignore_index: a position with no label
 class Objective:
     kind: str = "lm"  # "lm" | "prefix_lm"
     prefix_len: int = 0
-    bidirectional_prefix: bool = False  # the model's attn_mask is "prefix"
+    # the model is told the prefix length: it attends bidirectionally inside the prefix (attn_mask=prefix), or its
+    # encoder reads the prefix (arch=encdec)
+    model_reads_prefix: bool = False
 
     @classmethod
     def of(cls, cfg: Config) -> Objective:
         t = cfg.train
-        return cls(t.objective, t.prefix_len if t.objective == "prefix_lm" else 0, cfg.model.attn_mask == "prefix")
+        return cls(t.objective, t.prefix_len if t.objective == "prefix_lm" else 0, reads_prefix(cfg.model))
 
     def run(self, model, window_BS1: torch.Tensor, mtp: bool = False) -> tuple[ModelOutput, torch.Tensor]:
         """The model's output on a batch of windows [B, S + 1] and the labels [B, S] (IGNORE where unlabelled)."""
-        prefix = self.prefix_len if self.bidirectional_prefix else None
+        prefix = self.prefix_len if self.model_reads_prefix else None
         return model(window_BS1[:, :-1], prefix_len=prefix, mtp=mtp), self.labels(window_BS1)
 
     def labels(self, window_BS1: torch.Tensor) -> torch.Tensor:
@@ -48,6 +51,11 @@ class Objective:
         if self.kind == "prefix_lm":
             labels[:, : self.prefix_len - 1] = IGNORE
         return labels
+
+
+def reads_prefix(model_cfg) -> bool:
+    """Whether the model takes the prefix length: a bidirectional prefix mask, or an encoder over the prefix."""
+    return model_cfg.attn_mask == "prefix" or model_cfg.arch == "encdec"
 
 
 NEXT_TOKEN = Objective()  # plain language modelling: every next token is a label

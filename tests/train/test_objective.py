@@ -31,7 +31,7 @@ def test_no_labelled_token_is_visible_to_the_position_that_predicts_it(attention
     changes; and a prefix position does see later prefix tokens (the mask is really bidirectional there)."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(tiny_model_cfg(attention), attn_mask="prefix")).eval()
-    objective, P = Objective("prefix_lm", prefix_len=6, bidirectional_prefix=True), 6
+    objective, P = Objective("prefix_lm", prefix_len=6, model_reads_prefix=True), 6
     window = torch.randint(0, 97, (1, 17))
     base, labels = objective.run(model, window)
     for j in range(16):

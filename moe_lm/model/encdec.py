@@ -1,0 +1,134 @@
+"""An encoder-decoder variant (RedLLM-style, arXiv 2510.26622), for the experiment that compares it with the
+decoder-only model at equal parameters and at twice the parameters.
+
+A window's first P tokens (the prefix, `prefix_len`) go to the encoder: n_enc_layers blocks with bidirectional
+self-attention. The decoder reads t_{P-1} .. t_{S-1} and predicts t_P .. t_S: n_layers blocks, each with causal
+self-attention, cross-attention over the encoder's output, and the FFN (dense or MoE by the same rule as the
+decoder-only model, counted within each stack). RoPE is applied in every attention with one continuous position
+axis (encoder positions 0 .. P-1, decoder positions P-1 .. S-1), as RedLLM does; the embedding is shared by both
+stacks, the output head untied. So the labels are exactly the prefix-LM objective's (moe_lm/train/objective.py)
+and no target is ever visible to the encoder. forward returns logits for every input position (zeros before P-1,
+which the objective leaves unlabelled) so the training and evaluation code serve both architectures unchanged.
+
+Shape legend: B = batch, S = window, P = prefix, T = S - P + 1 decoder positions, D = model dim, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lm.config import ModelConfig
+from moe_lm.model.attention import apply_rope, attention_mask, rope_cos_sin, rope_inv_freq
+from moe_lm.model.block import Block
+from moe_lm.model.layers import RMSNorm
+from moe_lm.model.moe import MoE
+from moe_lm.model.router import Router
+from moe_lm.model.transformer import ModelOutput, _init_weights
+
+
+class CrossAttention(nn.Module):
+    """GQA attention from decoder queries to encoder keys/values, partial RoPE at each side's own positions."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        g = cfg.gqa
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, g.n_kv_heads, g.head_dim
+        self.rot_dim = int(g.head_dim * g.partial_rotary_factor)
+        D = cfg.dim
+        self.q_proj = nn.Linear(D, cfg.n_heads * g.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * g.head_dim, D, bias=False)
+
+    def forward(self, x_BTD, enc_BPD, q_rope, k_rope) -> torch.Tensor:
+        """x [B, T, D] attends to every encoder position enc [B, P, D]; *_rope = (cos, sin) of each side."""
+        B, T, _ = x_BTD.shape
+        P = enc_BPD.shape[1]
+        q = self.q_proj(x_BTD).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(enc_BPD).view(B, P, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(enc_BPD).view(B, P, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        r = self.rot_dim
+        q = torch.cat((apply_rope(q[..., :r], *q_rope), q[..., r:]), -1)
+        k = torch.cat((apply_rope(k[..., :r], *k_rope), k[..., r:]), -1)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DecoderBlock(Block):
+    """A decoder block with cross-attention between self-attention and the FFN (pre-norm, residual)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__(cfg, layer_id)
+        self.cross_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.cross_attn = CrossAttention(cfg)
+
+    def forward(self, x_BTD, cos, sin, enc_BPD, enc_rope) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, None)  # causal
+        h = h + self.cross_attn(self.cross_layernorm(h), enc_BPD, (cos, sin), enc_rope)
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(self.post_attention_layernorm(h))
+        else:
+            y, aux = self.mlp(self.post_attention_layernorm(h)), h.new_zeros(())
+        return h + y, aux
+
+
+class EncoderDecoder(nn.Module):
+    """forward(tokens [B, S], prefix_len=P) -> ModelOutput(logits [B, S, V]: the decoder's at positions P-1 ..
+    S-1, zeros before; aux_loss; hidden)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.encoder = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_enc_layers))
+        self.enc_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layers = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList()  # the training loop's interface: no MTP here
+        inv_freq, self.rope_factor = rope_inv_freq(self.layers[0].self_attn.rot_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        _init_weights(self, cfg.init_std)
+
+    def forward(self, tokens_BS: torch.Tensor, prefix_len: int | None = None, cache=None, mtp: bool = False):
+        if prefix_len is None or cache is not None:
+            raise ValueError("the encoder-decoder model reads whole windows with a prefix_len (its encoder's input)")
+        B, S = tokens_BS.shape
+        P = int(prefix_len)
+        if not 0 < P <= S:
+            raise ValueError(f"prefix_len {P} must be in 1..{S}")
+        x = self.embed_tokens(tokens_BS)
+        positions = torch.arange(S, device=x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_factor)
+        aux_loss = x.new_zeros((), dtype=torch.float32)
+        enc = x[:, :P]
+        everywhere = attention_mask("prefix", P, P, x.device)  # [1, 1, P, P], all True: bidirectional
+        for block in self.encoder:
+            enc, aux = block(enc, cos[:P], sin[:P], everywhere)
+            aux_loss = aux_loss + aux
+        enc = self.enc_norm(enc)
+        h = x[:, P - 1 :]  # the decoder starts from the prefix's last token, at its position
+        dec_cos, dec_sin = cos[P - 1 :], sin[P - 1 :]
+        for block in self.layers:
+            h, aux = block(h, dec_cos, dec_sin, enc, (cos[:P], sin[:P]))
+            aux_loss = aux_loss + aux
+        hidden = self.norm(h)
+        logits = self.lm_head(hidden)
+        logits = torch.cat((logits.new_zeros(B, P - 1, logits.shape[-1]), logits), dim=1)
+        return ModelOutput(logits, aux_loss, hidden)
+
+    def blocks(self) -> list[Block]:
+        return [*self.encoder, *self.layers]
+
+    def moe_layers(self) -> list[MoE]:
+        return [block.mlp for block in self.blocks() if isinstance(block.mlp, MoE)]
+
+    def moe_layer_ids(self) -> list[int]:
+        """Encoder blocks are layers 0 .. n_enc_layers - 1, decoder blocks follow."""
+        return [i for i, block in enumerate(self.blocks()) if isinstance(block.mlp, MoE)]
+
+    def routers(self) -> list[Router]:
+        return [moe.gate for moe in self.moe_layers()]
