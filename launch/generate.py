@@ -42,6 +42,11 @@ def main() -> None:
         tok = load_data_tokenizer(cfg.data.out_dir)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    if cfg.model.arch != "decoder" or cfg.model.attn_mask not in ("causal", "prefix"):
+        sys.exit(
+            f"error: {args.run.run} is an encoder (model.arch={cfg.model.arch}, attn_mask={cfg.model.attn_mask}): "
+            "generation needs a decoder-only causal or prefix-LM model"
+        )
     if args.speculative and not cfg.model.mtp.depth:
         sys.exit(f"error: --speculative mtp: {args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
     prompt = [tok.doc_start_id, *tok.encode(args.prompt)]

@@ -162,8 +162,10 @@ class ModelConfig:
     inter_dim: int = 256
     first_k_dense_replace: int = 1
     attention: Literal["mla", "gqa"] = "mla"
-    # "prefix": bidirectional attention inside a prefix, causal after it (prefix-LM / UniLM).
-    attn_mask: Literal["causal", "prefix"] = "causal"
+    # "prefix": bidirectional attention inside a prefix, causal after it (prefix-LM / UniLM). For masked-language
+    # models (train.objective=mlm): "bidirectional", or Su's mixed forward/backward attention, by head ("mixed_heads")
+    # or by layer ("mixed_layers").
+    attn_mask: Literal["causal", "prefix", "bidirectional", "mixed_heads", "mixed_layers"] = "causal"
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -319,8 +321,11 @@ class TrainConfig:
     # What a window of seq_len + 1 tokens trains: "lm" predicts every next token; "prefix_lm" predicts only the
     # tokens after its first prefix_len tokens (the prefix is input only; with model.attn_mask=prefix the model sees
     # it bidirectionally: the prefix-LM / UniLM objective).
-    objective: Literal["lm", "prefix_lm"] = "lm"
+    # "mlm": masked-language modelling: mlm_prob of the window's positions are corrupted (80 % to id 0, 10 % to a random
+    # token, 10 % kept) and predicted in place, with masks fixed by the window's content and the seed.
+    objective: Literal["lm", "prefix_lm", "mlm"] = "lm"
     prefix_len: int = 0
+    mlm_prob: float = 0.15
     # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
     # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
     init_from: str = ""
@@ -340,6 +345,7 @@ class TrainConfig:
         ):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
         _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
+        _require(0 < self.mlm_prob < 1, f"{path}.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
         if self.objective == "prefix_lm":
             _require(
                 0 < self.prefix_len < self.seq_len,
@@ -424,11 +430,22 @@ class Config:
             "model.arch",
             "= encdec needs train.objective=prefix_lm (the encoder reads the prefix, the decoder predicts the rest)",
         )
+        mask, objective = self.model.attn_mask, self.train.objective
         _require(
-            self.model.attn_mask == "causal" or self.train.objective == "prefix_lm",
+            mask != "prefix" or objective == "prefix_lm",
             "model.attn_mask",
             "= prefix needs train.objective=prefix_lm with a train.prefix_len (the plain LM objective supplies no "
             "prefix to attend to bidirectionally)",
+        )
+        _require(
+            mask not in ("bidirectional", "mixed_heads", "mixed_layers") or objective == "mlm",
+            "model.attn_mask",
+            f"= {mask} sees the next token: it needs train.objective=mlm (a masked-language-model encoder)",
+        )
+        _require(
+            objective != "mlm" or mask not in ("causal", "prefix"),
+            "train.objective",
+            "= mlm predicts tokens in place: use model.attn_mask=bidirectional, mixed_heads or mixed_layers",
         )
         _require(
             self.train.seq_len > self.model.mtp.depth,

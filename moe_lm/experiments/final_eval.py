@@ -1,7 +1,9 @@
 """The final evaluation of an experiment's run: the whole validation split, every document, per-document sums.
 
 Each document is cut into windows of seq_len + 1 tokens overlapping by one (as training cuts its windows, but the
-context restarts with each document), so every token after a document's first is predicted exactly once.
+context restarts with each document), so every token after a document's first is predicted exactly once; windows
+are batched by length, without padding. A masked-language-model run (train.objective=mlm) is scored on its masked
+tokens, with the masks its objective fixes for each window.
 `score_from` = P > 1 scores only the tokens at window positions >= P (the prefix-LM targets, the same labels for
 every arm of an experiment); a model with a prefix mask then sees positions < P bidirectionally. Windows shorter than
 P + 1 tokens have no label.
@@ -42,28 +44,27 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
     shard = load_split(cfg.data.out_dir, "val")
     S = cfg.train.seq_len
     objective = NEXT_TOKEN
-    if score_from > 1:
+    if cfg.train.objective == "mlm":  # masked-token loss on the fixed (content-seeded) masks
+        objective = Objective.of(cfg)
+    elif score_from > 1:
         objective = Objective("prefix_lm", score_from, reads_prefix(cfg.model))
     elif reads_prefix(cfg.model):
         raise ValueError(f"{run_dir}: a prefix-mask or encoder-decoder model needs score_from > 1 (its prefix)")
     windows = [(d, w) for d in range(shard.n_docs) for w in document_windows(np.asarray(shard.document(d)), S)]
     windows = [(d, w) for d, w in windows if len(w) > (score_from if score_from > 1 else 1)]
+    # why by length: batches of equal-length windows need no padding, which a bidirectional model would attend to
+    windows.sort(key=lambda dw: len(dw[1]))
     n_docs, layers = shard.n_docs, []
     nll, count = np.zeros(n_docs), np.zeros(n_docs, dtype=np.int64)
     position_nll, position_count = np.zeros(S), np.zeros(S, dtype=np.int64)  # by position in the window
     expert_counts, tokens, token_domain, token_experts = None, [], [], []
     recorder = RoutingRecorder(model)
     with recorder:
-        for i in range(0, len(windows), batch_size):
-            part = windows[i : i + batch_size]
-            L = max(len(w) for _, w in part)
-            batch = torch.zeros(len(part), L, dtype=torch.long)  # right padding: after every label, never read
-            for b, (_, w) in enumerate(part):
-                batch[b, : len(w)] = torch.from_numpy(w.astype(np.int64))
+        for part in _equal_length_batches(windows, batch_size):
+            L = len(part[0][1])
+            batch = torch.from_numpy(np.stack([w for _, w in part]).astype(np.int64))
             recorder.last.clear()
             out, labels = objective.run(model, batch)
-            for b, (_, w) in enumerate(part):
-                labels[b, len(w) - 1 :] = IGNORE  # the padding's "labels"
             nll_BS = F.cross_entropy(out.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
             labelled = labels != IGNORE
             for b, (d, _) in enumerate(part):
@@ -75,13 +76,9 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
                 layers = layers or [layer for layer in recorder.layers if layer in recorder.last]
                 if expert_counts is None:
                     expert_counts = np.zeros((n_docs, len(layers), cfg.model.moe.n_routed_experts), np.int64)
-                valid = torch.zeros(len(part), L - 1, dtype=torch.bool)
-                for b, (_, w) in enumerate(part):
-                    valid[b, : len(w) - 1] = True
-                flat = valid.flatten().numpy()
-                doc_of = np.repeat([d for d, _ in part], L - 1)[flat]
-                ids = batch[:, :-1].flatten().numpy()[flat]
-                per_layer = [recorder.last[layer][0].numpy()[flat] for layer in layers]
+                doc_of = np.repeat([d for d, _ in part], L - 1)
+                ids = batch[:, :-1].flatten().numpy()
+                per_layer = [recorder.last[layer][0].numpy() for layer in layers]
                 for j, experts in enumerate(per_layer):
                     np.add.at(expert_counts[:, j], (np.repeat(doc_of, experts.shape[1]), experts.ravel()), 1)
                 tokens.append(ids)
@@ -112,6 +109,17 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
     np.savez(Path(run_dir) / ARRAYS, **arrays)
     (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _equal_length_batches(windows: list, batch_size: int):
+    """Consecutive runs of equal-length windows (the list is sorted by length), at most batch_size each."""
+    i = 0
+    while i < len(windows):
+        j = i
+        while j < len(windows) and j - i < batch_size and len(windows[j][1]) == len(windows[i][1]):
+            j += 1
+        yield windows[i:j]
+        i = j
 
 
 def summarise(nll: np.ndarray, count: np.ndarray, domain: np.ndarray, domains: list[str]) -> dict:

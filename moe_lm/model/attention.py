@@ -83,6 +83,26 @@ def attention_mask(kind: str, S: int, prefix_len: torch.Tensor | None, device: t
     return (causal_SS[None] | prefix_BS[:, None, :])[:, None]
 
 
+def layer_masks(kind: str, S: int, prefix_len, device, n_heads: int, n_layers: int) -> list[torch.Tensor | None]:
+    """One mask per layer (True = may attend; None = plain causal). Beyond "causal" and "prefix", the masks of
+    masked-language-model encoders (train.objective=mlm): "bidirectional" (every position sees every other);
+    "mixed_heads" (the first half of the heads forward, j <= i, the other half backward, j >= i: with GQA each kv
+    head serves one direction when the halves align with its query groups); "mixed_layers" (forward in even layers,
+    backward in odd ones) -- Su Jianlin's mixed forward/backward attention (kexue.fm/archives/9529)."""
+    if kind in ("causal", "prefix"):
+        return [attention_mask(kind, S, prefix_len, device)] * n_layers
+    pos = torch.arange(S, device=device)
+    forward = pos[None, :] <= pos[:, None]  # [S, S]
+    if kind == "bidirectional":
+        return [torch.ones(1, 1, S, S, dtype=torch.bool, device=device)] * n_layers
+    if kind == "mixed_heads":
+        half = n_heads // 2
+        return [torch.stack([forward] * half + [forward.T] * (n_heads - half))[None]] * n_layers
+    if kind == "mixed_layers":
+        return [(forward if i % 2 == 0 else forward.T)[None, None] for i in range(n_layers)]
+    raise ValueError(f"unknown attention mask {kind!r}")
+
+
 class KVCache:
     """Per-layer tensors for incremental decoding: MLA keeps its compressed latent and rotary key (what makes
     MLA cheap to cache), GQA its keys and values. `length` counts the cached positions."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moe_lm.config import ModelConfig
-from moe_lm.model.attention import KVCache, attention_mask, decode_mask, rope_cos_sin, rope_inv_freq
+from moe_lm.model.attention import KVCache, decode_mask, layer_masks, rope_cos_sin, rope_inv_freq
 from moe_lm.model.block import Block
 from moe_lm.model.layers import RMSNorm
 from moe_lm.model.moe import MoE
@@ -73,12 +73,15 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens_BS)
         positions = torch.arange(start, start + S, device=x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_factor)
+        n = len(self.layers)
         if start == 0:
-            mask = attention_mask(self.cfg.attn_mask, S, prefix_len, x.device)
-        else:  # new tokens after a cached context (a prefix, if any, was the first chunk) see all of it
-            mask = decode_mask(S, start, x.device)
+            masks = layer_masks(self.cfg.attn_mask, S, prefix_len, x.device, self.cfg.n_heads, n)
+        elif self.cfg.attn_mask in ("causal", "prefix"):  # new tokens after a cached context (a prefix was the
+            masks = [decode_mask(S, start, x.device)] * n  # first chunk) see all of it
+        else:
+            raise ValueError(f"attn_mask={self.cfg.attn_mask} models are encoders: no incremental decoding")
         aux_loss = x.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
+        for layer, mask in zip(self.layers, masks, strict=True):
             x, aux = layer(x, cos, sin, mask, cache)
             aux_loss = aux_loss + aux
         if cache is not None:

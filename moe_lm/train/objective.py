@@ -5,7 +5,11 @@ A window holds tokens t_0 .. t_S; the model reads t_0 .. t_{S-1} and position j 
 - "prefix_lm" with prefix_len P: t_0 .. t_{P-1} are input only; the labels are t_P .. t_S (positions j >= P - 1).
   With model.attn_mask=prefix the model attends bidirectionally inside the prefix (UniLM / prefix LM); with a
   causal mask it is the same labels under causal attention (a GPT scored on the same targets); an encoder-decoder
-  (model.arch=encdec) encodes the prefix and decodes the rest. No label lies
+  (model.arch=encdec) encodes the prefix and decodes the rest.
+- "mlm": masked-language modelling on t_0 .. t_{S-1}: each position is chosen with probability mlm_prob; a chosen
+  token becomes MASK_ID (80 %), a random token (10 %) or stays (10 %), and is predicted at its own position (BERT's
+  recipe). The choices are drawn from a generator seeded by the window's tokens and the run's seed, so every arm
+  of an experiment, every resume and every evaluation sees the same masks for the same window. No label lies
   inside the prefix, so bidirectional attention never sees a token it is asked to predict.
 
     loss = CE_main + (lambda / D) * sum_k CE_k + balance losses           (MTP, DeepSeek-V3 §2.2)
@@ -17,6 +21,7 @@ two differ by a factor (S - k) / S).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +31,9 @@ from moe_lm.config import Config
 from moe_lm.model import ModelOutput
 
 IGNORE = -100  # F.cross_entropy's ignore_index: a position with no label
+# why 0: sentencepiece's <unk>, which a byte-fallback tokenizer never emits, so it can stand for [MASK] without
+# preparing the data again
+MASK_ID = 0
 
 
 @dataclass(frozen=True)
@@ -35,16 +43,38 @@ class Objective:
     # the model is told the prefix length: it attends bidirectionally inside the prefix (attn_mask=prefix), or its
     # encoder reads the prefix (arch=encdec)
     model_reads_prefix: bool = False
+    mlm_prob: float = 0.15
+    vocab_size: int = 0  # mlm: where random replacements are drawn from
+    seed: int = 0
 
     @classmethod
     def of(cls, cfg: Config) -> Objective:
         t = cfg.train
-        return cls(t.objective, t.prefix_len if t.objective == "prefix_lm" else 0, reads_prefix(cfg.model))
+        prefix = t.prefix_len if t.objective == "prefix_lm" else 0
+        return cls(t.objective, prefix, reads_prefix(cfg.model), t.mlm_prob, cfg.model.vocab_size, cfg.seed)
 
     def run(self, model, window_BS1: torch.Tensor, mtp: bool = False) -> tuple[ModelOutput, torch.Tensor]:
         """The model's output on a batch of windows [B, S + 1] and the labels [B, S] (IGNORE where unlabelled)."""
+        if self.kind == "mlm":
+            inputs, labels = self.corrupt(window_BS1[:, :-1])
+            return model(inputs), labels
         prefix = self.prefix_len if self.model_reads_prefix else None
         return model(window_BS1[:, :-1], prefix_len=prefix, mtp=mtp), self.labels(window_BS1)
+
+    def corrupt(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """mlm: (corrupted inputs [B, S], labels [B, S]: the original token where chosen, IGNORE elsewhere)."""
+        inputs, labels = tokens_BS.clone(), torch.full_like(tokens_BS, IGNORE)
+        for b, row in enumerate(tokens_BS.cpu()):
+            gen = torch.Generator().manual_seed(zlib.crc32(row.numpy().tobytes()) ^ (self.seed * 2654435761 % 2**32))
+            u, kind = torch.rand(len(row), generator=gen), torch.rand(len(row), generator=gen)
+            random_tokens = torch.randint(0, self.vocab_size, (len(row),), generator=gen)
+            dev = tokens_BS.device
+            chosen, kind, random_tokens = (u < self.mlm_prob).to(dev), kind.to(dev), random_tokens.to(dev)
+            labels[b, chosen] = tokens_BS[b, chosen]
+            inputs[b, chosen & (kind < 0.8)] = MASK_ID
+            swap = chosen & (kind >= 0.8) & (kind < 0.9)
+            inputs[b, swap] = random_tokens[swap]
+        return inputs, labels
 
     def labels(self, window_BS1: torch.Tensor) -> torch.Tensor:
         labels = window_BS1[:, 1:].clone()

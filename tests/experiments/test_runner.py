@@ -150,3 +150,31 @@ def test_rank_probe_on_a_prefix_experiments_checkpoints(base, tmp_path):
     untrained_bidir = next(m for m in results["models"] if m["arm"] == "bidir" and m["state"] == "untrained")
     assert untrained_bidir["layers"][0]["prefix/erank"]["mean"] < 2.0  # near-uniform at initialisation
     assert "## Checks" in (tmp_path / "reports" / "ranklike" / "report.md").read_text()
+
+
+def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path):
+    """An MLM run is scored on its masked tokens, with the masks its objective fixes per window."""
+    import dataclasses
+
+    from moe_lm.train import loop
+    from moe_lm.train.objective import IGNORE, Objective
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, attn_mask="bidirectional"),
+        train=dataclasses.replace(cfg.train, objective="mlm"),
+    )  # fmt: skip
+    loop.train(cfg)
+    result = evaluate_run(tmp_path / "run")
+    _, model, _ = load_model(tmp_path / "run")
+    shard = load_split(cfg.data.out_dir, "val")
+    objective, nll, n = Objective.of(cfg), 0.0, 0
+    with torch.no_grad():
+        for d in range(shard.n_docs):
+            for w in document_windows(np.asarray(shard.document(d)), cfg.train.seq_len):
+                if len(w) < 2:
+                    continue
+                out, labels = objective.run(model, torch.from_numpy(w.astype(np.int64))[None])
+                nll += F.cross_entropy(out.logits[0], labels[0], ignore_index=IGNORE, reduction="sum").item()
+                n += int((labels != IGNORE).sum())
+    assert result["labels"] == n and result["loss"] == pytest.approx(nll / n, rel=1e-5)

@@ -65,7 +65,8 @@ def test_prefix_lm_config_rules():
     cfg = load_config(
         "configs/tiny.yaml", ["train.objective=prefix_lm", "train.prefix_len=128", "model.attn_mask=prefix"]
     )
-    assert Objective.of(cfg) == Objective("prefix_lm", 128, True)
+    o = Objective.of(cfg)
+    assert (o.kind, o.prefix_len, o.model_reads_prefix) == ("prefix_lm", 128, True)
 
 
 def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path):
@@ -89,3 +90,55 @@ def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path):
             s, c, _ = loss_sums(*Objective.of(cfg).run(model, w))
             nll, n = nll + s, n + c
     assert final["loss"] == pytest.approx(nll / n, rel=1e-5)
+
+
+def test_mlm_masks_are_fixed_by_the_window_and_follow_the_80_10_10_recipe():
+    objective = Objective("mlm", mlm_prob=0.15, vocab_size=97, seed=3)
+    window = torch.randint(1, 97, (64, 257), generator=torch.Generator().manual_seed(0))
+    inputs, labels = objective.corrupt(window[:, :-1])
+    again, labels2 = objective.corrupt(window[:, :-1].flip(0))  # same windows in another batch order
+    assert torch.equal(again.flip(0), inputs) and torch.equal(labels2.flip(0), labels)
+    other_seed = Objective("mlm", mlm_prob=0.15, vocab_size=97, seed=4).corrupt(window[:, :-1])[1]
+    assert not torch.equal(other_seed, labels)
+    chosen = labels != IGNORE
+    assert abs(chosen.float().mean().item() - 0.15) < 0.01  # 16k positions
+    assert torch.equal(labels[chosen], window[:, :-1][chosen]) and torch.equal(inputs[~chosen], window[:, :-1][~chosen])
+    masked = (inputs[chosen] == 0).float().mean().item()
+    kept = (inputs[chosen] == labels[chosen]).float().mean().item()
+    assert abs(masked - 0.8) < 0.03 and abs(kept - 0.1 - 0.1 / 97) < 0.03  # random replacements sometimes hit it
+
+
+def test_mixed_attention_masks_by_head_and_by_layer():
+    from moe_lm.analysis.attention_probe import attention_matrices, capture_attention
+
+    for kind in ("mixed_heads", "mixed_layers", "bidirectional"):
+        model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask=kind)).eval()
+        store = []
+        with torch.no_grad(), capture_attention(store):
+            model(torch.randint(0, 97, (1, 12)))
+        for layer, (q, k, _, mask, scale, gqa) in enumerate(store):
+            A = attention_matrices(q, k, mask, scale, gqa)[0]  # [H, S, S]
+            for h in range(A.shape[0]):
+                forward = torch.equal(A[h], A[h].tril())
+                backward = torch.equal(A[h], A[h].triu())
+                if kind == "bidirectional":
+                    assert not forward and not backward
+                elif kind == "mixed_heads":
+                    assert (forward, backward) == ((True, False) if h < 2 else (False, True)), (layer, h)
+                else:
+                    assert (forward, backward) == ((True, False) if layer % 2 == 0 else (False, True)), (layer, h)
+
+
+def test_mlm_config_rules_and_a_run(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match="needs train.objective=mlm"):
+        load_config("configs/tiny.yaml", ["model.attn_mask=bidirectional"])
+    with pytest.raises(ConfigError, match="train.objective = mlm predicts tokens in place"):
+        load_config("configs/tiny.yaml", ["train.objective=mlm"])
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, eval_interval=3)
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, attn_mask="mixed_heads"),
+        train=dataclasses.replace(cfg.train, objective="mlm"),
+    )
+    final = loop.train(cfg)
+    assert 0 < final["loss"] < 8  # the masked tokens' loss, near ln(300) at this point
