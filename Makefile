@@ -12,7 +12,7 @@ CONFIG ?= configs/tiny.yaml
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
-.PHONY: setup test train data bench lint clean megablocks
+.PHONY: setup test train data bench lint clean megablocks gpu-check gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,24 @@ bench: setup
 # pins an old torch and would replace the one installed; it builds its CUDA extensions against the torch here.
 megablocks: setup
 	$(BIN)/pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
+
+# On a GPU machine (even one without network): set up from the wheels in .whl/, run the GPU tests, the MoE layer
+# benchmark and a short training run of configs/gpu_1b.yaml, and write logs and a summary into OUT.
+OUT ?= gpu_check_out
+gpu-check:
+	launch/gpu_check.sh $(OUT)
+
+# On this (networked, CPU) machine: the wheels a bare GPU machine lacks, for its Python (GPU_PY, default 3.12).
+# DeepSpeed publishes no wheel: pip builds a pure-Python one from its source (no ops are compiled).
+GPU_PY ?= 3.12
+gpu-wheels: setup
+	mkdir -p .whl/src
+	$(BIN)/pip wheel --no-deps -w .whl "deepspeed==$$($(BIN)/python -c 'import deepspeed; print(deepspeed.__version__)')"
+	$(BIN)/pip download --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl hjson pydantic pydantic-core annotated-types typing-inspection sentencepiece
+	$(BIN)/pip download --no-deps --no-binary :all: --no-build-isolation -d .whl/src megablocks==0.10.0 \
+		stanford-stk==0.7.1 || echo "megablocks sources not downloaded (optional)"
 
 lint: setup
 	$(BIN)/ruff check moe_lm launch tests

@@ -24,7 +24,11 @@ from moe_lm.ops.cpu_kernels import load_cpu_kernels
 from moe_lm.ops.megablocks import BackendUnavailable, load_megablocks
 
 # (dim, moe_inter_dim, n_routed_experts, num_experts_per_tok, n_group, topk_group)
-SHAPES = [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)]
+SHAPES = {
+    "cpu": [(256, 256, 8, 2, 1, 1), (512, 256, 16, 2, 1, 1), (256, 128, 64, 8, 8, 4)],
+    # configs/gpu_1b.yaml's layer, Moonlight-16B-A3B's (DeepSeek-V3-16B shape), and a Mixtral-like one
+    "gpu": [(1024, 384, 64, 6, 8, 4), (2048, 1408, 64, 6, 1, 1), (4096, 14336, 8, 2, 1, 1)],
+}
 
 
 def hf_moe(cfg: ModelConfig, ours: MoE, impl: str, dtype: torch.dtype, device: str):
@@ -67,7 +71,8 @@ def _megablocks_available() -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--shapes", choices=list(SHAPES), default=None, help="default: cpu on CPU, gpu on CUDA")
+    ap.add_argument("--tokens", type=int, default=None, help="default: 4096 on CPU, 16384 on CUDA")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens are shaped [tokens/seq_len, seq_len]")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -76,6 +81,9 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip HF's DeepseekV3MoE (transformers not installed)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    on_gpu = args.device.startswith("cuda")
+    shapes = SHAPES[args.shapes or ("gpu" if on_gpu else "cpu")]
+    args.tokens = args.tokens or (16384 if on_gpu else 4096)
     torch.manual_seed(0)
     print(
         f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
@@ -91,7 +99,7 @@ def main() -> None:
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for dim, inter, E, k, n_group, topk_group in SHAPES:
+    for dim, inter, E, k, n_group, topk_group in shapes:
         moe_cfg = MoEConfig(
             n_routed_experts=E,
             num_experts_per_tok=k,
@@ -116,6 +124,8 @@ def main() -> None:
             fns["hf_grouped"] = hf_moe(cfg, ours, "grouped_mm", dtype, args.device)
         x = torch.randn(args.tokens // args.seq_len, args.seq_len, dim, device=args.device, dtype=dtype)
         grad = torch.randn_like(x)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         t = time_fwd_bwd(fns, x, grad, args.reps, args.warmup)
         best_hf = min(t.get("hf_eager", float("nan")), t.get("hf_grouped", float("nan")))
         groups = f"{n_group}/{topk_group}" if n_group > 1 else "-"
@@ -126,6 +136,10 @@ def main() -> None:
             + (f" {t['megablocks']:.1f} | {t['megablocks'] / t['ours']:.2f} |" if megablocks else ""),
             flush=True,
         )
+        # fwd + bwd = 3 x the forward's 2 FLOPs per multiply-add, over the active expert width (1 shared + k)
+        tflops = 6 * args.tokens * dim * 3 * (1 + k) * inter / (t["ours"] / 1e3) / 1e12
+        peak = f", peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all arms)" if on_gpu else ""
+        print(f"#   ours: {tflops:.1f} TFLOP/s of expert matmuls{peak}", flush=True)
 
 
 if __name__ == "__main__":

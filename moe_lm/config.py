@@ -312,6 +312,7 @@ class TrainConfig:
     eval_interval: int = 100
     # Batches of micro_batch_size sequences per domain at each evaluation.
     eval_batches: int = 4
+    # Checkpoint every ckpt_interval steps and at the last one; 0 = none (benchmark runs; a signal still saves).
     ckpt_interval: int = 200
     keep_last: int = 2
     # Stop the run after this many consecutive steps with a non-finite loss (each is skipped).
@@ -326,6 +327,11 @@ class TrainConfig:
     objective: Literal["lm", "prefix_lm", "mlm"] = "lm"
     prefix_len: int = 0
     mlm_prob: float = 0.15
+    # Recompute activations in backward instead of keeping them: "full" (every block), "selective" (the MoE blocks),
+    # "none". Losses and gradients are those of "none" (moe_lm/train/recompute.py).
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # torch.compile every block (its MoE FFN runs eagerly); the first steps pay the compilation.
+    compile: bool = False
     # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
     # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
     init_from: str = ""
@@ -339,11 +345,11 @@ class TrainConfig:
             "log_interval",
             "eval_interval",
             "eval_batches",
-            "ckpt_interval",
             "keep_last",
             "max_bad_steps",
         ):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+        _require(self.ckpt_interval >= 0, f"{path}.ckpt_interval", "must be >= 0 (0: no checkpoints)")
         _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
         _require(0 < self.mlm_prob < 1, f"{path}.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
         if self.objective == "prefix_lm":

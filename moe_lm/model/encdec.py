@@ -22,7 +22,7 @@ from torch import nn
 from moe_lm.config import ModelConfig
 from moe_lm.model.attention import apply_rope, attention_mask, rope_cos_sin, rope_inv_freq
 from moe_lm.model.block import Block
-from moe_lm.model.layers import RMSNorm
+from moe_lm.model.layers import KeepsFp32Buffers, RMSNorm
 from moe_lm.model.moe import MoE
 from moe_lm.model.router import Router
 from moe_lm.model.transformer import ModelOutput, _init_weights
@@ -74,9 +74,11 @@ class DecoderBlock(Block):
         return h + y, aux
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(KeepsFp32Buffers):
     """forward(tokens [B, S], prefix_len=P) -> ModelOutput(logits [B, S, V]: the decoder's at positions P-1 ..
     S-1, zeros before; aux_loss; hidden)."""
+
+    fp32_buffers = ("inv_freq",)  # as the Transformer's
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

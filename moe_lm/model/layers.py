@@ -1,4 +1,4 @@
-"""Small building blocks shared by attention, MoE and the Transformer: RMSNorm and the SwiGLU MLP."""
+"""Small building blocks shared by attention, MoE and the Transformer: RMSNorm, the SwiGLU MLP, and fp32 buffers."""
 
 from __future__ import annotations
 
@@ -32,3 +32,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KeepsFp32Buffers(nn.Module):
+    """A module whose buffers named in `fp32_buffers` stay fp32 when the module is cast (model.to(bfloat16), which
+    DeepSpeed's bf16 mode and user code do): they move with it, but are never rounded."""
+
+    fp32_buffers: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: self._buffers.pop(name) for name in self.fp32_buffers if name in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buffer in kept.items():
+                moved = fn(buffer)
+                self._buffers[name] = buffer.to(device=moved.device, dtype=torch.float32)
+        return self

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lm.config import MoEConfig
+from moe_lm.model.layers import KeepsFp32Buffers
+from moe_lm.ops import expert_counts
 from moe_lm.ops.cpu_kernels import cpu_kernels_for
 
 
@@ -78,8 +80,11 @@ def gate_weights(scores_TE: torch.Tensor, idx_TK: torch.Tensor, norm_topk_prob: 
     return w_TK * scale
 
 
-class Router(nn.Module):
+class Router(KeepsFp32Buffers):
     """Sigmoid top-k gate with the auxiliary-loss-free selection bias (named as in HF for interop)."""
+
+    # why: model.to(bfloat16) would round the bias, and updates of 1e-3 vanish in bf16
+    fp32_buffers = ("e_score_correction_bias",)
 
     def __init__(self, dim: int, cfg: MoEConfig, init_std: float = 0.02) -> None:
         super().__init__()
@@ -103,7 +108,7 @@ class Router(nn.Module):
             )
         weight_TK = gate_weights(scores_TE, idx_TK, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         if self.training and not _in_backward_recompute():
-            self.tokens_per_expert += torch.bincount(idx_TK.flatten(), minlength=cfg.n_routed_experts)
+            self.tokens_per_expert += expert_counts(idx_TK, cfg.n_routed_experts)
         return Routing(scores_TE, idx_TK, weight_TK)
 
     @torch.no_grad()
@@ -111,16 +116,6 @@ class Router(nn.Module):
         """Auxiliary-loss-free update b += speed * sign(mean(c) - c) from a step's global integer counts."""
         counts = counts_E.to(self.e_score_correction_bias.device, torch.float64)
         self.e_score_correction_bias += speed * torch.sign(counts.mean() - counts).float()
-
-    def _apply(self, fn, recurse=True):
-        # why: model.to(bfloat16) (DeepSpeed bf16 does this) would cast the bias; keep it fp32, move it only.
-        bias = self._buffers.pop("e_score_correction_bias")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            moved = fn(bias)
-            self._buffers["e_score_correction_bias"] = bias.to(device=moved.device, dtype=torch.float32)
-        return self
 
 
 def update_biases(routers: list[Router], counts: list[torch.Tensor], speed: float) -> None:
@@ -154,7 +149,7 @@ def batch_balance_loss(scores_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.T
     T, E = scores_TE.shape
     K = idx_TK.shape[1]
     with torch.no_grad():
-        f_E = torch.bincount(idx_TK.flatten(), minlength=E).to(scores_TE.dtype) * (E / (K * T))
+        f_E = expert_counts(idx_TK, E).to(scores_TE.dtype) * (E / (K * T))
     p_E = (scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)).mean(0)
     return (f_E * p_E).sum()
 

@@ -16,7 +16,7 @@ from torch import nn
 from moe_lm.config import ModelConfig
 from moe_lm.model.attention import KVCache, decode_mask, layer_masks, rope_cos_sin, rope_inv_freq
 from moe_lm.model.block import Block
-from moe_lm.model.layers import RMSNorm
+from moe_lm.model.layers import KeepsFp32Buffers, RMSNorm
 from moe_lm.model.moe import MoE
 from moe_lm.model.mtp import MTPModule
 from moe_lm.model.router import Router
@@ -33,13 +33,16 @@ class ModelOutput:
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
 
 
-class Transformer(nn.Module):
+class Transformer(KeepsFp32Buffers):
     """forward(tokens [B, S], prefix_len=None, cache=None, mtp=False) -> ModelOutput(logits [B, S, V], aux_loss, ...).
 
     With a KVCache the tokens continue after the cached positions (incremental decoding for generation). With
     `model.mtp.depth` = D > 0 the model also holds D multi-token-prediction modules (`mtp`), which run only when
     forward is asked for them (`mtp=True`, training and evaluation); the main model's logits never depend on them.
     """
+
+    # why: RoPE frequencies rounded to bf16 turn positions in the thousands into angles off by radians
+    fp32_buffers = ("inv_freq",)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -20,3 +20,13 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for a fused [..., 2I] gate/up projection (gate first, HF's expert layout)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many entries of idx (any shape, values in 0..E-1) name each expert: int64 [E].
+
+    why not torch.bincount: on CUDA it synchronises with the host twice per call (it reads the input's min and max
+    to size its output); a scatter-add into a fixed-size vector never does, and it also works under torch.compile.
+    """
+    flat = idx.flatten()
+    return torch.zeros(n_experts, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))

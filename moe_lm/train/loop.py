@@ -31,6 +31,7 @@ from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
 from moe_lm.train.objective import NEXT_TOKEN, Objective, next_token_losses, total_loss
+from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
 from moe_lm.train.stop import StopOnSignal, Stopped
@@ -55,6 +56,8 @@ def train(cfg: Config) -> dict:
         torch.manual_seed(cfg.seed)
         model = pretrained or build_model(cfg.model)
         model = apply_expert_parallel(model, cfg.parallel.ep_size)  # every rank: the same model
+        model = apply_activation_checkpointing(model, t.activation_checkpointing)
+        model = apply_compile(model, t.compile)
         engine = build_engine(model, cfg)
         start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
         if rank == 0:
@@ -98,7 +101,8 @@ def train(cfg: Config) -> dict:
             if step_done % t.eval_interval == 0 or step_done == end_step:
                 last_eval = evaluate_at(step_done)
             signum = stop.requested(dev)
-            if step_done % t.ckpt_interval == 0 or step_done == end_step or signum:
+            due = t.ckpt_interval > 0 and (step_done % t.ckpt_interval == 0 or step_done == end_step)
+            if due or signum:
                 state = {"step": step_done, "samples": first + G, "global_batch": G}
                 if not _save(engine, model, run_dir, cfg, state, bad_steps == 0, tracker) and step_done == end_step:
                     good = latest_tag(run_dir) or "none (no checkpoint was written)"
@@ -158,6 +162,9 @@ def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: 
     row = {"kind": "train", **row, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
     if dispatchers(model):
         row["a2a_bytes_per_rank"] = sum(d.stats["bytes_sent"] for d in dispatchers(model))
+    dev = next(model.parameters()).device
+    if dev.type == "cuda":  # the high-water mark of this rank's allocator since the start
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     tracker.log(row, {f"expert_load/layer_{i}": c.numpy() for i, c in zip(model.moe_layer_ids(), counts, strict=True)})
     maxvio = max((v for k, v in row.items() if k.startswith("maxvio/")), default=0.0)
     tracker.console(

@@ -159,6 +159,7 @@ def _gpu_backend_or_skip():
         pytest.skip(str(e))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["grouped", "megablocks"])
 def test_cuda_kernels_equal_loop_in_bf16(impl):
     """GPU only: torch._grouped_mm (grouped) and MegaBlocks' kernels against the loop reference, bf16."""
@@ -179,6 +180,7 @@ def test_cuda_kernels_equal_loop_in_bf16(impl):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
+@pytest.mark.gpu
 def test_cuda_training_step_with_megablocks_equals_loop():
     """GPU only: a whole model's loss and an AdamW step agree between MegaBlocks' kernels and the loop, bf16."""
     _gpu_backend_or_skip()
