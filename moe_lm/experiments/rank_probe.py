@@ -27,6 +27,7 @@ from moe_lm.analysis.attention_probe import (
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
 from moe_lm.experiments import stats
+from moe_lm.experiments.report import closing_sections
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment
 from moe_lm.interop.ds_checkpoint import load_model
@@ -222,12 +223,7 @@ def markdown(exp: Experiment, r: dict, causal_arm: str, bidir_arm: str, figures:
     lines += ["", "Model-free control (Gaussian Q, K, n = 256, d = 32; effective rank by logit scale "
               + ", ".join(map(str, syn["scales"])) + "): causal " + ", ".join(f"{v:.0f}" for v in syn["causal"])
               + "; bidirectional " + ", ".join(f"{v:.1f}" for v in syn["bidirectional"]) + "."]  # fmt: skip
-    if figures:
-        lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
-    if exp.untested:
-        lines += ["", "## Not tested here", ""] + [f"- {u}" for u in exp.untested]
-    if exp.notes:
-        lines += ["", "## Notes", "", exp.notes.strip()]
+    lines += closing_sections(exp, figures)
     lines += [
         "",
         "## Reproduce",

@@ -198,16 +198,23 @@ def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures
             for d, v in c["by_domain"].items() if d < len(doms)
         )]  # fmt: skip
     lines += ["", "Rules, fixed before the runs: " + "; ".join(f"*{k}*: {v}" for k, v in RULES.items()) + "."]
+    lines += closing_sections(exp, figures)
+    runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
+    command = f"python launch/experiment.py {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
+    lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
+    return "\n".join(lines) + "\n"
+
+
+def closing_sections(exp: Experiment, figures: list[str]) -> list[str]:
+    """The figures, what is not tested, and the notes: the end of every report."""
+    lines = []
     if figures:
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem}](figures/{Path(f).name})" for f in figures]
     if exp.untested:
         lines += ["", "## Not tested here", ""] + [f"- {u}" for u in exp.untested]
     if exp.notes:
         lines += ["", "## Notes", "", exp.notes.strip()]
-    runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
-    command = f"python launch/experiment.py {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
-    lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _mean_sd(values) -> str:

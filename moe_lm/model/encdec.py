@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_lm.config import ModelConfig
-from moe_lm.model.attention import apply_rope, attention_mask, rope_cos_sin, rope_inv_freq
+from moe_lm.model.attention import GQA, apply_rope, attention_mask, rope_cos_sin, rope_inv_freq
 from moe_lm.model.block import Block
 from moe_lm.model.layers import KeepsFp32Buffers, RMSNorm
 from moe_lm.model.moe import MoE
@@ -28,19 +28,9 @@ from moe_lm.model.router import Router
 from moe_lm.model.transformer import ModelOutput, _init_weights
 
 
-class CrossAttention(nn.Module):
-    """GQA attention from decoder queries to encoder keys/values, partial RoPE at each side's own positions."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        g = cfg.gqa
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, g.n_kv_heads, g.head_dim
-        self.rot_dim = int(g.head_dim * g.partial_rotary_factor)
-        D = cfg.dim
-        self.q_proj = nn.Linear(D, cfg.n_heads * g.head_dim, bias=False)
-        self.k_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
-        self.v_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * g.head_dim, D, bias=False)
+class CrossAttention(GQA):
+    """GQA attention from decoder queries to encoder keys/values (GQA's projections), partial RoPE at each side's
+    own positions."""
 
     def forward(self, x_BTD, enc_BPD, q_rope, k_rope) -> torch.Tensor:
         """x [B, T, D] attends to every encoder position enc [B, P, D]; *_rope = (cos, sin) of each side."""
@@ -52,7 +42,7 @@ class CrossAttention(nn.Module):
         r = self.rot_dim
         q = torch.cat((apply_rope(q[..., :r], *q_rope), q[..., r:]), -1)
         k = torch.cat((apply_rope(k[..., :r], *k_rope), k[..., r:]), -1)
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

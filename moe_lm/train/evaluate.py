@@ -57,9 +57,11 @@ def evaluate(
                     if layer not in recorder.last:  # an MTP depth with no position to predict in a short window
                         continue
                     experts = recorder.last[layer][0].cpu().numpy()
+                    counts[i, d] += M.expert_counts(experts, E)
+                    if model.cfg.arch == "encdec":  # its stacks route other spans of the window: counts only
+                        continue
                     # an MTP block routes the first S - k positions of each window; a decoder block all S
                     doc = _documents(tokens[:, : len(experts) // len(tokens)], doc_start_id)
-                    counts[i, d] += M.expert_counts(experts, E)
                     t, same_first, overlap = M.repetition_hits(experts, doc)
                     pairs[i] += len(t), same_first.sum(), overlap.sum()
     loss, mtp_loss, counts, pairs = (_sum_over_ranks(a, dev) for a in (loss, mtp_loss, counts, pairs))
