@@ -42,7 +42,10 @@ def main() -> None:
     if args.list or not args.name:
         for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
             exp = load_experiment(str(path))
-            print(f"{exp.name:10s} {len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps: {exp.claim}")
+            what = f"{len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps"
+            if exp.probe:
+                what = f"a probe of {exp.arms_from}'s {', '.join(exp.probe_arms)}"
+            print(f"{exp.name:10s} {what}: {exp.claim}")
         return
     try:
         exp = load_experiment(args.name, args.preset, args.extended)
@@ -74,7 +77,8 @@ def main() -> None:
     print(f"verdict: {results['verdict']}")
     for c in results["comparisons"]:
         lo, hi = c["t_interval"]
-        print(f"  {c['name']} ({c['metric']}): {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) -> {c['verdict']}")
+        judged = c["verdict"] if c["role"] == "claim" else "context, not judged"
+        print(f"  {c['name']} ({c['metric']}): {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) -> {judged}")
     print(f"report: {out / 'report.md'} ({time.perf_counter() - t0:.0f} s)")
 
 

@@ -9,7 +9,8 @@ every arm of an experiment); a model with a prefix mask then sees positions < P 
 P + 1 tokens have no label.
 
 Saved per document: the summed NLL of its labels and their number, its domain, and, with routing, the token-slots
-per (MoE layer, expert); and per window position (over all windows): summed NLL and labels, for the loss by
+per (MoE layer, expert), with the domain JSD of the same architecture untrained (N1) and with token-shuffled
+domains (N2) as baselines; and per window position (over all windows): summed NLL and labels, for the loss by
 distance from a prefix boundary. Everything an experiment compares is a function of these (or of the per-token arrays
 kept for the token-shuffled JSD baseline), so intervals can resample documents.
 """
@@ -27,6 +28,7 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.data.prepare import load_split
 from moe_lm.interop.ds_checkpoint import load_model
+from moe_lm.model import build_model
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, reads_prefix
 
 RESULT, ARRAYS = "final_eval.json", "final_eval.npz"
@@ -106,9 +108,33 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
             np.concatenate(token_domain),
             experts,
         )
+        init = init_domain_jsd(cfg, windows, shard, layers, batch_size)  # N1: the same model untrained
+        for layer in layers:
+            result["routing"][f"layer_{layer}"]["domain_jsd_init"] = init[layer]
     np.savez(Path(run_dir) / ARRAYS, **arrays)
     (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))
     return result
+
+
+@torch.no_grad()
+def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: int) -> dict[int, float]:
+    """Per MoE layer, the mean pairwise domain JSD of the run's architecture at its initialisation (same seed,
+    same windows): the N1 baseline of docs/analytics.md, what an untrained router already separates."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model).eval()
+    E = cfg.model.moe.n_routed_experts
+    counts = {layer: np.zeros((len(shard.domains), E)) for layer in layers}
+    recorder = RoutingRecorder(model)
+    with recorder:
+        for part in _equal_length_batches(windows, batch_size):
+            batch = torch.from_numpy(np.stack([w for _, w in part]).astype(np.int64))
+            model(batch[:, :-1])
+            domain_of = np.repeat(shard.doc_domain[[d for d, _ in part]], len(part[0][1]) - 1)
+            for layer in layers:
+                counts[layer] += M.domain_expert_counts(
+                    recorder.last[layer][0].numpy(), domain_of, len(counts[layer]), E
+                )
+    return {layer: M.mean_pairwise(M.domain_jsd(c)) for layer, c in counts.items()}
 
 
 def _equal_length_batches(windows: list, batch_size: int):

@@ -166,16 +166,20 @@ def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures
         cells += [_mean_sd([r.result.get(f"loss/{d}", np.nan) for r in data.runs]) for d in doms]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if "routing" in exp.measures:
-        lines += ["", "| arm | MaxVio_global (floor) | domain JSD, bits | JSD, token-shuffled (N2) | JSD - N2 |"]
-        lines.append("|---|---|---|---|---|")
+        lines += [
+            "",
+            "| arm | MaxVio_global (floor) | domain JSD, bits | at init (N1) | token-shuffled (N2) | JSD - N2 |",
+        ]
+        lines.append("|---|---|---|---|---|---|")
         for arm, data in by_arm.items():
             per = [list(r.result["routing"].values()) for r in data.runs]
             mv = [np.mean([v["maxvio_global"] for v in p]) for p in per]
             floor = np.mean([v["maxvio_floor"] for v in per[0]])
             jsd = [np.mean([v["domain_jsd"] for v in p]) for p in per]
             sh = [np.mean([v["domain_jsd_shuffled"] for v in p]) for p in per]
+            n1 = [np.mean([v["domain_jsd_init"] for v in p]) for p in per]
             lines.append(
-                f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(sh)} | "
+                f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(n1)} | {_mean_sd(sh)} | "
                 f"{_mean_sd(np.subtract(jsd, sh))} |"
             )
     lines += ["", "## Comparisons (delta = a - b; 95 % intervals)", ""]

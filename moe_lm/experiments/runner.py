@@ -70,7 +70,11 @@ def is_done(run: Run, exp: Experiment) -> bool:
     if not path.is_file():
         return False
     result = json.loads(path.read_text())
-    return result.get("score_from") == exp.score_from and ("routing" in result) >= ("routing" in exp.measures)
+    if "routing" in exp.measures:  # routing measured, with both baselines
+        layers = result.get("routing", {}).values()
+        if not layers or not all("domain_jsd_init" in layer for layer in layers):
+            return False
+    return result.get("score_from") == exp.score_from
 
 
 def execute(run: Run, exp: Experiment, log=print) -> Run:

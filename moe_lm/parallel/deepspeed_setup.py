@@ -108,6 +108,9 @@ def build_engine(model: torch.nn.Module, cfg: Config):
     if any(is_moe_param(p) for p in model.parameters()):
         # expert parameters get their own groups so ZeRO reduces them over the expert-data-parallel group only
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    # fused: one kernel for the whole update on CUDA (the optimizer step moves every parameter's states)
+    optimizer = torch.optim.AdamW(
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=dev.type == "cuda"
+    )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, bf16))
     return engine

@@ -82,7 +82,8 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path):
     assert {"curves.png", "deltas.png", "maxvio_batch.png"} <= {p.name for p in (tmp_path / "report/figures").iterdir()}
     saved = json.loads((tmp_path / "report" / "results.json").read_text())
     assert saved["arms"][1]["active_params"] < saved["arms"][0]["active_params"]  # k1 runs fewer experts
-    assert "maxvio_global" in next(iter(runs[0].result["routing"].values()))
+    layer = next(iter(runs[0].result["routing"].values()))
+    assert {"maxvio_global", "maxvio_floor", "domain_jsd", "domain_jsd_init", "domain_jsd_shuffled"} <= set(layer)
 
 
 def test_final_evaluation_equals_a_direct_computation(base, tmp_path):
