@@ -40,11 +40,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     try:
         cfg, model, tag = load_model(*args.run)
-    except (FileNotFoundError, ValueError) as e:
+        shard = load_split(cfg.data.out_dir, "val")
+    except (FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         sys.exit(f"error: {e}")
     if not cfg.model.mtp.depth:
         sys.exit(f"error: {args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
-    shard = load_split(cfg.data.out_dir, "val")
     prompts = [
         np.asarray(shard.document(d))[: args.prompt_tokens].tolist()
         for d in range(shard.n_docs)

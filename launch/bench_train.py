@@ -1,12 +1,14 @@
 """Training-step throughput of config variants, side by side: what a feature costs per optimizer step.
 
     python launch/bench_train.py --config configs/tiny.yaml --arms model.mtp.depth=0 model.mtp.depth=1
-    python launch/bench_train.py --config configs/tiny.yaml --arms "" "model.moe.n_routed_experts=16" --rounds 12
+    python launch/bench_train.py --config configs/tiny.yaml --arms "" "train.activation_checkpointing=full" \
+        "train.compile=true" --rounds 12
 
 Each arm is one set of dotted overrides (space-separated inside one argument; "" = the config as it is). Every arm's
 model is built from the same seed and trained on the same random token batches (micro_batch_size x seq_len, the
 config's) with the same objective as launch/train.py (main CE + lambda/D * MTP CEs + balance losses, the bias
-update), one optimizer step (torch AdamW) per timing, in one process. The arms take turns round by round, so that
+update; activation checkpointing and compile as configured), one optimizer step (torch AdamW) per timing, in one
+process. The arms take turns round by round, so that
 a shared machine's noise hits all of them alike; medians and ratios to the first arm are printed. DeepSpeed's
 per-step bookkeeping is the same for every arm and is left out.
 """
@@ -25,13 +27,16 @@ from moe_lm.parallel.deepspeed_setup import param_groups
 from moe_lm.train.balance import balance_step
 from moe_lm.train.flops import train_flops_per_token
 from moe_lm.train.objective import next_token_losses, total_loss
+from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 
 
 class Arm:
     def __init__(self, name: str, cfg) -> None:
         self.name, self.cfg = name, cfg
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model).train()
+        model = build_model(cfg.model).train()
+        model = apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        self.model = apply_compile(model, cfg.train.compile)
         o = cfg.optim
         self.opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
         self.depth = cfg.model.mtp.depth

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from moe_lm.experiments.spec import Experiment
 from moe_lm.interop.ds_checkpoint import latest_tag
 
 ROOT = Path(__file__).resolve().parents[2]
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_INFO = "experiment_run.json"
 
 
@@ -90,7 +92,10 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
         t0 = time.perf_counter()
         with open(run.folder / "train.log", "a") as out:
             cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run.folder / "launch.yaml")]
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+            # why a cleaned environment: a process-group address inherited from the caller (a process that trained
+            # in-process, or a launcher) would make this single-process run join or collide with it
+            env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         if proc.returncode != 0:
             tail = (run.folder / "train.log").read_text()[-2000:]
             raise RuntimeError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")

@@ -93,10 +93,10 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
         for key in ("steps", "seeds", "overrides", "score_from"):
             raw.setdefault(key, getattr(source, key))
         raw.setdefault("config", str(source.config))
-    if preset:
-        if preset not in presets:
-            raise ConfigError(f"{path}: no preset {preset!r}; defined: {', '.join(presets) or 'none'}")
+    if preset and preset in presets:
         raw.update(presets[preset])
+    elif preset and not raw.get("arms_from"):  # a probe takes its source experiment's preset
+        raise ConfigError(f"{path}: no preset {preset!r}; defined: {', '.join(presets) or 'none'}")
     extended_arms = raw.pop("extended_arms", {}) or {}
     arms = {str(k): list(v or []) for k, v in (raw.pop("arms", None) or {}).items()}
     if extended:
