@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from moe_lm.config import ConfigError, load_config
 from moe_lm.data.documents import DataError
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_tokenizer import export_tokenizer
-from moe_lm.model import Transformer
+from moe_lm.model import initial_model
 
 
 def main() -> None:
@@ -35,8 +33,7 @@ def main() -> None:
             cfg, model, tag = load_model(*args.run)
         else:
             cfg = load_config(args.config, args.overrides)
-            torch.manual_seed(cfg.seed)
-            model = Transformer(cfg.model)
+            model = initial_model(cfg.model, cfg.seed)
         out = export_hf(model.eval(), args.out)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")

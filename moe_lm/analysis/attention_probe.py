@@ -76,6 +76,24 @@ def rank_metrics(A: torch.Tensor, taus: tuple[float, ...] = (1e-6, 1e-3)) -> dic
     return out
 
 
+@torch.no_grad()
+def erank_by_layer(forward, windows: torch.Tensor, batch: int = 8) -> list[float]:
+    """Per attention layer, the effective rank of its full attention matrices (mean over heads and windows) while
+    `forward(chunk)` runs the model on chunks of `windows`: the caller decides the inputs (an MLM its masked ones)."""
+    sums: list[float] = []
+    count = 0
+    for chunk in windows.split(batch):
+        store = []
+        with capture_attention(store):
+            forward(chunk)
+        sums = sums or [0.0] * len(store)
+        for layer, (q, k, _, mask, scale, gqa) in enumerate(store):
+            erank = rank_metrics(attention_matrices(q, k, mask, scale, gqa))["erank"]  # [B, H]
+            sums[layer] += erank.sum().item()
+        count += erank.numel()
+    return [s / count for s in sums]
+
+
 def relative_residual(x_BSD: torch.Tensor) -> torch.Tensor:
     """Dong et al.'s rank-collapse measure per sequence [B]: ||X - 1 mean(X)^T||_F / ||X||_F."""
     x = x_BSD.double()

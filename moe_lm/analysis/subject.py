@@ -19,7 +19,7 @@ from moe_lm.config import Config
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
-from moe_lm.model import build_model
+from moe_lm.model import initial_model
 
 
 def user_documents(paths: list[str], tok: Tokenizer, domains: list[str], text_field: str, domain_field: str):
@@ -52,8 +52,7 @@ def run_subject(spec) -> Subject:
     cfg, model, tag = load_model(run, tag)
 
     def untrained() -> nn.Module:
-        torch.manual_seed(cfg.seed)  # the same initial weights the run started from
-        return build_model(cfg.model)
+        return initial_model(cfg.model, cfg.seed)
 
     tok = load_data_tokenizer(cfg.data.out_dir)
     return Subject(model, tok, cfg.train.seq_len, untrained, {"run": str(run), "tag": tag}, run, cfg)

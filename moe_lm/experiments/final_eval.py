@@ -25,13 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.analysis import metrics as M
+from moe_lm.analysis.attention_probe import erank_by_layer
 from moe_lm.analysis.trace import RoutingRecorder
+from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
 from moe_lm.interop.ds_checkpoint import load_model
-from moe_lm.model import build_model
+from moe_lm.model import initial_model
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, reads_prefix
 
 RESULT, ARRAYS = "final_eval.json", "final_eval.npz"
+RANK_WINDOWS = 32  # validation windows the attention-rank measure reads (as the rank experiment's probe)
 
 
 def document_windows(doc: np.ndarray, seq_len: int) -> list[np.ndarray]:
@@ -40,8 +43,12 @@ def document_windows(doc: np.ndarray, seq_len: int) -> list[np.ndarray]:
 
 
 @torch.no_grad()
-def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batch_size: int = 16) -> dict:
-    """Evaluate the run's final checkpoint on its whole validation split; writes final_eval.json/.npz there."""
+def evaluate_run(
+    run_dir: Path, score_from: int = 1, routing: bool = False, attention_rank: bool = False, batch_size: int = 16
+) -> dict:
+    """Evaluate the run's final checkpoint on its whole validation split; writes final_eval.json/.npz there.
+    `attention_rank` adds the effective rank of every layer's attention matrices on RANK_WINDOWS windows, read
+    the way the run's objective reads them (an MLM's masked inputs), trained and at initialisation."""
     cfg, model, tag = load_model(run_dir)
     shard = load_split(cfg.data.out_dir, "val")
     S = cfg.train.seq_len
@@ -111,6 +118,13 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
         init = init_domain_jsd(cfg, windows, shard, layers, batch_size)  # N1: the same model untrained
         for layer in layers:
             result["routing"][f"layer_{layer}"]["domain_jsd_init"] = init[layer]
+    if attention_rank:
+        probe, untrained = probe_windows(cfg, RANK_WINDOWS), initial_model(cfg.model, cfg.seed).eval()
+        result["attention_rank"] = {
+            "windows": len(probe),
+            "erank": erank_by_layer(lambda chunk: objective.run(model, chunk), probe),
+            "erank_init": erank_by_layer(lambda chunk: objective.run(untrained, chunk), probe),
+        }
     np.savez(Path(run_dir) / ARRAYS, **arrays)
     (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))
     return result
@@ -120,8 +134,7 @@ def evaluate_run(run_dir: Path, score_from: int = 1, routing: bool = False, batc
 def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: int) -> dict[int, float]:
     """Per MoE layer, the mean pairwise domain JSD of the run's architecture at its initialisation (same seed,
     same windows): the N1 baseline of docs/analytics.md, what an untrained router already separates."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).eval()
+    model = initial_model(cfg.model, cfg.seed).eval()
     E = cfg.model.moe.n_routed_experts
     counts = {layer: np.zeros((len(shard.domains), E)) for layer in layers}
     recorder = RoutingRecorder(model)
@@ -135,6 +148,14 @@ def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: in
                     recorder.last[layer][0].numpy(), domain_of, len(counts[layer]), E
                 )
     return {layer: M.mean_pairwise(M.domain_jsd(c)) for layer, c in counts.items()}
+
+
+def probe_windows(cfg, n: int) -> torch.Tensor:
+    """n fixed validation windows [n, seq_len + 1], taken round-robin over the domains."""
+    sets = list(eval_windows(load_split(cfg.data.out_dir, "val"), cfg.train.seq_len, n).values())
+    full = [w for w in sets if w.shape[1] == cfg.train.seq_len + 1]
+    picked = [s[i] for i in range(n) for s in full if i < len(s)][:n]
+    return torch.stack(picked)
 
 
 def _equal_length_batches(windows: list, batch_size: int):

@@ -24,24 +24,15 @@ from moe_lm.analysis.attention_probe import (
     relative_residual,
     synthetic_erank,
 )
-from moe_lm.data.batches import eval_windows
-from moe_lm.data.prepare import load_split
 from moe_lm.experiments import stats
+from moe_lm.experiments.final_eval import probe_windows
 from moe_lm.experiments.report import closing_sections
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment
 from moe_lm.interop.ds_checkpoint import load_model
-from moe_lm.model import Transformer, build_model
+from moe_lm.model import Transformer, initial_model
 
 BLOCKS = ("full", "prefix", "target")
-
-
-def probe_windows(cfg, n: int) -> torch.Tensor:
-    """n fixed validation windows [n, seq_len + 1], taken round-robin over the domains."""
-    sets = list(eval_windows(load_split(cfg.data.out_dir, "val"), cfg.train.seq_len, n).values())
-    full = [w for w in sets if w.shape[1] == cfg.train.seq_len + 1]
-    picked = [s[i] for i in range(n) for s in full if i < len(s)][:n]
-    return torch.stack(picked)
 
 
 @torch.no_grad()
@@ -96,8 +87,7 @@ def probe_model(model: Transformer, windows: torch.Tensor, prefix_len: int, batc
 
 def untrained_twin(cfg, **model_changes) -> Transformer:
     """The run's architecture at the initialisation training started from (the same seed)."""
-    torch.manual_seed(cfg.seed)
-    return build_model(dataclasses.replace(cfg.model, **model_changes)).eval()
+    return initial_model(dataclasses.replace(cfg.model, **model_changes), cfg.seed).eval()
 
 
 def run_rank_probe(exp: Experiment, runs: list[Run], out: Path) -> dict:

@@ -29,6 +29,9 @@ RULES = {
 }
 
 
+PER_RUN = ("jsd_over_shuffled", "erank")  # metrics without per-document values: no document bootstrap
+
+
 class ArmData:
     """One arm's runs (in seed order) with their per-document arrays."""
 
@@ -41,6 +44,8 @@ class ArmData:
         docs = np.arange(len(a["nll"])) if docs is None else docs
         if name == "loss":
             return float(a["nll"][docs].sum() / max(a["count"][docs].sum(), 1))
+        if name == "erank":  # per run only: measured on fixed windows, not per document
+            return float(np.mean(self.runs[s].result["attention_rank"]["erank"]))
         counts = a["expert_counts"][docs]  # [docs, layers, E]
         if name == "maxvio_global":
             return float(np.mean([M.max_vio(counts[:, j].sum(0)) for j in range(counts.shape[1])]))
@@ -66,7 +71,7 @@ def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:
            "role": c.role, "deltas": deltas, "mean": mean, "t_interval": [lo, hi], "verdict": verdict,
            "why": why}  # fmt: skip
     domain = a.arrays[0]["domain"]
-    if c.metric != "jsd_over_shuffled" and n > 0:
+    if c.metric not in PER_RUN and n > 0:
 
         def metric(arm, s, docs, which=c.metric):
             return (a, b)[arm].metric(which, s, docs)
@@ -182,6 +187,17 @@ def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures
                 f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(n1)} | {_mean_sd(sh)} | "
                 f"{_mean_sd(np.subtract(jsd, sh))} |"
             )
+    if "attention_rank" in exp.measures:
+        n_windows = first["attention_rank"]["windows"]
+        lines += ["", f"Effective rank of the attention matrices (mean over heads and {n_windows} validation windows, "
+                  "read as in training; mean over seeds), by layer:", "", "| arm | trained | at initialisation |",
+                  "|---|---|---|"]  # fmt: skip
+        for arm, data in by_arm.items():
+            cells = [
+                ", ".join(f"{v:.1f}" for v in np.mean([r.result["attention_rank"][key] for r in data.runs], 0))
+                for key in ("erank", "erank_init")
+            ]
+            lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
     lines += ["", "## Comparisons (delta = a - b; 95 % intervals)", ""]
     lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | bootstrap | verdict |"]
     lines.append("|---|---|---|---|---|---|---|")

@@ -2,7 +2,7 @@
 
 A run's folder is `<runs>/<hash>`, the hash of its resolved config (every key but train.out_dir), so a finished run
 is never trained twice and identical arms of different experiments share their runs. A run is finished when its
-final evaluation (final_eval.json) matches what the experiment asks for (the scored positions, routing or not); a
+final evaluation (final_eval.json) matches what the experiment asks for (the scored positions, its measures); a
 run whose training was interrupted resumes from its last checkpoint (the training loop's own resume). Training
 runs as a subprocess of `launch/train.py` (the real command, its log in <run>/train.log).
 """
@@ -76,6 +76,8 @@ def is_done(run: Run, exp: Experiment) -> bool:
         layers = result.get("routing", {}).values()
         if not layers or not all("domain_jsd_init" in layer for layer in layers):
             return False
+    if "attention_rank" in exp.measures and "attention_rank" not in result:
+        return False
     return result.get("score_from") == exp.score_from
 
 
@@ -101,7 +103,9 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
             raise RuntimeError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")
         info = {**_info(run), "train_seconds": time.perf_counter() - t0}
         (run.folder / RUN_INFO).write_text(json.dumps(info))
-    run.result = evaluate_run(run.folder, exp.score_from, routing="routing" in exp.measures)
+    run.result = evaluate_run(
+        run.folder, exp.score_from, routing="routing" in exp.measures, attention_rank="attention_rank" in exp.measures
+    )
     run.train_seconds = _info(run).get("train_seconds")
     return run
 

@@ -9,7 +9,8 @@
         seeds: 3              seeds 0 .. n-1 (--seeds); the seed fixes initialisation and data order, so arms are
                               paired by seed
         score_from: 1         evaluation scores the tokens from this window position on (128: the prefix-LM targets)
-        measures: [routing]   beyond the loss: MaxVio_global, domain JSD and its token-shuffled baseline
+        measures: [routing]   beyond the loss: routing (MaxVio_global, domain JSD and its token-shuffled
+                              baseline), attention_rank (effective rank of the attention matrices: metric erank)
         arms:                 name -> overrides
         extended_arms:        more arms, run with --extended
         comparisons:          each: delta = metric(a) - metric(b) per seed, and the prediction to test
@@ -32,7 +33,11 @@ from moe_lm.config import ConfigError
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
 EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher")
-METRICS = ("loss", "maxvio_global", "domain_jsd", "jsd_over_shuffled")
+# each metric beyond the loss and the measure that records it
+MEASURED_BY = {"maxvio_global": "routing", "domain_jsd": "routing", "jsd_over_shuffled": "routing",
+               "erank": "attention_rank"}  # fmt: skip
+METRICS = ("loss", *MEASURED_BY)
+MEASURES = ("routing", "attention_rank")
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,11 @@ def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms:
             raise ConfigError(f"{path}: comparison {c.name}: role must be claim or context, got {c.role!r}")
         if c.metric not in METRICS:
             raise ConfigError(f"{path}: comparison {c.name}: metric must be one of {METRICS}, got {c.metric!r}")
-        if c.metric != "loss" and "routing" not in exp.measures:
-            raise ConfigError(f"{path}: comparison {c.name} uses {c.metric}, which needs `measures: [routing]`")
+        need = MEASURED_BY.get(c.metric)
+        if need and need not in exp.measures:
+            raise ConfigError(f"{path}: comparison {c.name} uses {c.metric}, which needs `measures: [{need}]`")
+    unknown = set(exp.measures) - set(MEASURES)
+    if unknown:
+        raise ConfigError(f"{path}: unknown measures {sorted(unknown)}; valid: {list(MEASURES)}")
     if exp.steps < 1 or exp.seeds < 1 or exp.score_from < 1:
         raise ConfigError(f"{path}: steps, seeds and score_from must be >= 1")

@@ -188,8 +188,14 @@ def export_hf(model: Transformer, out_dir: str | Path) -> Path:
     """Write `model` as a `transformers` checkpoint (safetensors + config.json) loadable by from_pretrained."""
     tf = _transformers()
     cfg = model.cfg
+    if cfg.arch != "decoder":
+        raise ValueError(
+            f"model.arch={cfg.arch}: HF DeepseekV3/Glm4Moe are decoder-only; an encoder-decoder cannot be exported"
+        )
     if cfg.attn_mask != "causal":
-        raise ValueError("HF DeepseekV3/Glm4Moe models are causal only; a prefix-mask model cannot be exported")
+        raise ValueError(
+            f"model.attn_mask={cfg.attn_mask}: HF DeepseekV3/Glm4Moe are causal only; this model cannot be exported"
+        )
     hf_cfg = to_hf_config(cfg)
     hf_cls = tf.DeepseekV3ForCausalLM if cfg.attention == "mla" else tf.Glm4MoeForCausalLM
     with torch.device("meta"):

@@ -1,5 +1,7 @@
 """Pure single-device PyTorch model code: no torch.distributed, no deepspeed (parallelism is applied from outside)."""
 
+import torch
+
 from moe_lm.model.experts import Experts
 from moe_lm.model.moe import MoE
 from moe_lm.model.params import ParamCount, count_params
@@ -16,6 +18,13 @@ def build_model(cfg):
     return Transformer(cfg)
 
 
+def initial_model(cfg, seed: int):
+    """The weights a run with this seed starts from (training seeds the global generator, then builds): the N1
+    baselines and untrained twins of the analytics and experiments."""
+    torch.manual_seed(seed)
+    return build_model(cfg)
+
+
 __all__ = [
     "Experts",
     "MoE",
@@ -25,6 +34,7 @@ __all__ = [
     "Routing",
     "Transformer",
     "build_model",
+    "initial_model",
     "count_params",
     "update_biases",
 ]

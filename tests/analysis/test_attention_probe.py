@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from moe_lm.analysis.attention_probe import (
     attention_matrices,
     capture_attention,
+    erank_by_layer,
     rank_metrics,
     relative_residual,
     synthetic_erank,
@@ -81,3 +83,41 @@ def test_synthetic_control_bidirectional_erank_falls_with_logit_scale():
     er = synthetic_erank(n=64, d=8, scales=[0.0, 8.0], trials=2)
     assert abs(er["bidirectional"][0] - 1.0) < 1e-6  # scale 0: uniform, rank one
     assert er["bidirectional"][1] > 5 and er["causal"][0] > 5  # sharp logits raise it; causal averaging is high rank
+
+
+def _erank(A: torch.Tensor) -> float:
+    """Roy & Vetterli's effective rank, written out: exp of the entropy of the normalised singular values."""
+    s = torch.linalg.svdvals(A.double())
+    p = s / s.sum()
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def test_erank_by_layer_on_equal_logits_known_answers():
+    """With the query projections zeroed every logit is 0, so each attention row is uniform over what it may see:
+    bidirectional layers give the all-1/n matrix (effective rank 1); forward and backward layers (the mixed masks)
+    give the averaging matrix L with L[i, j] = 1/(i+1), j <= i, or its transpose, whose effective rank the test
+    computes from L itself. Also: a layer's value is the mean over heads and windows (batching does not matter)."""
+    n = 24
+    lower = torch.tril(torch.ones(n, n, dtype=torch.float64)) / torch.arange(1, n + 1, dtype=torch.float64)[:, None]
+    averaging = _erank(lower)
+    assert abs(averaging - _erank(lower.T)) < 1e-9 and averaging > 3
+    windows = torch.randint(1, 97, (5, n), generator=torch.Generator().manual_seed(0))
+    for mask, want in (("bidirectional", [1.0] * 3), ("mixed_layers", [averaging] * 3),
+                       ("mixed_heads", [averaging] * 3)):  # fmt: skip
+        model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask=mask)).eval()
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.self_attn.q_proj.weight.zero_()
+        got = erank_by_layer(model, windows, batch=2)
+        assert got == pytest.approx(want, rel=1e-6), mask
+    # a trained-like (random) model: the per-layer value is the mean of each window's and head's effective rank
+    model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask="mixed_heads")).eval()
+    store = []
+    with torch.no_grad(), capture_attention(store):
+        model(windows)
+    want = [
+        sum(_erank(A) for A in attention_matrices(q, k, m, scale, gqa).flatten(0, 1)) / (5 * 4)
+        for q, k, _, m, scale, gqa in store
+    ]
+    assert erank_by_layer(model, windows, batch=3) == pytest.approx(want, rel=1e-9)

@@ -121,6 +121,11 @@ def test_definition_errors_name_the_problem(base, tmp_path):
     bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k1", "metric": "maxvio_global"}])
     with pytest.raises(ConfigError, match="needs `measures: \\[routing\\]`"):
         load_experiment(bad)
+    bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k1", "metric": "erank", "role": "context"}])
+    with pytest.raises(ConfigError, match="needs `measures: \\[attention_rank\\]`"):
+        load_experiment(bad)
+    with pytest.raises(ConfigError, match=r"unknown measures \['rank'\]"):
+        load_experiment(definition(tmp_path, base, measures=["rank"]))
     with pytest.raises(ConfigError, match="no preset 'gpu'"):
         load_experiment(definition(tmp_path, base), preset="gpu")
 
@@ -179,3 +184,15 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path):
                 nll += F.cross_entropy(out.logits[0], labels[0], ignore_index=IGNORE, reduction="sum").item()
                 n += int((labels != IGNORE).sum())
     assert result["labels"] == n and result["loss"] == pytest.approx(nll / n, rel=1e-5)
+    # the attention-rank measure reads the probe windows as the objective does (masked), trained and untrained
+    from moe_lm.analysis.attention_probe import erank_by_layer
+    from moe_lm.experiments.final_eval import RANK_WINDOWS, probe_windows
+    from moe_lm.model import initial_model
+
+    ranked = evaluate_run(tmp_path / "run", attention_rank=True)["attention_rank"]
+    probe = probe_windows(cfg, RANK_WINDOWS)
+    assert ranked["windows"] == len(probe) and len(ranked["erank"]) == cfg.model.n_layers
+    assert ranked["erank"] == pytest.approx(erank_by_layer(lambda c: objective.run(model, c), probe), rel=1e-9)
+    untrained = initial_model(cfg.model, cfg.seed).eval()
+    assert ranked["erank_init"] == pytest.approx(erank_by_layer(lambda c: objective.run(untrained, c), probe))
+    assert max(ranked["erank_init"]) < 2.0  # untrained bidirectional attention is near-uniform: rank near one

@@ -10,7 +10,7 @@ import transformers
 
 from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
-from moe_lm.model import Transformer
+from moe_lm.model import Transformer, build_model
 from tests.tiny import replace_moe, tiny_model_cfg
 
 
@@ -165,8 +165,11 @@ def test_unsupported_features_are_clear_errors():
         with pytest.raises(ValueError, match="does not implement: .*(dynamic|attention_factor)"):
             from_hf_config(hf_cfg)
     prefix = Transformer(dataclasses.replace(tiny_model_cfg(), attn_mask="prefix"))
-    with pytest.raises(ValueError, match="causal only"):
+    with pytest.raises(ValueError, match="attn_mask=prefix: .*causal only"):
         export_hf(prefix, "/nonexistent")
+    encdec = build_model(dataclasses.replace(tiny_model_cfg("gqa"), arch="encdec", n_enc_layers=2))
+    with pytest.raises(ValueError, match="arch=encdec: .*decoder-only"):
+        export_hf(encdec, "/nonexistent")
 
 
 def test_export_cli_from_a_training_run(tiny_data, tmp_path):
