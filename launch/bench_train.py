@@ -7,10 +7,10 @@
 Each arm is one set of dotted overrides (space-separated inside one argument; "" = the config as it is). Every arm's
 model is built from the same seed and trained on the same random token batches (micro_batch_size x seq_len, the
 config's) with the same objective as launch/train.py (main CE + lambda/D * MTP CEs + balance losses, the bias
-update; activation checkpointing and compile as configured), one optimizer step (torch AdamW) per timing, in one
-process. The arms take turns round by round, so that
-a shared machine's noise hits all of them alike; medians and ratios to the first arm are printed. DeepSpeed's
-per-step bookkeeping is the same for every arm and is left out.
+update; activation checkpointing, compile and the chunked loss as configured), one optimizer step (torch AdamW) per
+timing, in one process. The arms take turns round by round, so that a shared machine's noise hits all of them
+alike; medians and ratios to the first arm are printed. DeepSpeed's per-step bookkeeping is the same for every arm
+and is left out.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ class Arm:
         self.times: list[float] = []
 
     def step(self, batch: torch.Tensor) -> None:
-        out = self.model(batch[:, :-1], mtp=self.depth > 0)
-        ce, mtp = next_token_losses(out, batch[:, 1:])
+        chunk = self.cfg.train.loss_chunk
+        out = self.model(batch[:, :-1], mtp=self.depth > 0, logits=not chunk)
+        ce, mtp = next_token_losses(out, batch[:, 1:], self.model.lm_head.weight, chunk)
         total_loss(ce, mtp, self.cfg.model.mtp.loss_weight, out.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.opt.step()

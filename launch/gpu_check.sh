@@ -12,6 +12,8 @@
 #   tests      the GPU-marked tests (pytest -m gpu)
 #   bench_moe  launch/bench_moe.py --device cuda --dtype bfloat16 (ours grouped_mm, MegaBlocks when installed,
 #              HF eager and grouped_mm, a dense MLP of equal active FLOPs) at the GPU shapes
+#   bench_loss launch/bench_loss.py --device cuda --dtype bfloat16: the head's loss on gpu_1b's 8 x 2048 tokens, plain
+#              vs chunked (train.loss_chunk): peak memory and time
 #   train      `deepspeed --num_gpus 1 launch/train.py --config configs/gpu_1b.yaml` for $STEPS steps (default 120)
 #              on the default corpus (prepared here if data/gpu is absent), no checkpoint
 #   summary    tokens/s, MFU, peak memory (against launch/estimate_memory.py's), losses, from metrics.jsonl
@@ -64,6 +66,7 @@ step env 120 bash -c "nvidia-smi; nvcc --version; $PY -c 'import torch, sys; pri
 step tests 600 $PY -m pytest -q -m gpu tests -p no:cacheprovider
 wait  # the MegaBlocks build, if any, before the benchmark that times it
 step bench_moe 600 $PY launch/bench_moe.py --device cuda --dtype bfloat16 --reps 20
+step bench_loss 300 $PY launch/bench_loss.py --device cuda --dtype bfloat16 --tokens 16384 --chunks 0 2048 4096 --rounds 2 --iters 5
 DATA=data/gpu
 [ -f "$DATA/meta.json" ] || step prepare 600 $PY launch/prepare_data.py --config configs/gpu_1b.yaml --workers 8
 DS=$(command -v deepspeed || echo "$SITE/bin/deepspeed")

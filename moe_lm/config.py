@@ -332,6 +332,9 @@ class TrainConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     # torch.compile every block (its MoE FFN runs eagerly); the first steps pay the compilation.
     compile: bool = False
+    # Training loss of the output head(s) computed this many tokens at a time, without the [tokens, vocab] logits
+    # (moe_lm/ops/linear_cross_entropy.py: same loss and gradients); 0 = the plain loss over full logits.
+    loss_chunk: int = 0
     # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
     # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
     init_from: str = ""
@@ -352,6 +355,7 @@ class TrainConfig:
         _require(self.ckpt_interval >= 0, f"{path}.ckpt_interval", "must be >= 0 (0: no checkpoints)")
         _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
         _require(0 < self.mlm_prob < 1, f"{path}.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
+        _require(self.loss_chunk >= 0, f"{path}.loss_chunk", f"must be >= 0 (0: full logits), got {self.loss_chunk}")
         if self.objective == "prefix_lm":
             _require(
                 0 < self.prefix_len < self.seq_len,
@@ -435,6 +439,11 @@ class Config:
             self.model.arch == "decoder" or self.train.objective == "prefix_lm",
             "model.arch",
             "= encdec needs train.objective=prefix_lm (the encoder reads the prefix, the decoder predicts the rest)",
+        )
+        _require(
+            self.model.arch == "decoder" or self.train.loss_chunk == 0,
+            "train.loss_chunk",
+            "must be 0 for model.arch=encdec (its chunked loss is not implemented; the plain loss is exact)",
         )
         mask, objective = self.model.attn_mask, self.train.objective
         _require(

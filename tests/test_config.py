@@ -103,6 +103,18 @@ def test_bad_keys_and_types_name_the_dotted_path(override, key):
         (["model.first_k_dense_replace=9"], "model.first_k_dense_replace"),
         (["model.attention=gqa", "model.gqa.n_kv_heads=3"], "model.gqa.n_kv_heads"),
         (["model.mla.qk_rope_head_dim=7"], "model.mla.qk_rope_head_dim"),
+        (["train.loss_chunk=-1"], "train.loss_chunk"),
+        (
+            [
+                "model.arch=encdec",
+                "model.attention=gqa",
+                "model.n_enc_layers=2",
+                "train.objective=prefix_lm",
+                "train.prefix_len=8",
+                "train.loss_chunk=64",
+            ],
+            "train.loss_chunk",
+        ),  # fmt: skip
     ],
 )
 def test_cross_field_rules(overrides, key):

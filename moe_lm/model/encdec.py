@@ -85,7 +85,11 @@ class EncoderDecoder(KeepsFp32Buffers):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         _init_weights(self, cfg.init_std)
 
-    def forward(self, tokens_BS: torch.Tensor, prefix_len: int | None = None, cache=None, mtp: bool = False):
+    def forward(
+        self, tokens_BS: torch.Tensor, prefix_len: int | None = None, cache=None, mtp: bool = False, logits: bool = True
+    ):
+        if not logits:
+            raise ValueError("the encoder-decoder always computes its logits (train.loss_chunk must be 0)")
         if prefix_len is None or cache is not None:
             raise ValueError("the encoder-decoder model reads whole windows with a prefix_len (its encoder's input)")
         B, S = tokens_BS.shape

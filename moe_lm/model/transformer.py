@@ -24,13 +24,15 @@ from moe_lm.model.router import Router
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, S, V]
+    logits: torch.Tensor | None  # [B, S, V] (None with forward(..., logits=False))
     aux_loss: (
         torch.Tensor
     )  # scalar: sum of the enabled balance losses over MoE layers, MTP blocks' included (0 in eval)
     hidden: torch.Tensor  # [B, S, D] the final hidden states after the last norm (what lm_head reads; MTP's h^0)
     # with forward(..., mtp=True): per MTP depth k = 1..D, logits [B, S - k, V]; position i predicts token i + k + 1
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
+    # ... and the states the head reads for them [B, S - k, D] (after shared_head.norm)
+    mtp_hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 class Transformer(KeepsFp32Buffers):
@@ -68,7 +70,10 @@ class Transformer(KeepsFp32Buffers):
         prefix_len: torch.Tensor | int | None = None,
         cache: KVCache | None = None,
         mtp: bool = False,
+        logits: bool = True,
     ) -> ModelOutput:
+        """logits=False skips the output head (logits None, mtp_logits empty): a chunked loss reads `hidden` and
+        `mtp_hidden` with lm_head's weight instead (train.loss_chunk)."""
         B, S = tokens_BS.shape
         start = cache.length if cache is not None else 0
         if start + S > self.cfg.max_seq_len:
@@ -90,26 +95,28 @@ class Transformer(KeepsFp32Buffers):
         if cache is not None:
             cache.length += S
         hidden = self.norm(x)
-        out = ModelOutput(self.lm_head(hidden), aux_loss, hidden)
+        out = ModelOutput(self.lm_head(hidden) if logits else None, aux_loss, hidden)
         if mtp and len(self.mtp):
             if cache is not None:
                 raise ValueError("forward(mtp=True) runs the MTP modules over whole windows, not with a KVCache")
-            out.mtp_logits, mtp_aux = self.mtp_logits(tokens_BS, hidden, cos, sin)
+            out.mtp_hidden, mtp_aux = self.mtp_states(tokens_BS, hidden, cos, sin)
+            out.mtp_logits = [self.lm_head(h) for h in out.mtp_hidden] if logits else []
             out.aux_loss = out.aux_loss + mtp_aux
         return out
 
-    def mtp_logits(self, tokens_BS, hidden_BSD, cos, sin) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Every MTP depth over a window: ([logits [B, S - k, V] for k = 1..D], their blocks' balance loss)."""
+    def mtp_states(self, tokens_BS, hidden_BSD, cos, sin) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every MTP depth over a window: ([the head's input [B, S - k, D] for k = 1..D], their blocks' balance
+        loss)."""
         S = tokens_BS.shape[1]
-        logits, aux_loss, h = [], hidden_BSD.new_zeros((), dtype=torch.float32), hidden_BSD
+        states, aux_loss, h = [], hidden_BSD.new_zeros((), dtype=torch.float32), hidden_BSD
         for k, module in enumerate(self.mtp, start=1):
             n = S - k  # positions i whose target t_{i+k+1} lies in the window
             if n <= 0:
                 break
             h, aux = module(h[:, :n], self.embed_tokens(tokens_BS[:, k : k + n]), cos[:n], sin[:n])
-            logits.append(self.lm_head(module.shared_head.norm(h)))
+            states.append(module.shared_head.norm(h))
             aux_loss = aux_loss + aux
-        return logits, aux_loss
+        return states, aux_loss
 
     def blocks(self) -> list[Block]:
         """The decoder blocks, then the MTP modules' blocks (numbered n_layers, n_layers + 1, ...)."""

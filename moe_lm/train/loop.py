@@ -132,8 +132,8 @@ def train_step(
     depth = len(model.mtp)
     sums = torch.zeros(3 + depth, device=next(model.parameters()).device)  # ce, aux, mtp depths, micro-batches
     for batch in micro_batches:
-        out, labels = objective.run(engine, batch, mtp=depth > 0)
-        ce, mtp = next_token_losses(out, labels)
+        out, labels = objective.run(engine, batch, mtp=depth > 0, logits=not objective.loss_chunk)
+        ce, mtp = next_token_losses(out, labels, model.lm_head.weight, objective.loss_chunk)
         engine.backward(total_loss(ce, mtp, mtp_weight, out.aux_loss))
         engine.step()
         sums += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), sums.new_ones(())])

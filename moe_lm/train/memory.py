@@ -11,8 +11,11 @@ Activations are the tensors autograd keeps per token and layer in bf16 (counted 
 inputs and outputs, projections, attention inputs and output, the FFN's gate/up/activation, each routed slot's
 gathered input and expert activations, fp32 router scores), with fused attention (no S x S matrix kept). The
 logits are kept in bf16 and as an fp32 copy, and cross-entropy keeps its fp32 log-softmax: 10 bytes per token and
-vocabulary entry. Full activation checkpointing keeps each block's input only (plus one block recomputed at a
-time); selective keeps the MoE blocks' inputs only. An estimate, to be checked against a measured peak.
+vocabulary entry, per output head (main and MTP). With train.loss_chunk = c only one chunk's logits exist (a bf16
+product, its fp32 copy, a bf16 gradient: 8 bytes per chunk token and vocabulary entry), and each head keeps its
+dL/dh (bf16, per token and dim) and an fp32 dL/dW (vocab x dim). Full activation checkpointing keeps each block's
+input only (plus one block recomputed at a time); selective keeps the MoE blocks' inputs only. An estimate, to be
+checked against a measured peak.
 """
 
 from __future__ import annotations
@@ -82,6 +85,11 @@ def estimate(cfg: Config, world: int) -> MemoryEstimate:
     recomputed = sorted(blocks)[-kept:] if kept else []
     per_token = sum(blocks) - sum(recomputed) + kept * m.dim + (max(recomputed) if recomputed else 0)
     activations = BF16 * tokens * per_token
-    logits = (BF16 + FP32 + FP32) * tokens * m.vocab_size * (1 + m.mtp.depth)
+    heads = 1 + m.mtp.depth
+    if t.loss_chunk:
+        kept = heads * (BF16 * tokens * m.dim + FP32 * m.vocab_size * m.dim)
+        logits = (BF16 + FP32 + BF16) * min(t.loss_chunk, tokens) * m.vocab_size + kept
+    else:
+        logits = (BF16 + FP32 + FP32) * tokens * m.vocab_size * heads
     buckets = BF16 * min(2 * BUCKET_ELEMENTS, 2 * (other_params + local_experts)) if world > 1 or grad_shard else 0
     return MemoryEstimate(weights, gradients, optimizer, activations, logits, buckets)

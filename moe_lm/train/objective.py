@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from moe_lm.config import Config
 from moe_lm.model import ModelOutput
+from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy  # IGNORE: a position with no label
 
-IGNORE = -100  # F.cross_entropy's ignore_index: a position with no label
 # why 0: sentencepiece's <unk>, which a byte-fallback tokenizer never emits, so it can stand for [MASK] without
 # preparing the data again
 MASK_ID = 0
@@ -46,20 +46,26 @@ class Objective:
     mlm_prob: float = 0.15
     vocab_size: int = 0  # mlm: where random replacements are drawn from
     seed: int = 0
+    loss_chunk: int = 0  # training: the head's loss this many tokens at a time (0: from full logits)
 
     @classmethod
     def of(cls, cfg: Config) -> Objective:
         t = cfg.train
         prefix = t.prefix_len if t.objective == "prefix_lm" else 0
-        return cls(t.objective, prefix, reads_prefix(cfg.model), t.mlm_prob, cfg.model.vocab_size, cfg.seed)
+        return cls(
+            t.objective, prefix, reads_prefix(cfg.model), t.mlm_prob, cfg.model.vocab_size, cfg.seed, t.loss_chunk
+        )
 
-    def run(self, model, window_BS1: torch.Tensor, mtp: bool = False) -> tuple[ModelOutput, torch.Tensor]:
-        """The model's output on a batch of windows [B, S + 1] and the labels [B, S] (IGNORE where unlabelled)."""
+    def run(
+        self, model, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True
+    ) -> tuple[ModelOutput, torch.Tensor]:
+        """The model's output on a batch of windows [B, S + 1] and the labels [B, S] (IGNORE where unlabelled).
+        logits=False: the output heads are skipped (for next_token_losses with a chunk)."""
         if self.kind == "mlm":
             inputs, labels = self.corrupt(window_BS1[:, :-1])
-            return model(inputs), labels
+            return model(inputs, logits=logits), labels
         prefix = self.prefix_len if self.model_reads_prefix else None
-        return model(window_BS1[:, :-1], prefix_len=prefix, mtp=mtp), self.labels(window_BS1)
+        return model(window_BS1[:, :-1], prefix_len=prefix, mtp=mtp, logits=logits), self.labels(window_BS1)
 
     def corrupt(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """mlm: (corrupted inputs [B, S], labels [B, S]: the original token where chosen, IGNORE elsewhere)."""
@@ -91,8 +97,18 @@ def reads_prefix(model_cfg) -> bool:
 NEXT_TOKEN = Objective()  # plain language modelling: every next token is a label
 
 
-def next_token_losses(out: ModelOutput, labels_BS: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(main head's mean CE, [mean CE of MTP depth k for k = 1..D]) over the labelled positions."""
+def next_token_losses(
+    out: ModelOutput, labels_BS: torch.Tensor, head: torch.Tensor | None = None, chunk: int = 0
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(main head's mean CE, [mean CE of MTP depth k for k = 1..D]) over the labelled positions. Without logits
+    (forward(..., logits=False)) from the heads' inputs and the head weight `head`, `chunk` tokens at a time."""
+    if out.logits is None:
+        ce = linear_cross_entropy(out.hidden.flatten(0, 1), head, labels_BS.flatten(), chunk)
+        mtp = [
+            linear_cross_entropy(h.flatten(0, 1), head, labels_BS[:, k:].flatten(), chunk)
+            for k, h in enumerate(out.mtp_hidden, start=1)
+        ]
+        return ce, mtp
     ce = F.cross_entropy(out.logits.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE)
     mtp = [
         F.cross_entropy(logits.float().flatten(0, 1), labels_BS[:, k:].flatten(), ignore_index=IGNORE)

@@ -53,3 +53,16 @@ def test_memory_estimate_follows_the_zero_accounting():
         for m in ("none", "selective", "full")
     ]
     assert acts[0] > acts[1] > acts[2] > 0
+
+
+def test_chunked_loss_estimate_holds_one_chunk_of_logits():
+    """With train.loss_chunk the logits term stops growing with the micro-batch's tokens x vocab (only dL/dh does)."""
+    gpu = ROOT / "configs" / "gpu_1b.yaml"
+    plain = [estimate(load_config(gpu, [f"train.micro_batch_size={b}"]), 1).logits for b in (4, 8)]
+    chunked = [estimate(load_config(gpu, [f"train.micro_batch_size={b}", "train.loss_chunk=4096"]), 1).logits
+               for b in (4, 8)]  # fmt: skip
+    assert plain[1] == pytest.approx(2 * plain[0])
+    cfg = load_config(gpu)
+    dh_per_token = BF16 * cfg.model.dim
+    assert chunked[1] - chunked[0] == pytest.approx(dh_per_token * 4 * cfg.train.seq_len)
+    assert chunked[1] < plain[1] / 4

@@ -1,5 +1,5 @@
-"""Activation checkpointing and torch.compile: the same losses and gradients as the plain model, and the routers
-count each token once."""
+"""The memory and speed options (activation checkpointing, torch.compile, the chunked loss): the same losses and
+gradients as the plain model, and the routers count each token once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.config import MTPConfig
+from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.model import Transformer
 from moe_lm.train import loop
 from moe_lm.train.recompute import apply_activation_checkpointing
@@ -61,3 +62,30 @@ def test_compiled_and_checkpointed_training_matches_the_plain_run(tiny_data, tmp
         return [r["loss"] for r in rows]
 
     assert losses(tmp_path / "fast") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_chunked_loss_training_matches_the_plain_run(tiny_data, tmp_path):
+    """train.loss_chunk through the real loop (DeepSpeed engine), with an MTP module whose head shares the chunked
+    loss: every step's losses (main and MTP depth), the evaluations and the final weights are the plain run's."""
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "plain", max_steps=4, ckpt_interval=4)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=1)))
+    loop.train(cfg)
+    chunked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "chunked"),
+                                                                 loss_chunk=7))  # fmt: skip
+    loop.train(chunked)
+
+    def rows(run):
+        return [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+
+    plain, got = rows(tmp_path / "plain"), rows(tmp_path / "chunked")
+    assert [r.get("kind") for r in got] == [r.get("kind") for r in plain]
+    for a, b in zip(got, plain, strict=True):
+        for key in ("loss", "mtp_loss/depth_1", "aux_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert any("mtp_loss/depth_1" in r for r in got)
+    w_plain = load_model(tmp_path / "plain")[1].state_dict()
+    w_chunked = load_model(tmp_path / "chunked")[1].state_dict()
+    for name, value in w_plain.items():
+        torch.testing.assert_close(w_chunked[name], value, rtol=1e-4, atol=1e-5, msg=name)
