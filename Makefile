@@ -56,7 +56,8 @@ gpu-wheels: setup
 	$(BIN)/pip wheel --no-deps -w .whl "deepspeed==$$($(BIN)/python -c 'import deepspeed; print(deepspeed.__version__)')"
 	$(BIN)/pip download --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl hjson pydantic pydantic-core annotated-types typing-inspection sentencepiece
+		-d .whl hjson pydantic pydantic-core annotated-types typing-inspection sentencepiece msgpack py-cpuinfo \
+		ninja einops
 	$(BIN)/pip download --no-deps --no-binary :all: --no-build-isolation -d .whl/src megablocks==0.10.0 \
 		stanford-stk==0.7.1 || echo "megablocks sources not downloaded (optional)"
 

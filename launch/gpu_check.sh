@@ -45,7 +45,8 @@ fi
 # 1. what is missing, installed from the wheels brought along (never from the network)
 missing=$($PY - <<'PY'
 import importlib.util
-need = ["deepspeed", "hjson", "pydantic", "sentencepiece", "safetensors", "yaml", "datasets", "transformers", "wandb"]
+need = ["deepspeed", "hjson", "pydantic", "msgpack", "cpuinfo", "ninja", "einops", "sentencepiece", "safetensors", "yaml",
+        "datasets", "transformers", "wandb"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 PY
 )
@@ -58,6 +59,9 @@ if [ -n "$missing" ]; then
   still=$($PY -c "import importlib.util; print(' '.join(n for n in '$missing'.split() if importlib.util.find_spec(n) is None))")
   [ -n "$still" ] && echo "still missing after the install: $still (bring their wheels in $WHEELS)" | tee -a "$SUMMARY"
 fi
+# found is not the same as importable: name what DeepSpeed itself still lacks
+$PY -c 'import deepspeed' > "$OUT/logs/import_deepspeed.log" 2>&1 \
+  || echo "deepspeed does not import: $(tail -n 1 "$OUT/logs/import_deepspeed.log")" | tee -a "$SUMMARY"
 if ! $PY -c 'import megablocks' 2>/dev/null && ls "$WHEELS"/src/*.tar.gz > /dev/null 2>&1; then
   (step megablocks_build 480 $PY -m pip install -q --no-deps --no-build-isolation --target "$SITE" "$WHEELS"/src/*.tar.gz) &
 fi
