@@ -84,11 +84,13 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
     n_local = E // ep_size
     for moe in model.moe_layers():
         full: Experts = moe.experts
-        local = Experts(n_local, full.gate_up_proj.shape[2], full.down_proj.shape[2], full.impl)
-        with torch.no_grad():
-            keep = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
-            local.gate_up_proj.copy_(full.gate_up_proj[keep])
-            local.down_proj.copy_(full.down_proj[keep])
+        local = full  # ep_size 1: every expert is local, nothing to copy (a 1 B preset's experts are GBs)
+        if ep_size > 1:
+            local = Experts(n_local, full.gate_up_proj.shape[2], full.down_proj.shape[2], full.impl)
+            with torch.no_grad():
+                keep = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
+                local.gate_up_proj.copy_(full.gate_up_proj[keep])
+                local.down_proj.copy_(full.down_proj[keep])
         moe.experts = ExpertShell(local, E, ep_size)
         moe.dispatch = AllToAllDispatcher(group, ep_size, n_local) if ep_size > 1 else local_dispatch
     return model
