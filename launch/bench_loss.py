@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2, help="timed steps per process (after the memory step)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if min(args.chunks) < 0 or min(args.tokens, args.dim, args.vocab, args.rounds, args.iters) < 1:
+        ap.error("--chunks must be >= 0 (0: the plain loss); --tokens, --dim, --vocab, --rounds, --iters >= 1")
     if args.child is not None:
         print(json.dumps(measure(args)))
         return
