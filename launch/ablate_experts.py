@@ -8,13 +8,15 @@
 For each target (LAYER:EXPERT[,EXPERT...]; default: in every MoE layer, the expert with the highest relative load
 on each domain), the model routes around it (tokens take their next choice) and the per-domain loss change is
 reported with a 95 % bootstrap interval over documents, next to --controls random same-size sets of experts of the
-same layer. Works on moe-lm runs and on transformers MoE checkpoints (--hf, the architectures analyze_routing.py
+same layer. --max-documents is spread equally over the domains (a domain with fewer documents gives the rest to the
+others). Works on moe-lm runs and on transformers MoE checkpoints (--hf, the architectures analyze_routing.py
 takes). Writes ablation.json, ablation.md and ablation.png into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,9 +26,10 @@ import numpy as np
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.ablation import ablation_study
+from moe_lm.analysis.budget import budget_document_count, sample_lines
 from moe_lm.analysis.subject import add_subject_args, open_subject, user_documents
 from moe_lm.analysis.trace import record_trace
-from moe_lm.data.documents import DataError
+from moe_lm.cli import UserError, output_dir, run
 from moe_lm.data.prepare import load_split
 
 
@@ -41,29 +44,34 @@ def parse_target(spec: str) -> tuple[int, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_subject_args(ap)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="output folder (created)")
     ap.add_argument("--targets", nargs="*", type=parse_target, help="LAYER:EXPERT[,EXPERT...] to route around")
     ap.add_argument("--controls", type=int, default=3, help="random same-size expert sets per target")
-    ap.add_argument("--max-documents", type=int, default=400)
-    ap.add_argument("--n-boot", type=int, default=1000)
+    ap.add_argument(
+        "--max-documents", type=int, default=400,
+        help="documents to evaluate, spread equally over the domains (default: %(default)s)",
+    )  # fmt: skip
+    ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default: %(default)s)")
     args = ap.parse_args()
-    out = Path(args.out)
+    if args.max_documents < 1:
+        ap.error(f"--max-documents must be at least 1, got {args.max_documents}")
+    out = output_dir(args.out)
     subject = open_subject(ap, args)
-    try:
-        docs, domains = documents(subject, args)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    docs, domains = documents(subject, args)
+    docs, samples = budget_document_count(docs, len(domains), args.max_documents)
+    print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {args.max_documents}, equal shares):")
+    for line in sample_lines(samples, domains, unit="documents"):
+        print(line, file=sys.stderr if line.startswith("warning") else sys.stdout)
     model, seq_len = subject.model, subject.seq_len
-    docs = docs[: args.max_documents]
     layers, E = model.moe_layer_ids(), model.cfg.moe.n_routed_experts
     bad = [t for t in args.targets or [] if t[0] not in layers or not all(0 <= e < E for e in t[1])]
     if bad:
-        sys.exit(f"error: --targets {bad}: MoE layers are {layers}, experts 0..{E - 1}")
+        raise UserError(f"--targets {bad}: MoE layers are {layers}, experts 0..{E - 1}")
     targets = args.targets or specialised_targets(model, docs, domains, seq_len, out)
     print(f"routing around {len(targets)} targets with {args.controls} controls each, on {len(docs)} documents")
     result = ablation_study(model, docs, domains, targets, seq_len, args.controls, args.n_boot)
     result["subject"] = subject.source
-    out.mkdir(parents=True, exist_ok=True)
+    result["sampling"] = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
     (out / "ablation.json").write_text(json.dumps(result, indent=1))
     names = [f"L{r['layer']} e{','.join(map(str, r['experts']))}" for r in result["ablations"]]
     delta = np.array([[r["by_domain"][d]["delta"] for d in domains] for r in result["ablations"]])
@@ -111,4 +119,4 @@ def markdown(result: dict, names: list[str], domains: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

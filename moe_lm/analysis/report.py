@@ -112,6 +112,8 @@ def build_report(
             "k": K,
             "domains": domains,
             "tokens_per_domain": n_per_domain.tolist(),
+            "documents_per_domain": _documents_per_domain(trace).tolist(),
+            "sampling": trace.meta["source"].get("sampling"),  # the budget's shares, when the caller recorded them
             "recording_tokens_per_s": trace.meta.get("tokens_per_s"),
         },
         "baseline_uniform_N0": {
@@ -196,7 +198,7 @@ def build_report(
             layers,
             E,
             "Routing: first-choice expert per token",
-            preferred_tables(preferred, tok, min_count),
+            coverage_table(result["trace"]) + preferred_tables(preferred, tok, min_count),
         )
     )
     write_tidy(result, out / "metrics.csv")
@@ -218,6 +220,28 @@ def write_tidy(result: dict, path: Path) -> None:
                 for e, share in enumerate(lm["domain_token_share"][d]):
                     slots = round(share * tokens[d])
                     w.writerow([layer, name, e, tokens[d], slots, share, share / K, lm["domain_relative_load"][d][e]])
+
+
+def _documents_per_domain(trace: Trace) -> np.ndarray:
+    """[D] documents of each domain in the trace (a document's tokens all carry its domain)."""
+    first = np.unique(np.asarray(trace.doc), return_index=True)[1]
+    return np.bincount(np.asarray(trace.domain, np.int64)[first], minlength=len(trace.domains))
+
+
+def coverage_table(meta: dict) -> str:
+    """The tokens and documents each domain contributed, so that a thin domain is seen before its numbers are read."""
+    sampling = meta.get("sampling") or {}
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{tokens:,}</td><td>{docs:,}</td>"
+        f"<td>{'under-sampled' if sampling.get(name, {}).get('under_sampled') else ''}</td></tr>"
+        for name, tokens, docs in zip(
+            meta["domains"], meta["tokens_per_domain"], meta["documents_per_domain"], strict=True
+        )
+    )
+    return (
+        "<h3>Tokens per domain</h3><table class='pref'><tr><th>domain</th><th>tokens</th><th>documents</th><th></th>"
+        f"</tr>{rows}</table>"
+    )
 
 
 def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:

@@ -22,14 +22,28 @@ from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.model import initial_model
 
 
-def user_documents(paths: list[str], tok: Tokenizer, domains: list[str], text_field: str, domain_field: str):
-    """(domain index, token ids) for every document of the user's sources; `domains` fills as names appear."""
+def user_documents(
+    paths: list[str],
+    tok: Tokenizer,
+    domains: list[str],
+    text_field: str,
+    domain_field: str,
+    max_tokens_per_domain: int | None = None,
+):
+    """(domain index, token ids) for every document of the user's sources; `domains` fills as names appear.
+    A domain that has given `max_tokens_per_domain` tokens gives no more (its documents are read, not tokenized)."""
     report = ReadReport()
+    given: dict[int, int] = {}
     for path in paths:
         for doc in iter_source(path, report, text_field, domain_field):
             if doc.domain not in domains:
                 domains.append(doc.domain)
-            yield domains.index(doc.domain), np.array([tok.doc_start_id, *tok.encode(doc.text)], dtype=np.int64)
+            d = domains.index(doc.domain)
+            if max_tokens_per_domain is not None and given.get(d, 0) >= max_tokens_per_domain:
+                continue
+            ids = np.array([tok.doc_start_id, *tok.encode(doc.text)], dtype=np.int64)
+            given[d] = given.get(d, 0) + len(ids)
+            yield d, ids
     print(report.summary(), file=sys.stderr)
 
 

@@ -169,15 +169,20 @@ def record_trace(
     batch_size: int = 16,
     max_tokens: int | None = None,
     source: dict | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
 ) -> Trace:
-    """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`."""
+    """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`.
+    `progress`: a progress bar (a string labels it), counting the tokens given when `docs` is a list."""
     model.eval()
     recorder = RoutingRecorder(model)
     writer: TraceWriter | None = None  # made at the first batch: its layers are the routers that ran
     written = 0
     t0 = time.perf_counter()
-    bar = tqdm(total=max_tokens, desc="recording routing", unit="tok", disable=not progress, leave=False)
+    total = sum(len(tokens) for _, tokens in docs) if isinstance(docs, list) else None
+    if max_tokens is not None:
+        total = max_tokens if total is None else min(total, max_tokens)
+    label = progress if isinstance(progress, str) else "recording routing"
+    bar = tqdm(total=total, desc=label, unit="tok", disable=not progress, leave=False)
     batch: list[DocChunk] = []
 
     def open_writer(layers: list[int]) -> TraceWriter:

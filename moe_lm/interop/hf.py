@@ -4,10 +4,15 @@ Our module names are HF's, so the state dicts match key for key up to the `model
 model in memory and let `save_pretrained` / `from_pretrained` own the on-disk format (safetensors +
 config.json, including HF's per-expert checkpoint layout), so exports load anywhere HF loads.
 
-Two layout facts handled here:
-- We export `rope_interleave=False` (our rotate-half RoPE). Published DeepSeek-V3 weights use the interleaved
-  layout; on import we permute the rotary rows of the query and shared-key projections (even dims first), which
-  is exact because attention scores are dot products.
+Layout facts handled here:
+- Our MLA rotates halves (x_i with x_{i+R/2}); DeepSeek publishes its weights for interleaved pairs (x_{2i} with
+  x_{2i+1}). vLLM and SGLang hard-code the published layout for DeepSeek-V2/V3 (`is_neox_style=False`) whatever
+  `rope_interleave` says, so exports permute the rotary rows of the query and shared-key projections into the
+  interleaved order and say `rope_interleave: true`; imports permute them back. Exact both ways: attention
+  scores are dot products, and the permutation is applied to queries and keys alike. (GQA exports are
+  Glm4Moe, whose published layout and the engines' rotary are rotate-half, like ours.)
+- The config names the gate's rule as DeepSeek-V3's config.json does (`scoring_func: sigmoid`,
+  `topk_method: noaux_tc`): serving engines build `e_score_correction_bias` and route with sigmoid only then.
 - HF never updates `e_score_correction_bias`; it is carried as a buffer both ways.
 
 MTP modules (model.mtp) are written and read in DeepSeek's published layout, as layers past the last decoder
@@ -73,8 +78,13 @@ def to_hf_config(cfg: ModelConfig):
             qk_nope_head_dim=a.qk_nope_head_dim,
             qk_rope_head_dim=a.qk_rope_head_dim,
             v_head_dim=a.v_head_dim,
-            rope_interleave=False,
+            rope_interleave=True,  # the weights are written in the published layout (`_interleave_rope`)
             rope_parameters=_rope_parameters(cfg),
+            # why: vLLM and SGLang read these, not transformers; without them they route with softmax and
+            # have no e_score_correction_bias to load (DeepSeek-V3's own config.json carries the same keys)
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            moe_layer_freq=1,
         )
     g = cfg.gqa
     return tf.Glm4MoeConfig(
@@ -184,8 +194,18 @@ def from_hf_config(hf, mtp_depth: int = 0) -> ModelConfig:
     return ModelConfig(attention="gqa", gqa=gqa, **common)
 
 
-def export_hf(model: Transformer, out_dir: str | Path) -> Path:
-    """Write `model` as a `transformers` checkpoint (safetensors + config.json) loadable by from_pretrained."""
+def export_hf(
+    model: Transformer,
+    out_dir: str | Path,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Write `model` as a `transformers` checkpoint (safetensors + config.json) loadable by from_pretrained.
+
+    `bos_token_id`: the token every training document began with; `eos_token_id`: the tokenizer's end of text.
+    Both go into config.json and generation_config.json, where `generate()` and serving engines read them.
+    `max_shard_size` (e.g. "5GB"): safetensors shards with an index, as `save_pretrained` writes them."""
     tf = _transformers()
     cfg = model.cfg
     if cfg.arch != "decoder":
@@ -197,14 +217,19 @@ def export_hf(model: Transformer, out_dir: str | Path) -> Path:
             f"model.attn_mask={cfg.attn_mask}: HF DeepseekV3/Glm4Moe are causal only; this model cannot be exported"
         )
     hf_cfg = to_hf_config(cfg)
+    hf_cfg.bos_token_id, hf_cfg.eos_token_id = bos_token_id, eos_token_id
     hf_cls = tf.DeepseekV3ForCausalLM if cfg.attention == "mla" else tf.Glm4MoeForCausalLM
     with torch.device("meta"):
         hf_model = hf_cls(hf_cfg)
-    own = model.state_dict()
-    state = {_to_hf_key(k): v.detach().float().cpu() for k, v in own.items() if not k.startswith("mtp.")}
+    own = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    if cfg.attention == "mla":
+        _interleave_rope(own, cfg)
+    state = {_to_hf_key(k): v for k, v in own.items() if not k.startswith("mtp.")}
     hf_model.load_state_dict(_fill_empty(state, hf_model), strict=True, assign=True)
+    hf_model.generation_config = tf.GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     out_dir = Path(out_dir)
-    hf_model.save_pretrained(out_dir, safe_serialization=True)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf_model.save_pretrained(out_dir, safe_serialization=True, **shards)
     add_to_export(out_dir, mtp_tensors_for_hf(own, cfg.n_layers, cfg.mtp.depth))
     return out_dir
 
@@ -260,9 +285,23 @@ def _fill_empty(state: dict[str, torch.Tensor], hf_model) -> dict[str, torch.Ten
 def _deinterleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Reorder rotary rows from interleaved pairs (x0, x1), (x2, x3)... to rotate-half (x0, x2, ..., x1, x3, ...),
     in every decoder layer and MTP block."""
+    _permute_rope_rows(state, cfg, _half_from_interleaved(cfg.mla.qk_rope_head_dim))
+
+
+def _interleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """The inverse of `_deinterleave_rope`: our rotate-half rows into DeepSeek's published interleaved order."""
+    _permute_rope_rows(state, cfg, torch.argsort(_half_from_interleaved(cfg.mla.qk_rope_head_dim)))
+
+
+def _half_from_interleaved(R: int) -> torch.Tensor:
+    """Row i of the rotate-half layout is row perm[i] of the interleaved one: even dims first, then odd."""
+    return torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2)))
+
+
+def _permute_rope_rows(state: dict[str, torch.Tensor], cfg: ModelConfig, perm: torch.Tensor) -> None:
+    """Reorder the rotary rows of every query and shared rotary key projection (our keys) by `perm`, in place."""
     m = cfg.mla
     R, nope, H = m.qk_rope_head_dim, m.qk_nope_head_dim, cfg.n_heads
-    perm = torch.cat((torch.arange(0, R, 2), torch.arange(1, R, 2)))
     blocks = [f"layers.{i}." for i in range(cfg.n_layers)] + [f"mtp.{j}." for j in range(cfg.mtp.depth)]
     for block in blocks:
         prefix = f"{block}self_attn."

@@ -6,6 +6,11 @@ map if any, the dummy-prefix "▁", spaces as "▁"), and the decoder (▁ -> sp
 prefix's space stripped). User-defined pieces such as "\\n" stay plain vocabulary pieces: sentencepiece never merges
 them, and no merge in the vocabulary contains them, so BPE leaves them alone too. A sentencepiece setting it does
 not rebuild (whitespace folding) is an error, and the caller checks the result on real text (`matches`).
+
+Every exported tokenizer, converted or the run's own Hugging Face one, adds the token that begins every training
+document (BOS, else EOS: `Tokenizer.doc_start_id`) when called with special tokens, as `transformers`, `pipeline()`
+and lm-eval call it: `AutoTokenizer.from_pretrained(export)(text).input_ids == [doc_start_id, *encode(text)]`,
+checked on the written folder.
 """
 
 from __future__ import annotations
@@ -22,26 +27,58 @@ from moe_lm.data.tokenizer import SPM_FILE, HFTokenizer, load_data_tokenizer
 PROBES = ["  two leading spaces", "tabs\tand\n\nnewlines\n", "digits 1234567890", "unicode é ü 漢字 🙂", " ", "\n", ""]
 
 
-def export_tokenizer(data_dir: str | Path, out: Path) -> str:
+def export_tokenizer(data_dir: str | Path, out: Path, max_len: int | None = None) -> str:
     """Write a data folder's tokenizer beside an HF model export so that `AutoTokenizer.from_pretrained(out)` loads
-    it; returns what was written. A sentencepiece model is converted (and kept as tokenizer.model too); the
-    converted tokenizer is written only if it gives the same ids on the validation documents and `PROBES`."""
+    it and gives the ids training fed the model; returns what was written. A sentencepiece model is converted (and
+    kept as tokenizer.model too); the converted tokenizer is written only if it gives the same ids on the
+    validation documents and `PROBES`. `max_len` (the model's context) becomes `model_max_length`."""
     tok = load_data_tokenizer(data_dir)
-    if isinstance(tok, HFTokenizer):
-        tok.tok.save_pretrained(out)
-        return "the Hugging Face tokenizer"
-    shutil.copyfile(Path(data_dir) / SPM_FILE, out / SPM_FILE)
-    try:
-        hf = spm_to_hf(Path(data_dir) / SPM_FILE)
-    except ValueError as e:
-        return f"{SPM_FILE} only (no Hugging Face conversion: {e})"
     val = load_split(data_dir, "val")
     texts = [tok.decode(np.asarray(val.document(d))[1:].tolist()) for d in range(min(val.n_docs, 50))] + PROBES
-    differs = matches(hf, tok.encode, texts)
-    if differs is not None:
-        return f"{SPM_FILE} only (the Hugging Face conversion gives other ids on {differs[:40]!r})"
+    if isinstance(tok, HFTokenizer):
+        hf, what = tok.tok, "the Hugging Face tokenizer"
+    else:
+        shutil.copyfile(Path(data_dir) / SPM_FILE, out / SPM_FILE)
+        try:
+            hf = spm_to_hf(Path(data_dir) / SPM_FILE)
+        except ValueError as e:
+            return f"{SPM_FILE} only (no Hugging Face conversion: {e})"
+        differs = matches(hf, tok.encode, texts)
+        if differs is not None:
+            return f"{SPM_FILE} only (the Hugging Face conversion gives other ids on {differs[:40]!r})"
+        what = f"{SPM_FILE} and its Hugging Face conversion (same ids on {len(texts)} texts)"
+    start_documents_with(hf, tok.doc_start_id)
+    if max_len is not None:
+        hf.model_max_length = max_len
     hf.save_pretrained(out)
-    return f"{SPM_FILE} and its Hugging Face conversion (same ids on {len(texts)} texts)"
+    differs = starts_documents(out, tok, texts)
+    if differs is not None:
+        return f"{what}; warning: AutoTokenizer does not give [{tok.doc_start_id}] + the training ids on {differs!r}"
+    return f"{what}, adding {hf.bos_token!r} (id {tok.doc_start_id}) first as training did"
+
+
+def start_documents_with(hf_tokenizer, start_id: int) -> None:
+    """Make a fast tokenizer add `start_id` before the text when called with special tokens (pairs: before each)."""
+    from tokenizers import processors
+
+    start = hf_tokenizer.convert_ids_to_tokens(start_id)
+    # why a template on the backend: it is saved in tokenizer.json, so every loader of the folder applies it
+    hf_tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{start} $A", pair=f"{start} $A {start} $B:1", special_tokens=[(start, start_id)]
+    )
+    if hf_tokenizer.bos_token_id != start_id:
+        hf_tokenizer.bos_token = start  # GPT-2 style: EOS begins documents, as BOS would
+
+
+def starts_documents(folder: Path, tok, texts: list[str]) -> str | None:
+    """The first text on which the folder's AutoTokenizer does not give [doc_start_id] + the training ids, or None."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(folder)
+    for text in texts:
+        if auto(text).input_ids != [tok.doc_start_id, *tok.encode(text)]:
+            return text[:40]
+    return None
 
 
 def spm_to_hf(model_file: str | Path):

@@ -163,13 +163,17 @@ def test_prefix_models_are_refused_for_recording(tmp_path):
         record_trace(Transformer(cfg), [(0, np.arange(5))], tmp_path / "t", ["x"], seq_len=8, progress=False)
 
 
-def test_analysis_is_logged_to_the_runs_wandb(tiny_data, tmp_path):
+def test_analysis_is_logged_to_the_runs_wandb_when_asked(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_mode="offline"))
     loop.train(cfg)
     wandb_dir = next((tmp_path / "run" / "wandb").glob("offline-run-*"))
     before = sum(f.stat().st_size for f in wandb_dir.glob("*.wandb"))
-    run_analysis("--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline")
+    listing = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run" / "wandb").rglob("*"))
+    run_analysis("--run", tmp_path / "run", "--out", tmp_path / "plain", "--no-init-baseline")
+    # not asked: the training run's wandb folder is left as it was
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run" / "wandb").rglob("*")) == listing
+    run_analysis("--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline", "--wandb")
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     # the figures went to the same wandb run id (a resumed offline run), with image files
     assert all(r.name.endswith((tmp_path / "run" / "wandb_id").read_text()) for r in runs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -56,6 +57,40 @@ def test_export_import_round_trip(tmp_path, attention):
     assert dataclasses.replace(back.cfg, **{unused: getattr(model.cfg, unused)}) == model.cfg
     tokens = torch.randint(0, 97, (2, 24))
     torch.testing.assert_close(logits(back, tokens), logits(model, tokens), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 16])
+def test_mla_export_is_in_deepseeks_published_layout(tmp_path, q_lora_rank):
+    """vLLM and SGLang rotate DeepSeek-V3's rotary dims as interleaved pairs whatever the config says, and route
+    with sigmoid + bias only when told: the export must hold for a reader that forces the published layout."""
+    model = random_model("mla", n_group=4, topk_group=2)
+    cfg = dataclasses.replace(model.cfg, mla=dataclasses.replace(model.cfg.mla, q_lora_rank=q_lora_rank))
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0) if p.dim() > 1 else None  # attention far from uniform, so the rotary layout shows
+    export_hf(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_interleave"] is True
+    assert (config["scoring_func"], config["topk_method"]) == ("sigmoid", "noaux_tc")
+    assert (config["n_group"], config["topk_group"]) == (4, 2)
+    assert config["num_experts_per_tok"] == cfg.moe.num_experts_per_tok
+    tokens = torch.randint(0, 97, (2, 24))
+    ours = logits(model, tokens)
+    published = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, rope_interleave=True)
+    assert (published.eval()(tokens).logits - ours).abs().max().item() <= 1e-4
+    # the layout matters at this scale: read as rotate-half rows, the same file gives another model
+    half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, rope_interleave=False)
+    assert (half.eval()(tokens).logits - ours).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_import_of_an_export_is_the_identity(tmp_path, attention):
+    model = random_model(attention, n_group=4, topk_group=2)
+    export_hf(model, tmp_path)
+    back = import_hf(tmp_path).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(back[key], value), key
 
 
 def native_deepseek_config(**overrides):

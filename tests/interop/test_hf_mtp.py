@@ -16,7 +16,6 @@ from transformers.masking_utils import create_causal_mask
 
 from moe_lm.config import MTPConfig
 from moe_lm.interop.hf import export_hf, import_hf
-from moe_lm.interop.hf_mtp import add_to_export, mtp_tensors_for_hf
 from moe_lm.model import Transformer
 from tests.interop.test_hf import native_deepseek_config, random_model
 
@@ -81,20 +80,14 @@ def test_export_writes_deepseeks_mtp_layout_and_imports_back_exactly(tmp_path, a
 @pytest.mark.filterwarnings("error")  # the embedding and head copies match the main model's: no warning
 def test_mtp_tensors_go_into_a_sharded_export_through_its_index(tmp_path):
     model = mtp_model("mla", 1)
-    plain = Transformer(dataclasses.replace(model.cfg, mtp=MTPConfig())).eval()
-    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
-    export_hf(plain, tmp_path / "plain")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32)
-    hf.config.num_nextn_predict_layers = 1
     out = tmp_path / "sharded"
-    hf.save_pretrained(out, max_shard_size="20KB")
-    assert (out / "model.safetensors.index.json").is_file()
-    add_to_export(out, mtp_tensors_for_hf(model.state_dict(), model.cfg.n_layers, 1))
+    export_hf(model, out, max_shard_size="20KB")
     index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # several shards of the main model, and the MTP one
     assert index["weight_map"]["model.layers.3.eh_proj.weight"] == "model-mtp.safetensors"
     back = import_hf(out)
     assert back.cfg.mtp.depth == 1
-    assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items() if k.startswith("mtp."))
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in model.state_dict().items())
 
 
 def published_mtp_layer(hf_cfg, gen: torch.Generator, main_state: dict) -> dict[str, torch.Tensor]:
