@@ -4,7 +4,9 @@
     python launch/export_hf.py --run runs/tiny:step_00000500 --out exports/tiny-500   # a given checkpoint
     python launch/export_hf.py --config configs/tiny.yaml --out exports/random        # random init (for testing)
 
-Checkpoints of any parallel.ep_size export the same model. The run's tokenizer.model is copied alongside.
+Checkpoints of any parallel.ep_size export the same model, in the layout DeepSeek publishes (so vLLM and SGLang
+read it as transformers does). With --run the run's tokenizer is written beside it: AutoTokenizer loads it, and
+calling it with special tokens (the default) puts the token every training document began with first.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_lm.config import ConfigError, load_config
+from moe_lm.cli import output_dir, run
+from moe_lm.config import load_config
 from moe_lm.data.documents import DataError
+from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_tokenizer import export_tokenizer
@@ -25,25 +29,32 @@ def main() -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", type=parse_run, help="a run folder, optionally RUN:TAG for a specific checkpoint")
     src.add_argument("--config", help="a YAML preset: export a randomly initialised model")
-    ap.add_argument("--out", required=True, help="output directory (safetensors + config.json)")
-    ap.add_argument("overrides", nargs="*", help="config overrides with --config, e.g. model.dim=256")
+    ap.add_argument("--out", required=True, help="output folder (created): safetensors, config.json, tokenizer")
+    ap.add_argument("--max-shard-size", help="safetensors shards of at most this size with an index, e.g. 5GB")
+    ap.add_argument("overrides", nargs="*", help="with --config only: dotted overrides, e.g. model.dim=256")
     args = ap.parse_args()
-    try:
-        if args.run:
-            cfg, model, tag = load_model(*args.run)
-        else:
-            cfg = load_config(args.config, args.overrides)
-            model = initial_model(cfg.model, cfg.seed)
-        out = export_hf(model.eval(), args.out)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    if args.run and args.overrides:
+        ap.error(
+            f"overrides ({' '.join(args.overrides)}) apply to --config only: a run's checkpoint is exported as it "
+            "was trained"
+        )
+    out = output_dir(args.out)
+    tok = None
     if args.run:
+        cfg, model, tag = load_model(*args.run)
         try:
-            print(f"wrote {export_tokenizer(cfg.data.out_dir, out)} to {out}")
+            tok = load_data_tokenizer(cfg.data.out_dir)
         except DataError as e:
             print(f"warning: no tokenizer exported ({e})", file=sys.stderr)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        model = initial_model(cfg.model, cfg.seed)
+    bos, eos = (tok.doc_start_id, tok.eos_id) if tok else (None, None)
+    export_hf(model.eval(), out, bos, eos, args.max_shard_size)
+    if tok is not None:
+        print(f"wrote {export_tokenizer(cfg.data.out_dir, out, max_len=cfg.model.max_seq_len)} to {out}")
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

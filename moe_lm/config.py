@@ -394,12 +394,16 @@ class ParallelConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console, metrics.jsonl and wandb."""
+    """Console, metrics.jsonl, wandb and TensorBoard."""
 
     # wandb mode: offline by default (no network assumed; `wandb sync` later), or online, or disabled.
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "moe-lm"
     run_name: str = ""
+    # wandb's own banners and closing summary on the console (off: only its warnings and errors show).
+    wandb_console: bool = False
+    # TensorBoard event files in <run>/tb/ with the scalars and expert-load histograms wandb gets.
+    tensorboard: bool = False
     # Peak FLOP/s per device for MFU; 0 = look it up for known GPUs, or measure an fp32 matmul on CPU.
     peak_tflops: float = 0.0
 

@@ -108,10 +108,20 @@ class HFTokenizer(Tokenizer):
 def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
     """The tokenizer a prepared data folder was tokenized with."""
     data_dir = Path(data_dir)
+    redo = (
+        "restore it from a copy (an export of a run on this data holds one) or prepare the data again with "
+        "launch/prepare_data.py --config CONFIG --force"
+    )
     if (data_dir / HF_FOLDER).is_dir():
-        return HFTokenizer(data_dir / HF_FOLDER)
+        try:
+            return HFTokenizer(data_dir / HF_FOLDER)
+        except Exception as e:  # transformers raises several types for a damaged folder
+            raise DataError(f"{data_dir / HF_FOLDER} does not load as a tokenizer ({type(e).__name__}); {redo}") from e
     if (data_dir / SPM_FILE).is_file():
-        return SentencePieceTokenizer(data_dir / SPM_FILE)
+        try:
+            return SentencePieceTokenizer(data_dir / SPM_FILE)
+        except (RuntimeError, OSError) as e:
+            raise DataError(f"{data_dir / SPM_FILE} is not a readable sentencepiece model ({e}); {redo}") from e
     raise DataError(f"no tokenizer in {data_dir} (run launch/prepare_data.py first)")
 
 

@@ -1,4 +1,5 @@
-"""Where metrics and messages go: console lines, <run>/metrics.jsonl, and wandb (offline by default). Rank 0 only."""
+"""Where metrics and messages go: console lines, <run>/metrics.jsonl, wandb (offline by default) and TensorBoard
+(<run>/tb/, when logging.tensorboard is on). Rank 0 only."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Tracker:
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = cfg.train.max_steps
-        self.t0, self.start_step, self.wandb = time.time(), 0, None
+        self.t0, self.start_step, self.wandb, self.tb = time.time(), 0, None, None
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -34,6 +35,8 @@ class Tracker:
             return
         _truncate_after(self.path, step, self.info)
         self.wandb = open_wandb(self.cfg.logging, self.run_dir, config=config_to_dict(self.cfg))
+        if self.cfg.logging.tensorboard:
+            self.tb = open_tensorboard(self.run_dir, step)
 
     def log(self, row: dict, histograms: dict[str, np.ndarray] | None = None) -> None:
         if not self.enabled:
@@ -46,6 +49,8 @@ class Tracker:
                 # one bar per expert: the histogram's bins are the experts, heights are token-slots
                 data[name] = self.wandb.Histogram(np_histogram=(counts, np.arange(len(counts) + 1)))
             self.wandb.log(data, step=row["step"])
+        if self.tb is not None:
+            _log_tensorboard(self.tb, row, histograms or {})
 
     def console(self, line: str, step: int) -> None:
         if not self.enabled:
@@ -60,6 +65,9 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
     def __enter__(self) -> Tracker:
         return self
@@ -86,8 +94,34 @@ def open_wandb(log_cfg: LoggingConfig, run_dir: Path, config: dict | None = None
         dir=str(run_dir),
         mode=log_cfg.wandb_mode,
         config=config,
+        settings=wandb.Settings(silent=not log_cfg.wandb_console),
     )
     return wandb
+
+
+def open_tensorboard(run_dir: Path, step: int):
+    """A SummaryWriter on <run>/tb/. Resuming at `step` purges what an interrupted run logged past it, as
+    metrics.jsonl drops those rows."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tb"), purge_step=step + 1 if step else None)
+
+
+def _log_tensorboard(tb, row: dict, histograms: dict[str, np.ndarray]) -> None:
+    """The row's numbers under the tags wandb uses (`train/loss`, `eval/loss/<domain>`), and each expert-load
+    histogram with one bucket per expert."""
+    step = row["step"]
+    for key, value in row.items():
+        if key not in ("kind", "step") and isinstance(value, int | float):  # flags (bool) as 0/1
+            tb.add_scalar(f"{row['kind']}/{key}", float(value), step)
+    for name, counts in histograms.items():
+        counts = np.asarray(counts, dtype=np.float64)
+        experts = np.arange(len(counts), dtype=np.float64)
+        tb.add_histogram_raw(
+            name, min=0.0, max=float(len(counts) - 1), num=float(counts.sum()), sum=float(counts @ experts),
+            sum_squares=float(counts @ experts**2), bucket_limits=(experts + 0.5).tolist(),
+            bucket_counts=counts.tolist(), global_step=step,
+        )  # fmt: skip
 
 
 def _truncate_after(path: Path, step: int, warn) -> None:

@@ -118,7 +118,24 @@ def test_export_writes_a_tokenizer_autotokenizer_loads(tmp_path):
     ours = load_data_tokenizer(out)
     for text in TEXT[:3] + ["unicode é 漢字 and  two spaces\n"]:
         assert auto.encode(text, add_special_tokens=False) == ours.encode(text)
+        assert auto(text).input_ids == [ours.bos_id, *ours.encode(text)]  # as training and generate.py feed it
     assert auto.bos_token_id == ours.bos_id and auto.eos_token_id == ours.eos_id
+
+
+def test_an_exported_gpt2_style_tokenizer_starts_prompts_with_eos_as_training_did(tmp_path):
+    path = bpe_json(tmp_path / "hf", ["<|endoftext|>"])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|endoftext|>")
+    fast.save_pretrained(tmp_path / "folder")
+    out = prepare_with(tmp_path, str(tmp_path / "folder"))
+    (tmp_path / "export").mkdir()
+    said = export_tokenizer(out, tmp_path / "export", max_len=64)
+    assert "adding '<|endoftext|>'" in said and "warning" not in said
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ours = load_data_tokenizer(out)
+    assert ours.bos_id is None
+    for text in TEXT[:3] + ["def f(x):\n\treturn  x + 1\n"]:
+        assert auto(text).input_ids == [ours.eos_id, *ours.encode(text)]
+    assert auto.model_max_length == 64
 
 
 @pytest.mark.parametrize("kind", ["bpe", "unigram"])
@@ -140,6 +157,7 @@ def test_a_trained_sentencepiece_tokenizer_exports_to_an_autotokenizer_with_the_
         ids = auto.encode(text, add_special_tokens=False)
         assert ids == ours.encode(text)
         assert auto.decode(ids) == ours.decode(ids) == text  # byte fallback and identity normalisation: lossless
+        assert auto(text).input_ids == [ours.bos_id, *ids]  # BOS first, as every training document began
     assert (auto.bos_token_id, auto.eos_token_id) == (ours.bos_id, ours.eos_id)
 
 
@@ -172,6 +190,7 @@ def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path
     assert text.startswith("the bond") and len(text) > len("the bond")
     cli("export_hf.py", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
-    assert auto.encode("the bond yield", add_special_tokens=False) == load_data_tokenizer(data.out_dir).encode(
-        "the bond yield"
-    )
+    ours = load_data_tokenizer(data.out_dir)
+    assert auto("the bond yield").input_ids == [ours.bos_id, *ours.encode("the bond yield")]
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (ours.bos_id, ours.eos_id)

@@ -237,7 +237,12 @@ def test_export_cli_from_a_training_run(tiny_data, tmp_path):
 
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the export is usable by HF tools as is
     text = "stir the onions slowly\n\tline 7\n"
-    assert tok.encode(text, add_special_tokens=False) == load_data_tokenizer(tiny_data.out_dir).encode(text)
+    ours = load_data_tokenizer(tiny_data.out_dir)
+    assert tok(text).input_ids == [ours.bos_id, *ours.encode(text)]  # what training and generate.py feed the model
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert config["bos_token_id"] == generation["bos_token_id"] == ours.bos_id
+    assert config["eos_token_id"] == generation["eos_token_id"] == ours.eos_id
     _, model, _ = load_model(tmp_path / "run")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 16))
