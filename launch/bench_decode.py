@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from moe_lm.cli import fail, run
 from moe_lm.data.prepare import load_split
 from moe_lm.inference.generate import generate
 from moe_lm.inference.sampling import Sampling
@@ -42,9 +43,9 @@ def main() -> None:
         cfg, model, tag = load_model(*args.run)
         shard = load_split(cfg.data.out_dir, "val")
     except (FileNotFoundError, ValueError) as e:  # DataError is a ValueError
-        sys.exit(f"error: {e}")
+        fail(str(e))
     if not cfg.model.mtp.depth:
-        sys.exit(f"error: {args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
+        fail(f"{args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
     prompts = [
         np.asarray(shard.document(d))[: args.prompt_tokens].tolist()
         for d in range(shard.n_docs)
@@ -89,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

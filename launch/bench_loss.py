@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moe_lm.cli import run
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy
 
 
@@ -122,4 +123,4 @@ def _name(chunk: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

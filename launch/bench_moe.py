@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from moe_lm.cli import run
 from moe_lm.config import ModelConfig, MoEConfig
 from moe_lm.interop.hf import to_hf_config
 from moe_lm.model import MoE
@@ -143,4 +144,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_lm.cli import run
 from moe_lm.config import load_config
 from moe_lm.data.documents import ReadReport
 from moe_lm.data.prepare import iter_documents, prepare_data, read_meta
@@ -83,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

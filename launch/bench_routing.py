@@ -23,6 +23,7 @@ import transformers
 
 from moe_lm.analysis.hf_routing import HFMoEModel
 from moe_lm.analysis.trace import document_chunks, record_trace
+from moe_lm.cli import run
 
 
 def main() -> None:
@@ -99,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from moe_lm.cli import run
 from moe_lm.config import ConfigError, load_config
 from moe_lm.model import build_model
 from moe_lm.parallel.deepspeed_setup import param_groups
@@ -95,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

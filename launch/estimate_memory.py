@@ -12,8 +12,8 @@ activations counted per token and block from the model's own tensors. An estimat
 from __future__ import annotations
 
 import argparse
-import sys
 
+from moe_lm.cli import fail, run
 from moe_lm.config import ConfigError, load_config
 from moe_lm.model import count_params
 from moe_lm.train.memory import GB, estimate
@@ -28,9 +28,9 @@ def main() -> None:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     if args.world % cfg.parallel.ep_size:
-        sys.exit(f"error: parallel.ep_size={cfg.parallel.ep_size} must divide --world {args.world}")
+        fail(f"parallel.ep_size={cfg.parallel.ep_size} must divide --world {args.world}")
     n, m, t = count_params(cfg.model), estimate(cfg, args.world), cfg.train
     print(
         f"{args.config}: {n.total / 1e9:.3f} B parameters ({n.active / 1e9:.3f} B active)"
@@ -44,4 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
+from moe_lm.cli import fail, run
 from moe_lm.config import ConfigError
 from moe_lm.experiments.rank_probe import run_rank_probe
 from moe_lm.experiments.report import write_report
@@ -50,7 +50,7 @@ def main() -> None:
     try:
         exp = load_experiment(args.name, args.preset, args.extended)
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     if args.seeds is not None:
         exp = dataclasses.replace(exp, seeds=args.seeds)
     if args.steps is not None:
@@ -65,7 +65,7 @@ def main() -> None:
     try:
         runs = run_experiment(exp_runs, Path(args.runs))
     except (ConfigError, RuntimeError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     if exp.probe:
         results = PROBES[exp.probe](exp, runs, out)
         print(f"verdict: {results['verdict']}")
@@ -83,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,8 +10,8 @@ Re-running skips work already done (same settings); the vocabulary size is model
 from __future__ import annotations
 
 import argparse
-import sys
 
+from moe_lm.cli import fail, run
 from moe_lm.config import ConfigError, load_config
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import prepare_data
@@ -30,8 +30,8 @@ def main() -> None:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
         prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed, force=args.force, workers=args.workers)
     except (ConfigError, DataError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

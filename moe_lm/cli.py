@@ -49,6 +49,15 @@ def run(main: Callable[[], None]) -> None:
         sys.exit(USAGE)
 
 
+def fail(message: str) -> None:
+    """End the script on a user error: `error: message` on stderr, exit code 2 (with --debug: raised, so that the
+    traceback shows what was being handled)."""
+    if debugging():
+        raise UserError(message)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(USAGE)
+
+
 def output_dir(path: str | Path, flag: str = "--out") -> Path:
     """`path` created (with its parents) and checked writable, before anything slow runs."""
     out = Path(path)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
+from moe_lm.cli import fail
 from moe_lm.config import Config
 from moe_lm.data.documents import DataError, ReadReport, iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
@@ -122,4 +123,4 @@ def open_subject(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Subje
     try:
         return hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
     except (FileNotFoundError, DataError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
