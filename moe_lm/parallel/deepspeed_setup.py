@@ -1,4 +1,5 @@
-"""DeepSpeed: process-group start-up, the DeepSpeed JSON derived from our config, and engine construction.
+"""DeepSpeed: process-group start-up, the DeepSpeed JSON derived from our config, and engine construction; and,
+when a rank dies, which one it was.
 
 Batch sizes, precision, clipping and the ZeRO stage have one home (our config); the DeepSpeed dict is derived.
 """
@@ -6,8 +7,12 @@ Batch sizes, precision, clipping and the ZeRO stage have one home (our config); 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import time
+from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import deepspeed
 import torch
@@ -41,6 +46,104 @@ def shutdown_distributed() -> None:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             remove_shm_buffers(os.environ.get("MASTER_PORT", ""))
         dist.destroy_process_group()
+
+
+# ---- a dead peer -------------------------------------------------------------------------------------------------
+# How a rank learns that another one died: on CPU (gloo) the collective it waits in raises a RuntimeError within
+# milliseconds of a kill -9 ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:24747",
+# or "Connection reset by peer"), and after the process group's timeout when the peer's node vanished without
+# closing its sockets ("Timed out waiting ...ms"). The error names an address and port, not a rank, so each rank
+# publishes its host and pid once at start (`peers`), and a survivor then asks the operating system which of
+# them are gone (`dead_ranks`). why not a heartbeat: it costs a thread and store traffic for the whole run, to
+# know something the kernel already knows for ranks on this host; for another host the error's address names it.
+
+_PEER_GONE = ("/gloo/transport/", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_LEFT = "moe_lm/left/{rank}"  # store key: this rank saw a peer die and is leaving on purpose
+
+
+class Peer(NamedTuple):
+    rank: int
+    host: str
+    pid: int
+    addrs: tuple[str, ...]  # what the host name resolves to: the address gloo binds to by default
+
+
+def peers() -> list[Peer]:
+    """Every rank's host, pid and addresses, in rank order (one all-gather at start; a collective)."""
+    host = socket.gethostname()
+    try:
+        addrs = tuple(socket.gethostbyname_ex(host)[2])
+    except OSError:
+        addrs = ()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (host, os.getpid(), addrs))
+    return [Peer(r, *p) for r, p in enumerate(gathered)]
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether an exception out of a collective means another rank (or its node, or the network) is gone."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_GONE))
+
+
+def peer_failure_reason(exc: BaseException) -> str:
+    """The backend's own words, short: 'Connection closed by peer [10.0.0.2]:41234'."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(exc).strip())  # gloo's source location prefix
+    return text.split(". ")[0].split("\n")[0]
+
+
+def leaving_on_purpose() -> None:
+    """Tell the others (through the store rank 0 hosts) that this rank exits because a peer died: the rank that
+    reports must not count it among the dead once it is gone. Best effort: with rank 0 dead there is no store."""
+    try:
+        _store().set(_LEFT.format(rank=dist.get_rank()), "1")
+    except (RuntimeError, ValueError, AttributeError):
+        pass
+
+
+def dead_ranks(everyone: list[Peer], wait_s: float = 3.0) -> list[int]:
+    """The ranks on this host whose process is gone (exited, killed, or a zombie), leaving out those that left on
+    purpose. Waits up to `wait_s` for one to appear: a killed process closes its sockets before the kernel marks
+    it dead, so the first look can come too early. Ranks on other hosts are not visible here: see `suspect_host`."""
+    import psutil  # a DeepSpeed dependency
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    me = dist.get_rank()
+    here = [p for p in everyone if p.host == everyone[me].host and p.rank != me]
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [p.rank for p in here if gone(p.pid) and not _left_on_purpose(p.rank)]
+        if dead or not here or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.1)
+
+
+def _left_on_purpose(rank: int) -> bool:
+    try:
+        return _store().check([_LEFT.format(rank=rank)])
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+
+
+def _store():
+    """The process group's key-value store (served by rank 0), with a short timeout: its host may be gone too."""
+    store = dist.distributed_c10d._get_default_store()  # why private: the only handle on the launcher's store
+    store.set_timeout(timedelta(seconds=2))
+    return store
+
+
+def suspect_host(everyone: list[Peer], exc: BaseException) -> str | None:
+    """The other host whose address the backend's error names (gloo: '... by peer [10.0.0.2]:41234'), or None."""
+    me = everyone[dist.get_rank()]
+    for addr in re.findall(r"\[([0-9a-fA-F.:]+)\]:\d+", str(exc)):
+        hosts = {p.host for p in everyone if addr in p.addrs and p.host != me.host}
+        if len(hosts) == 1:
+            return hosts.pop()
+    return None
 
 
 def remove_shm_buffers(master_port: str) -> None:

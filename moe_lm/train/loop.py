@@ -24,7 +24,7 @@ from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import build_signature, load_split, prepare_data, read_meta, signature_changes
 from moe_lm.interop.ds_checkpoint import latest_tag
 from moe_lm.model import Transformer, build_model, count_params
-from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed
+from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
@@ -34,7 +34,7 @@ from moe_lm.train.objective import NEXT_TOKEN, Objective, next_token_losses, tot
 from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
-from moe_lm.train.stop import StopOnSignal, Stopped
+from moe_lm.train.stop import StopOnSignal, Stopped, WatchPeers
 from moe_lm.train.tracker import Tracker
 
 
@@ -52,7 +52,15 @@ def train(cfg: Config) -> dict:
     evalsets = _evalsets(cfg, tracker)
     G = t.micro_batch_size * t.grad_accum_steps * world
     objective = Objective.of(cfg)
-    with run_folder(run_dir, t.resume, tracker.info), StopOnSignal() as stop, tracker:
+    everyone = peers()  # who is who, to name a rank that dies later
+    # why WatchPeers innermost: it turns a dead peer's error into PeerLost before StopOnSignal exits, which then
+    # keeps its handler so that the launcher's SIGTERM cannot end this rank before it reports
+    with (
+        run_folder(run_dir, t.resume, tracker.info),
+        StopOnSignal() as stop,
+        tracker,
+        WatchPeers(everyone, run_dir) as watch,
+    ):
         torch.manual_seed(cfg.seed)
         model = pretrained or build_model(cfg.model)
         model = apply_expert_parallel(model, cfg.parallel.ep_size)  # every rank: the same model
@@ -60,6 +68,7 @@ def train(cfg: Config) -> dict:
         model = apply_compile(model, t.compile)
         engine = build_engine(model, cfg)
         start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
+        watch.done = start_step
         if rank == 0:
             dump_config(cfg, run_dir / "config.yaml")
         tracker.start(start_step)
@@ -81,6 +90,7 @@ def train(cfg: Config) -> dict:
             mtp_weight = mtp_weight_at(step, cfg.model.mtp, t.max_steps)
             batches = _micro_batches(windows, first, t, rank, world, dev)
             losses, applied = train_step(engine, model, batches, lr, mtp_weight, objective)
+            watch.done = step + 1
             balance, counts = balance_step(model, cfg.model.moe.bias_update_speed, apply=applied)
             step_done, dt = step + 1, time.perf_counter() - t0
             bad_steps = 0 if applied else bad_steps + 1
