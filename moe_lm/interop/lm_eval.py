@@ -1,0 +1,135 @@
+"""Downstream evaluation of a Hugging Face export with EleutherAI's lm-evaluation-harness (`pip install
+'moe-lm[eval]'`), scoring exactly the ids training fed the model.
+
+Every training document began with the tokenizer's document-start token (BOS, else EOS: `Tokenizer.doc_start_id`),
+and export_hf writes that id as `bos_token_id` in config.json. lm-eval's `HFLM` scores a (context, continuation) pair
+as `tokenizer(context + continuation)` split after `len(tokenizer(context))` tokens, and an empty context as
+`[prefix_token_id] + continuation`. Whether `tokenizer(...)` adds BOS has changed between lm-eval versions (up to
+0.4.8 a causal model got none unless `add_bos_token=True`; later the tokenizer's own default), so the model here is
+built with `add_bos_token=True` and `prefix_token_id=<document start>`, and `check_start_token` verifies on the
+built model that lm-eval's ids are `[start] + encode(text)` before anything is scored.
+
+    manager, tasks = resolve_tasks(["hellaswag", "mmlu_stem", "my_tasks/qa.yaml"])
+    lm = harness_lm("exports/tiny-hf", batch_size=8, device="cpu")
+    results = evaluate(lm, manager, tasks, limit=100)
+    results["results"]["hellaswag"]["acc,none"]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+
+def document_start_id(export_dir: str | Path) -> int:
+    """The token every training document began with, as export_hf wrote it (config.json's `bos_token_id`)."""
+    config = Path(export_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(
+            f"{config} not found: --model takes a folder written by launch/export_hf.py (or give --run RUN)"
+        )
+    start = json.loads(config.read_text()).get("bos_token_id")
+    if start is None:
+        raise ValueError(
+            f"{config} names no bos_token_id: the export has no tokenizer (exported with --config?); export a run "
+            "with launch/export_hf.py --run RUN, which writes its tokenizer and start token"
+        )
+    return int(start)
+
+
+def harness_lm(export_dir: str | Path, batch_size: int | str = 1, device: str = "cpu", dtype: str = "auto"):
+    """lm-eval's `HFLM` on an export, adding the document-start token as training did (checked)."""
+    try:
+        from lm_eval.models.huggingface import HFLM
+    except ImportError as e:
+        raise ImportError(f"evaluation needs lm-evaluation-harness: pip install 'moe-lm[eval]' ({e})") from e
+
+    start = document_start_id(export_dir)
+    if not (Path(export_dir) / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(
+            f"{export_dir} holds no Hugging Face tokenizer (tokenizer_config.json); re-export the run with "
+            "launch/export_hf.py --run RUN (its log says why a tokenizer was not converted)"
+        )
+    lm = HFLM(
+        pretrained=str(export_dir),
+        # why both: add_bos_token covers every context lm-eval tokenizes; prefix_token_id the empty context
+        add_bos_token=True,
+        prefix_token_id=start,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+    )
+    check_start_token(lm, start, export_dir)
+    return lm
+
+
+# (context, continuation) pairs on which lm-eval's ids are checked: a plain one, a context with a leading space, one
+# with a trailing space (lm-eval moves it into the continuation), and an empty context.
+PROBE_PAIRS = [("The answer is", " yes"), (" leading space:", " 42"), ("Answer: ", "B"), ("", " alone")]
+
+
+def check_start_token(lm, start: int, where: str | Path = "the export") -> None:
+    """Raise unless the (context, continuation) ids lm-eval builds are `[start] + ids of context + continuation`,
+    split after the context, and an empty context is `[start]`: the documents the model was trained on."""
+    for context, continuation in PROBE_PAIRS:
+        plain = lm.tok_encode(context + continuation, add_special_tokens=False)
+        if context:
+            ctx, cont = lm._encode_pair(context, continuation)
+        else:  # why: loglikelihood() special-cases an empty context with prefix_token_id
+            ctx, cont = [lm.prefix_token_id], lm.tok_encode(continuation, add_special_tokens=False)
+        if ctx + cont != [start, *plain]:
+            raise ValueError(
+                f"lm-eval would score {context + continuation!r} as {(ctx + cont)[:4]}..., not [{start}] + the text's "
+                f"ids {plain[:3]}... (every training document began with token {start}): the tokenizer in {where} "
+                "does not add it; re-export the run with launch/export_hf.py --run RUN"
+            )
+
+
+def resolve_tasks(specs: list[str], include_path: str | Path | None = None):
+    """(lm-eval's TaskManager, task names) for `specs`: registered names, glob patterns over them (e.g.
+    `mmlu_high_school_*`), or task YAML files; `include_path` is a folder of the user's own task YAMLs. Checked
+    before any model is loaded."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    known, tasks = set(manager.all_tasks), []
+    for spec in specs:
+        if any(ch in spec for ch in "*?["):
+            matched = sorted(fnmatch.filter(known, spec))
+        else:
+            matched = [spec] if spec in known or Path(spec).is_file() else []
+        if not matched:
+            raise KeyError(
+                f"--tasks {spec}: no such lm-eval task (`lm-eval ls tasks` lists them); give a task name, a glob "
+                "pattern, a task YAML file, or --include-path FOLDER holding the YAML that defines it"
+            )
+        tasks += [t for t in matched if t not in tasks]
+    return manager, tasks
+
+
+def evaluate(
+    lm,
+    manager,
+    tasks: list[str],
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    log_samples: bool = False,
+    seed: int = 0,
+) -> dict:
+    """lm-eval's `simple_evaluate` of `lm` on `tasks` (from `resolve_tasks`); returns lm-eval's results dict
+    (`results`, `configs`, `versions`, `n-shot`, and `samples` with `log_samples`)."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
