@@ -2,8 +2,13 @@
 
 The layout on disk (and how to read it without DeepSpeed) is moe_lm/interop/ds_checkpoint.py. A kill at any
 moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is replaced with os.replace only
-after all ranks finished writing and the COMPLETE marker (every file's size) is down, and older checkpoints are
-pruned only after that. A model whose weights are not finite is never saved.
+after all ranks finished writing and the COMPLETE marker (every file's size and hash) is down, and older
+checkpoints are pruned only after that. A model whose weights are not finite is never saved.
+
+DeepSpeed itself loads its files with `torch.load(weights_only=False)`, which runs whatever code a pickle carries.
+So before a checkpoint is handed to it, every .pt file in it must pass a weights-only load (`verify_safe`), with
+the few DeepSpeed classes its optimizer-state files hold allowed by name (`DEEPSPEED_CLASSES`); the RNG state is
+saved as tensors and numbers.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.interop.ds_checkpoint import (
     COMPLETE,
     ckpt_root,
+    complete_record,
     complete_tags,
     damage,
     data_reference,
     latest_tag,
+    safe_load,
+    saved_world_size,
 )
 from moe_lm.train import RunError
 
@@ -83,8 +91,7 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
         dump_config(cfg, root / tag / "config.yaml")
         (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
         # the binary state files; config.yaml and data_ref.json stay editable text
-        sizes = {p.name: p.stat().st_size for p in sorted((root / tag).glob("*.pt"))}
-        _write_synced(root / tag / COMPLETE, json.dumps(sizes))
+        _write_synced(root / tag / COMPLETE, json.dumps(complete_record(root / tag)))
         _write_synced(root / "latest.tmp", tag)
         os.replace(root / "latest.tmp", root / "latest")
         _prune(root, keep_last, tag)
@@ -98,7 +105,8 @@ def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
     A damaged checkpoint (a file missing, truncated, or failing to load) is named and the previous complete one
     is used instead. A run folder with a history but no loadable checkpoint is refused, never restarted over.
     The checkpoint must belong to the same experiment (RESUME_MUST_MATCH) and data (the tokenizer's hash).
-    Saved at another ep_size, its weights load with a fresh optimizer state (DeepSpeed cannot re-shard it).
+    Saved at another ep_size or world size, its weights load with a fresh optimizer state (DeepSpeed cannot
+    re-shard it).
     `log` prints on rank 0.
     """
     newest = latest_tag(run_dir, warn=log)
@@ -107,18 +115,23 @@ def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
         return 0, 0
     saved = load_config(ckpt_root(run_dir) / newest / "config.yaml")
     _check_same_experiment(saved, cfg, run_dir, ckpt_root(run_dir) / newest)
-    same_ep = saved.parallel.ep_size == cfg.parallel.ep_size
-    if not same_ep:
+    # why weights only on a change: ZeRO's optimizer state is partitioned over the ranks (and expert state over the
+    # expert-data-parallel groups); DeepSpeed cannot re-shard it and refuses another world size outright
+    saved_world = saved_world_size(ckpt_root(run_dir) / newest)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    same_layout = saved.parallel.ep_size == cfg.parallel.ep_size and saved_world == world
+    if not same_layout:
         log(
-            f"warning: {newest} was saved at parallel.ep_size={saved.parallel.ep_size}; loading its weights at "
-            f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it)"
+            f"warning: {newest} was saved by {saved_world} ranks at parallel.ep_size={saved.parallel.ep_size}; "
+            f"loading its weights into {world} ranks at ep_size={cfg.parallel.ep_size} with a fresh optimizer state "
+            "(DeepSpeed cannot re-shard it)"
         )
     candidates = [t for t in reversed(complete_tags(run_dir)) if t <= newest]
     for tag in candidates:
         problem = damage(ckpt_root(run_dir) / tag)
         if _everywhere(problem is None):
             try:
-                state = load(engine, run_dir, tag, load_optimizer_states=same_ep)
+                state = load(engine, run_dir, tag, load_optimizer_states=same_layout)
             except Exception as e:  # a corrupt file surfaces as several exception types
                 problem = f"loading {ckpt_root(run_dir) / tag} failed ({type(e).__name__}: {e})"
             if _everywhere(problem is None):
@@ -169,9 +182,35 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def deepspeed_classes() -> list:
+    """What DeepSpeed's ZeRO-1/2 optimizer-state files hold beyond tensors, numbers, strings and containers (found
+    with torch.serialization.get_unsafe_globals_in_checkpoint on the files it writes): plain records whose
+    unpickling sets attributes and runs no code of the file's choosing."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler  # the (unused in fp32/bf16) loss-scale state
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # an int enum: the stage the file was saved at
+    from deepspeed.utils.tensor_fragment import fragment_address  # a named tuple: (numel, start) of a fragment
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def legacy_rng_classes() -> list:
+    """RNG files written before they held tensors only: numpy's state as an array (rebuilt, no code run)."""
+    multiarray = (np._core if hasattr(np, "_core") else np.core).multiarray  # numpy 2 renamed np.core
+    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # the key array's dtype
+
+
+def verify_safe(folder: Path) -> None:
+    """Every .pt file of a checkpoint passes a weights-only load (memory-mapped: the tensors are not read), so that
+    DeepSpeed's own unrestricted load runs no code from it; raises UnsafeCheckpoint naming the file otherwise."""
+    allowed = deepspeed_classes() + legacy_rng_classes()
+    for path in sorted(folder.glob("*.pt")):
+        safe_load(path, allowed, mmap=True)
+
+
 def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
     """Restore engine state and this rank's RNG from checkpoint `tag`; returns the client state."""
     root = ckpt_root(run_dir)
+    verify_safe(root / tag)
     path, client_state = engine.load_checkpoint(
         str(root), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=False
     )
@@ -179,7 +218,7 @@ def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) ->
         raise RunError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{rank()}.pt"
     if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(safe_load(rng_file, legacy_rng_classes()))
     return client_state
 
 
@@ -194,7 +233,15 @@ def _prune(root: Path, keep_last: int, current: str) -> None:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's RNG states as tensors and plain numbers (a weights-only load reads them back)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, mt, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss_next},
+    }  # fmt: skip
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -202,7 +249,13 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    numpy, python = state["numpy"], state["python"]
+    if isinstance(numpy, dict):
+        keys = numpy["keys"].numpy().astype(np.uint32)
+        np.random.set_state((numpy["name"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
+        random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
+    else:  # a checkpoint written before the RNG state was tensors: numpy's tuple and python's as they were
+        np.random.set_state(numpy)
+        random.setstate(python)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -211,7 +212,13 @@ def _start_from(cfg: Config, run_dir: Path, tracker: Tracker) -> tuple[Config, T
         tracker.info(f"train.init_from: its weights are not loaded, {run_dir} resumes from its own checkpoint")
         return cfg, None
     model = Transformer(model_cfg)
-    pretrained = import_hf(path)
+    try:
+        pretrained = import_hf(path)
+    except pickle.UnpicklingError:  # transformers reads .bin weights weights-only: nothing in them ran
+        raise ConfigError(
+            f"train.init_from={cfg.train.init_from}: its weights file holds objects a weights-only load refuses; "
+            "nothing in it ran. Use a checkpoint in safetensors (save_pretrained writes them)"
+        ) from None
     ours = model.state_dict()
     model.load_state_dict({k: v for k, v in pretrained.state_dict().items() if k in ours}, strict=False)
     if model_cfg.mtp.depth or len(pretrained.mtp):

@@ -31,7 +31,7 @@ def reference_shares(available: list[int], budget: int) -> list[int]:
 def test_equal_shares_match_the_definition(available, budget):
     quota = equal_shares(available, budget)
     assert quota == reference_shares(available, budget)
-    assert sum(quota) == min(budget, sum(available)) and all(0 <= q <= a for q, a in zip(quota, available))
+    assert sum(quota) == min(budget, sum(available)) and all(0 <= q <= a for q, a in zip(quota, available, strict=True))
 
 
 def test_random_budgets_against_the_definition():

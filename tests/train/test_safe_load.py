@@ -1,0 +1,138 @@
+"""A run folder from someone else runs no code: every checkpoint file is read weights-only, by our tools and before
+DeepSpeed's own unrestricted load; a file that fails is refused by name. Old checkpoints still load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_lm.config import ConfigError
+from moe_lm.interop.ds_checkpoint import COMPLETE, complete_record
+from moe_lm.train import RunError, loop
+from tests.conftest import tiny_train_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Payload:
+    """What an attacker pickles: unpickling it calls os.system."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def plant(path: Path, marker: Path) -> None:
+    """Replace a checkpoint file with a pickle that would create `marker`, and make COMPLETE agree with it."""
+    torch.save({"module": Payload(f"touch {marker}")}, path)
+    (path.parent / COMPLETE).write_text(json.dumps(complete_record(path.parent)))
+
+
+def cli(script: str, *args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    cmd = [sys.executable, str(ROOT / "launch" / script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory, tiny_data):
+    """A run whose newest checkpoint's model file is the attack (as in the report: COMPLETE updated)."""
+    root = tmp_path_factory.mktemp("attack")
+    cfg = tiny_train_cfg(tiny_data, root / "run", max_steps=4, ckpt_interval=2)
+    loop.train(cfg)
+    marker = root / "PWNED"
+    plant(root / "run" / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt", marker)
+    return cfg, root / "run", marker
+
+
+@pytest.mark.parametrize(
+    "script, extra",
+    [("export_hf.py", ["--out", "{tmp}/hf"]), ("generate.py", ["--max-tokens", "3"]),
+     ("analyze_routing.py", ["--out", "{tmp}/analysis", "--no-init-baseline"])],
+)  # fmt: skip
+def test_the_scripts_refuse_a_planted_pickle_and_run_none_of_it(attacked, script, extra, tmp_path):
+    _, run, marker = attacked
+    proc = cli(script, "--run", run, *[a.format(tmp=tmp_path) for a in extra])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "mp_rank_00_model_states.pt holds an object of posix.system" in proc.stderr
+    assert "nothing in it ran" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_resume_refuses_the_planted_file_and_falls_back(attacked, capsys):
+    cfg, run, marker = attacked
+    loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=5, ckpt_interval=0)))
+    out = capsys.readouterr().out
+    assert "mp_rank_00_model_states.pt holds an object of posix.system" in out and "at step 2" in out
+    assert not marker.exists()
+
+
+def test_resume_never_hands_deepspeed_a_planted_optimizer_file(tiny_data, tmp_path):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
+    loop.train(cfg)
+    folder = tmp_path / "run" / "checkpoints" / "step_00000002"
+    plant(next(folder.glob("*optim_states.pt")), tmp_path / "PWNED")
+    with pytest.raises(RunError, match="no checkpoint .* loads"):
+        loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data, tmp_path):
+    from moe_lm.interop.hf import export_hf
+    from moe_lm.model import initial_model
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1)
+    source = tmp_path / "hf"
+    export_hf(initial_model(cfg.model, 0), source)
+    for f in source.glob("*.safetensors"):
+        f.unlink()
+    torch.save({"model.embed_tokens.weight": Payload(f"touch {tmp_path / 'PWNED'}")}, source / "pytorch_model.bin")
+    init = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=f"hf:{source}"))
+    with pytest.raises(ConfigError, match="weights-only load refuses; nothing in it ran"):
+        loop.train(init)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_path):
+    """Sizes-only COMPLETE and RNG state with numpy arrays and Python tuples, as checkpoints were written before."""
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
+    loop.train(cfg)
+    folder = tmp_path / "run" / "checkpoints" / "step_00000002"
+    np.random.seed(5)
+    random.seed(5)
+    old_rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    torch.save(old_rng, folder / "rng_rank0.pt")
+    (folder / COMPLETE).write_text(json.dumps({p.name: p.stat().st_size for p in sorted(folder.glob("*.pt"))}))
+    np.random.seed(0)
+    from moe_lm.train import checkpoint
+
+    class Engine:  # only the RNG part is under test here; DeepSpeed's load is exercised by the resume below
+        def load_checkpoint(self, *args, **kwargs):
+            return "ok", {}
+
+    checkpoint.load(Engine(), tmp_path / "run", "step_00000002")
+    assert np.random.get_state()[1].tolist() == old_rng["numpy"][1].tolist() and random.getstate() == old_rng["python"]
+    loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
+
+
+def test_the_rng_state_round_trips_through_a_weights_only_file(tmp_path):
+    from moe_lm.interop.ds_checkpoint import safe_load
+    from moe_lm.train.checkpoint import _rng_state, _set_rng_state
+
+    np.random.seed(3), random.seed(3), torch.manual_seed(3)
+    np.random.normal(), random.gauss(0, 1)  # cached Gaussians are part of the state too
+    torch.save(_rng_state(), tmp_path / "rng.pt")
+    expected = (np.random.normal(size=3).tolist(), random.random(), random.gauss(0, 1), torch.rand(3).tolist())
+    _set_rng_state(safe_load(tmp_path / "rng.pt"))  # no allowlist: tensors, numbers and strings only
+    assert (np.random.normal(size=3).tolist(), random.random(), random.gauss(0, 1), torch.rand(3).tolist()) == expected
