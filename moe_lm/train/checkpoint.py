@@ -6,13 +6,15 @@ after all ranks finished writing and the COMPLETE marker (every file's size and 
 checkpoints are pruned only after that. A model whose weights are not finite is never saved.
 
 DeepSpeed itself loads its files with `torch.load(weights_only=False)`, which runs whatever code a pickle carries.
-So before a checkpoint is handed to it, every .pt file in it must pass a weights-only load (`verify_safe`), with
-the few DeepSpeed classes its optimizer-state files hold allowed by name (`DEEPSPEED_CLASSES`); the RNG state is
-saved as tensors and numbers.
+So DeepSpeed's load runs with every torch.load forced weights-only (`weights_only_everywhere`), allowing the few
+DeepSpeed classes its optimizer-state files hold (`deepspeed_classes`); and before that, every .pt file must pass
+a weights-only load of our own (`verify_safe`), which names a refused file. The RNG state is saved as tensors and
+numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -188,32 +190,59 @@ def deepspeed_classes() -> list:
     unpickling sets attributes and runs no code of the file's choosing."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler  # the (unused in fp32/bf16) loss-scale state
     from deepspeed.runtime.zero.config import ZeroStageEnum  # an int enum: the stage the file was saved at
-    from deepspeed.utils.tensor_fragment import fragment_address  # a named tuple: (numel, start) of a fragment
+    from deepspeed.utils.tensor_fragment import fragment_address  # a dataclass: (numel, start) of a fragment
 
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
 def legacy_rng_classes() -> list:
     """RNG files written before they held tensors only: numpy's state as an array (rebuilt, no code run)."""
-    multiarray = (np._core if hasattr(np, "_core") else np.core).multiarray  # numpy 2 renamed np.core
-    return [multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # the key array's dtype
+    reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct  # numpy 2 renamed np.core
+    # why both names: a pickle names the function as the numpy that wrote it spelled it (numpy 1: numpy.core,
+    # numpy 2: numpy._core), and pyproject allows either
+    spelled = [(reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core")]
+    return [*spelled, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # the last: the key array's dtype class
 
 
 def verify_safe(folder: Path) -> None:
-    """Every .pt file of a checkpoint passes a weights-only load (memory-mapped: the tensors are not read), so that
-    DeepSpeed's own unrestricted load runs no code from it; raises UnsafeCheckpoint naming the file otherwise."""
+    """Every .pt file of a checkpoint passes a weights-only load (memory-mapped: the tensors are not read); raises
+    UnsafeCheckpoint naming the file otherwise, before DeepSpeed has loaded anything of the checkpoint."""
     allowed = deepspeed_classes() + legacy_rng_classes()
     for path in sorted(folder.glob("*.pt")):
         safe_load(path, allowed, mmap=True)
 
 
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"  # torch/serialization.py reads it at every torch.load
+
+
+@contextlib.contextmanager
+def weights_only_everywhere(allowed: list):
+    """Within the block every torch.load is weights-only with `allowed` classes, whatever its caller passes."""
+    # why the variable, not a checkpoint engine of our own: swapping engine.checkpoint_engine reaches into
+    # DeepSpeed's internals and misses its other loads (torch.load called directly for universal checkpoints in
+    # runtime/base_optimizer.py; load_moe_state_dict defaults to a fresh TorchCheckpointEngine). torch reads the
+    # variable at each call and it overrides weights_only=False, so the guarantee holds at the read itself, also
+    # if a file were replaced after verify_safe read it.
+    before = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = before
+
+
 def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
     """Restore engine state and this rank's RNG from checkpoint `tag`; returns the client state."""
     root = ckpt_root(run_dir)
-    verify_safe(root / tag)
-    path, client_state = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=False
-    )
+    verify_safe(root / tag)  # why first: it names a refused file, and DeepSpeed has not half-loaded anything yet
+    with weights_only_everywhere(deepspeed_classes()):
+        path, client_state = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=False
+        )
     if path is None:
         raise RunError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{rank()}.pt"

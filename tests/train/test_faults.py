@@ -10,9 +10,11 @@ import errno
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,37 @@ def test_a_garbled_checkpoint_of_the_same_size_falls_back_too(tiny_data, tmp_pat
     out = capsys.readouterr().out
     named = "content hash differs" if marker == "hashes" else "mp_rank_00_model_states.pt does not load"
     assert named in out and "mp_rank_00_model_states.pt" in out and "at step 2" in out
+
+
+def flip_one_bit(path: Path) -> None:
+    """Flip one bit in the middle of the file's largest tensor: the size stays, and torch reads it unawares."""
+    with zipfile.ZipFile(path) as z:
+        data = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    content = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", content[data.header_offset + 26 : data.header_offset + 30])
+    content[data.header_offset + 30 + name_len + extra_len + data.file_size // 2] ^= 0x40
+    path.write_bytes(bytes(content))
+
+
+def test_one_flipped_bit_is_named_by_load_model_and_resume(tiny_data, tmp_path, capsys):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    loop.train(cfg)
+    folder = tmp_path / "run" / "checkpoints" / "step_00000004"
+    written = load_model(tmp_path / "run")[1].state_dict()
+    expert_file = sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt"))[-1]
+    flip_one_bit(expert_file)
+    with pytest.raises(ValueError, match=f"{expert_file} is not the file that was written .*content hash differs"):
+        load_model(tmp_path / "run")
+    # the reference: with sizes only (a COMPLETE from before the hashes) the altered weights load unnoticed
+    hashed = (folder / COMPLETE).read_text()
+    (folder / COMPLETE).write_text(json.dumps({n: e["bytes"] for n, e in json.loads(hashed).items()}))
+    altered = load_model(tmp_path / "run")[1].state_dict()
+    assert [k for k in written if not torch.equal(written[k], altered[k])] == ["layers.1.mlp.experts.gate_up_proj"]
+    (folder / COMPLETE).write_text(hashed)
+    loop.train(with_train(cfg, max_steps=5))
+    out = capsys.readouterr().out
+    assert f"{expert_file} is not the file that was written" in out and "at step 2" in out
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
 def test_a_history_without_a_loadable_checkpoint_is_refused(tiny_data, tmp_path):

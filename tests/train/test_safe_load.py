@@ -3,12 +3,14 @@ DeepSpeed's own unrestricted load; a file that fails is refused by name. Old che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -104,8 +106,42 @@ def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data,
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_path):
-    """Sizes-only COMPLETE and RNG state with numpy arrays and Python tuples, as checkpoints were written before."""
+def test_deepspeed_reads_weights_only_even_past_the_check(tiny_data, tmp_path, monkeypatch):
+    """Were a file swapped after verify_safe read it, DeepSpeed's own load (weights_only=False in its code) still
+    runs none of it. The reference: without the forced weights-only load, the same resume does run the pickle."""
+    from moe_lm.train import checkpoint
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
+    loop.train(cfg)
+    folder = tmp_path / "run" / "checkpoints" / "step_00000002"
+    plant(next(folder.glob("*optim_states.pt")), tmp_path / "PWNED")
+    monkeypatch.setattr(checkpoint, "verify_safe", lambda folder: None)  # as if swapped right after the check
+    resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3))
+    with pytest.raises(RunError, match="no checkpoint .* loads"):
+        loop.train(resumed)
+    assert not (tmp_path / "PWNED").exists()
+    monkeypatch.setattr(checkpoint, "weights_only_everywhere", lambda allowed: contextlib.nullcontext())
+    with pytest.raises(RunError):  # the payload runs, then DeepSpeed fails on what it returned
+        loop.train(resumed)
+    assert (tmp_path / "PWNED").exists()  # the attack is real: the guard above is what stopped it
+
+
+def as_numpy1_wrote_it(path: Path) -> None:
+    """Spell numpy's array reconstruction as numpy 1 pickles it (numpy.core, not numpy 2's numpy._core)."""
+    with zipfile.ZipFile(path) as z:
+        entries = {info.filename: z.read(info) for info in z.infolist()}
+    pkl = next(name for name in entries if name.endswith("/data.pkl"))
+    assert b"numpy._core.multiarray\n_reconstruct" in entries[pkl]
+    entries[pkl] = entries[pkl].replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in entries.items():
+            z.writestr(name, data)
+
+
+@pytest.mark.parametrize("numpy_version", ["numpy 2", "numpy 1"])
+def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_path, numpy_version):
+    """Sizes-only COMPLETE and RNG state with numpy arrays and Python tuples, as checkpoints were written before
+    (pyproject allows numpy 1.26, whose pickles name numpy.core)."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
     loop.train(cfg)
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
@@ -113,6 +149,8 @@ def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_pat
     random.seed(5)
     old_rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     torch.save(old_rng, folder / "rng_rank0.pt")
+    if numpy_version == "numpy 1":
+        as_numpy1_wrote_it(folder / "rng_rank0.pt")
     (folder / COMPLETE).write_text(json.dumps({p.name: p.stat().st_size for p in sorted(folder.glob("*.pt"))}))
     np.random.seed(0)
     from moe_lm.train import checkpoint
