@@ -162,7 +162,7 @@ def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data
     assert not (tmp_path / "run" / "checkpoints" / "step_00000006").exists()
     # a NaN checkpoint written by other means is refused by export / generate / analytics
     good = tmp_path / "run" / "checkpoints" / "step_00000002"
-    state = torch.load(good / "mp_rank_00_model_states.pt", weights_only=False)
+    state = torch.load(good / "mp_rank_00_model_states.pt", weights_only=True)
     first = next(iter(state["module"]))
     state["module"][first] = state["module"][first] * float("nan")
     torch.save(state, good / "mp_rank_00_model_states.pt")
