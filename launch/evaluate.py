@@ -28,15 +28,9 @@ from moe_lm.interop.ds_checkpoint import parse_run
 
 def export_run(run_ref, out: Path) -> str:
     """Export a run's checkpoint and its tokenizer into `out`, as launch/export_hf.py --run does; returns the tag."""
-    from moe_lm.data.tokenizer import load_data_tokenizer
-    from moe_lm.interop.ds_checkpoint import load_model
-    from moe_lm.interop.hf import export_hf
-    from moe_lm.interop.hf_tokenizer import export_tokenizer
+    from moe_lm.interop.hf import export_run as export
 
-    cfg, model, tag = load_model(*run_ref)
-    tok = load_data_tokenizer(cfg.data.out_dir)  # why no fallback: evaluation cannot run without the tokenizer
-    export_hf(model.eval(), out, tok.doc_start_id, tok.eos_id)
-    said = export_tokenizer(cfg.data.out_dir, out, max_len=cfg.model.max_seq_len)
+    tag, said = export(run_ref.run, run_ref.tag, out)  # why required: evaluation cannot run without the tokenizer
     print(f"exported {run_ref.run}:{tag} with {said}", file=sys.stderr)
     return tag
 

@@ -16,11 +16,8 @@ import sys
 
 from moe_lm.cli import output_dir, run
 from moe_lm.config import load_config
-from moe_lm.data.documents import DataError
-from moe_lm.data.tokenizer import load_data_tokenizer
-from moe_lm.interop.ds_checkpoint import load_model, parse_run
-from moe_lm.interop.hf import export_hf
-from moe_lm.interop.hf_tokenizer import export_tokenizer
+from moe_lm.interop.ds_checkpoint import parse_run
+from moe_lm.interop.hf import export_hf, export_run
 from moe_lm.model import initial_model
 
 
@@ -39,20 +36,12 @@ def main() -> None:
             "was trained"
         )
     out = output_dir(args.out)
-    tok = None
     if args.run:
-        cfg, model, tag = load_model(*args.run)
-        try:
-            tok = load_data_tokenizer(cfg.data.out_dir)
-        except DataError as e:
-            print(f"warning: no tokenizer exported ({e})", file=sys.stderr)
+        _, said = export_run(*args.run, out, tokenizer_required=False, max_shard_size=args.max_shard_size)
+        print(f"wrote {said} to {out}", file=sys.stderr if said.startswith("no tokenizer") else sys.stdout)
     else:
         cfg = load_config(args.config, args.overrides)
-        model = initial_model(cfg.model, cfg.seed)
-    bos, eos = (tok.doc_start_id, tok.eos_id) if tok else (None, None)
-    export_hf(model.eval(), out, bos, eos, args.max_shard_size)
-    if tok is not None:
-        print(f"wrote {export_tokenizer(cfg.data.out_dir, out, max_len=cfg.model.max_seq_len)} to {out}")
+        export_hf(initial_model(cfg.model, cfg.seed).eval(), out, max_shard_size=args.max_shard_size)
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
 
 

@@ -312,3 +312,26 @@ def _permute_rope_rows(state: dict[str, torch.Tensor], cfg: ModelConfig, perm: t
         kv_key = prefix + "kv_a_proj_with_mqa.weight"
         kv = state[kv_key]
         state[kv_key] = torch.cat((kv[: m.kv_lora_rank], kv[m.kv_lora_rank :][perm]))
+
+
+def export_run(
+    run_dir: str | Path, tag: str | None, out: Path, tokenizer_required: bool = True, max_shard_size: str | None = None
+) -> tuple[str, str]:
+    """A run's checkpoint (the latest complete one when `tag` is None) exported into `out` with its tokenizer, its
+    start token and context length: (the tag, what was written of the tokenizer). Without the run's tokenizer the
+    model alone is written, unless `tokenizer_required`."""
+    from moe_lm.data.documents import DataError
+    from moe_lm.data.tokenizer import load_data_tokenizer
+    from moe_lm.interop.ds_checkpoint import load_model
+    from moe_lm.interop.hf_tokenizer import export_tokenizer
+
+    cfg, model, tag = load_model(run_dir, tag)
+    try:
+        tok = load_data_tokenizer(cfg.data.out_dir)
+    except DataError as e:
+        if tokenizer_required:
+            raise
+        export_hf(model.eval(), out, max_shard_size=max_shard_size)
+        return tag, f"no tokenizer ({e})"
+    export_hf(model.eval(), out, tok.doc_start_id, tok.eos_id, max_shard_size)
+    return tag, export_tokenizer(cfg.data.out_dir, out, max_len=cfg.model.max_seq_len)
