@@ -29,10 +29,10 @@ from moe_lm.analysis.budget import budget_documents, sample_lines
 from moe_lm.analysis.report import build_report, figure_layers
 from moe_lm.analysis.subject import add_subject_args, open_subject, user_documents
 from moe_lm.analysis.trace import record_trace
+from moe_lm.checkpoint.format import load_model, parse_run
 from moe_lm.cli import UserError, output_dir, run
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
-from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.train.tracker import open_wandb
 
 DEFAULT_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]

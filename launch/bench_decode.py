@@ -19,12 +19,12 @@ import time
 import numpy as np
 import torch
 
+from moe_lm.checkpoint.format import load_model, parse_run
 from moe_lm.cli import fail, run
 from moe_lm.data.prepare import load_split
 from moe_lm.inference.generate import generate
 from moe_lm.inference.sampling import Sampling
 from moe_lm.inference.speculative import SpeculativeStats, speculative_generate
-from moe_lm.interop.ds_checkpoint import load_model, parse_run
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
+from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import UserError, output_dir, run
-from moe_lm.interop.ds_checkpoint import parse_run
 
 
 def export_run(run_ref, out: Path) -> str:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import output_dir, run
 from moe_lm.config import load_config
-from moe_lm.interop.ds_checkpoint import parse_run
 from moe_lm.interop.hf import export_hf, export_run
 from moe_lm.model import initial_model
 

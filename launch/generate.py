@@ -15,12 +15,12 @@ import argparse
 import sys
 import time
 
+from moe_lm.checkpoint.format import load_model, parse_run
 from moe_lm.cli import UserError, run
 from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.inference.generate import fit_prompt, generate
 from moe_lm.inference.sampling import Sampling
 from moe_lm.inference.speculative import speculative_generate
-from moe_lm.interop.ds_checkpoint import load_model, parse_run
 
 
 def main() -> None:

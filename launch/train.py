@@ -41,8 +41,8 @@ def main() -> None:
         fail(str(e))
 
     from moe_lm.data.prepare import load_split
+    from moe_lm.errors import RunError
     from moe_lm.parallel.deepspeed_setup import remove_shm_buffers, shutdown_distributed
-    from moe_lm.train import RunError
     from moe_lm.train.loop import train
     from moe_lm.train.stop import PeerLost, Stopped
 
@@ -79,7 +79,7 @@ def report_dead_peer(e: PeerLost) -> NoReturn:
         cmd = resume_command()
         if e.checkpoint:
             then = f"to resume from it, run the same command: {cmd}"
-        else:  # a run folder with a log and no checkpoint is refused on resume (train/checkpoint.py)
+        else:  # a run folder with a log and no checkpoint is refused on resume (checkpoint/save_resume.py)
             then = f"there is nothing to resume from; start again with: {cmd} train.resume=false"
         print(f"error: {e}; {then}", file=sys.stderr, flush=True)
     remove_shm_buffers(os.environ.get("MASTER_PORT", ""))

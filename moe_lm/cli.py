@@ -13,19 +13,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from moe_lm.errors import ConfigError, DataError, RunError, UserError
+
 USAGE = 2  # exit code of a user error, as argparse uses for bad arguments
-
-
-class UserError(Exception):
-    """A problem the user can fix (the message says how): printed as one line, no traceback."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that carry a message for the user rather than a bug report."""
-    from moe_lm.config import ConfigError
-    from moe_lm.data.documents import DataError
-    from moe_lm.train import RunError
-
     # why FileNotFoundError/ValueError/KeyError: the project's loaders raise them with messages naming the file
     return (UserError, ConfigError, DataError, RunError, FileNotFoundError, ValueError, KeyError)
 

@@ -19,10 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be accepted; the message names the dotted key."""
-
+from moe_lm.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------- model
 

@@ -107,10 +107,3 @@ def topk_without(choice_TE, keep_TE, gone: list[int], K: int) -> torch.Tensor:
     within = allowed.masked_fill(~keep_TE, float("-inf"))
     short = (within > float("-inf")).sum(-1, keepdim=True) < K
     return torch.where(short, allowed, within).topk(K, dim=-1).indices
-
-
-def gate_choices(output) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts [T, K], weights [T, K]) from an HF gate's (logits, weights, indices), largest weight first."""
-    _, weights, indices = output
-    order = weights.float().argsort(dim=-1, descending=True, stable=True)
-    return indices.gather(-1, order), weights.float().gather(-1, order)

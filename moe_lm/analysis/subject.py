@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
+from moe_lm.checkpoint.format import load_model, parse_run
 from moe_lm.cli import fail
 from moe_lm.config import Config
-from moe_lm.data.documents import DataError, ReadReport, iter_source
+from moe_lm.data.documents import DataError, ReadReport
+from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
-from moe_lm.interop.ds_checkpoint import load_model, parse_run
 from moe_lm.model import initial_model
 
 

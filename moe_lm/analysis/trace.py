@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moe_lm.analysis.hf_routing import gate_choices
-from moe_lm.model import Routing, Transformer
+from moe_lm.model import Transformer
+from moe_lm.routing.recorder import RoutingRecorder
 
 FORMAT_VERSION = 1
 
@@ -122,34 +122,6 @@ class TraceWriter:
         }
         (self.folder / "meta.json").write_text(json.dumps(meta, indent=1))
         return Trace(self.folder)
-
-
-class RoutingRecorder:
-    """Context manager: forward hooks that keep each MoE layer's last choice, (experts [T, K], weights [T, K]) on
-    the CPU, from what the router returned. `model`: our Transformer, or an `HFMoEModel`."""
-
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
-        self.layers = model.moe_layer_ids()
-        self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._hooks = []
-
-    def __enter__(self) -> RoutingRecorder:
-        for layer_id, router in zip(self.layers, self.model.routers(), strict=True):
-            self._hooks.append(router.register_forward_hook(self._hook(layer_id)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-
-    def _hook(self, layer_id: int):
-        def hook(module, inputs, output) -> None:
-            idx, w = (output.topk_idx, output.topk_weight) if isinstance(output, Routing) else gate_choices(output)
-            self.last[layer_id] = (idx.detach().cpu(), w.detach().cpu())
-
-        return hook
 
 
 def document_chunks(docs: Iterable[tuple[int, np.ndarray]], seq_len: int) -> Iterator[DocChunk]:

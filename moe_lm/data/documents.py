@@ -13,11 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe_lm.errors import DataError
+
 TEXT_SUFFIXES = (".txt", ".jsonl")
-
-
-class DataError(ValueError):
-    """Input data that cannot be used; the message names the file and what to do."""
 
 
 @dataclass(frozen=True)
@@ -96,23 +94,13 @@ def iter_file(
         yield Document(where, str(line_domain) if line_domain is not None else (domain or path.stem), obj[text_field])
 
 
-def iter_source(
-    source: str | Path, report: ReadReport, text_field: str = "text", domain_field: str = "domain"
+def iter_text_source(
+    path: Path, report: ReadReport, text_field: str = "text", domain_field: str = "domain"
 ) -> Iterator[Document]:
-    """Documents of one user source: a file, a folder of files (one domain), a folder of domain folders, or a
-    datasets-format source (parquet, arrow, save_to_disk, hf:NAME; see dataset_sources.py)."""
-    from moe_lm.data.dataset_sources import is_dataset_source, iter_dataset  # why here: it imports this module
-
-    if is_dataset_source(str(source)):
-        yield from _counted(iter_dataset(str(source), report, text_field, domain_field), report)
-        return
-    path = Path(source)
-    if not path.exists():
-        raise DataError(
-            f"data source not found: {path} (give .txt/.jsonl/.parquet/.arrow files or folders, hf:NAME, or 'default')"
-        )
+    """Documents of a .txt/.jsonl file, a folder of them (one domain), or a folder of domain folders; each counted
+    in `report.documents` by domain."""
     if path.is_file():
-        yield from _counted(iter_file(path, None, report, text_field, domain_field), report)
+        yield from counted(iter_file(path, None, report, text_field, domain_field), report)
         return
     subdirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     groups = [(d.name, d) for d in subdirs] if subdirs else [(path.name, path)]
@@ -124,23 +112,20 @@ def iter_source(
         n_before = sum(report.documents.values())
         for f in files:
             # a .jsonl line's own "domain" field wins over its folder
-            yield from _counted(iter_file(f, domain, report, text_field, domain_field), report)
+            yield from counted(iter_file(f, domain, report, text_field, domain_field), report)
         if sum(report.documents.values()) == n_before:
             raise DataError(f"domain folder {folder} holds no usable .txt/.jsonl documents; remove it or add text")
 
 
-def source_files(source: str | Path) -> list[Path]:
-    """The local files a source reads, resolved, for the change fingerprint ([] for hf: sources: nothing to stat)."""
-    from moe_lm.data.dataset_sources import dataset_files, is_dataset_source  # why here: it imports this module
-
-    if is_dataset_source(str(source)):
-        return dataset_files(str(source))
-    path = Path(source).resolve()
+def text_files(path: Path) -> list[Path]:
+    """The .txt/.jsonl files a text source (a file or a folder) may read, resolved."""
+    path = path.resolve()
     # why every .txt/.jsonl below the folder (not only those read): a new file there is a change worth noticing
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
 
 
-def _counted(docs: Iterator[Document], report: ReadReport) -> Iterator[Document]:
+def counted(docs: Iterator[Document], report: ReadReport) -> Iterator[Document]:
+    """The documents, each counted in `report.documents` by domain as it passes."""
     for doc in docs:
         report.documents[doc.domain] += 1
         yield doc

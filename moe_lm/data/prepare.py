@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
-from moe_lm.data.documents import DataError, Document, ReadReport, iter_source, source_files
+from moe_lm.data.documents import DataError, Document, ReadReport
 from moe_lm.data.shards import TokenShard
+from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenize_shards import tokenize_to_shards
 from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer
 

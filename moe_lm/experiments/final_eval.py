@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis.attention_probe import erank_by_layer
-from moe_lm.analysis.trace import RoutingRecorder
+from moe_lm.checkpoint.format import load_model
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
-from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.model import initial_model
+from moe_lm.routing.recorder import RoutingRecorder
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, reads_prefix
 
 RESULT, ARRAYS = "final_eval.json", "final_eval.npz"

@@ -24,12 +24,12 @@ from moe_lm.analysis.attention_probe import (
     relative_residual,
     synthetic_erank,
 )
+from moe_lm.checkpoint.format import load_model
 from moe_lm.experiments import stats
 from moe_lm.experiments.final_eval import probe_windows
 from moe_lm.experiments.report import closing_sections
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment
-from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.model import Transformer, initial_model
 
 BLOCKS = ("full", "prefix", "target")

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.experiments.final_eval import RESULT, evaluate_run
 from moe_lm.experiments.spec import Experiment
-from moe_lm.interop.ds_checkpoint import latest_tag
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

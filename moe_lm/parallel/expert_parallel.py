@@ -13,7 +13,7 @@ our router decides, our dispatcher moves tokens. It is applied at every `ep_size
 always have the same per-expert layout.
 
 DeepSpeed finds expert tensors by the name `<moe>.deepspeed_moe.experts.deepspeed_experts.<local id>.<param>`;
-our experts are stacked [E_local, ...], so state-dict hooks (moe_lm/interop/ds_checkpoint.py, which reads the
+our experts are stacked [E_local, ...], so state-dict hooks (moe_lm/checkpoint/format.py, which reads the
 same files without DeepSpeed) present them per expert and stack them back on load.
 """
 
@@ -25,8 +25,8 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
+from moe_lm.checkpoint.format import per_expert_keys, stacked_keys
 from moe_lm.config import ConfigError
-from moe_lm.interop.ds_checkpoint import per_expert_keys, stacked_keys
 from moe_lm.model import Experts, Transformer
 from moe_lm.model.moe import local_dispatch
 from moe_lm.parallel.dispatch import AllToAllDispatcher

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_lm.analysis.metrics import max_vio
 from moe_lm.model import Transformer, update_biases
+from moe_lm.routing.stats import max_vio
 
 
 def global_counts(model: Transformer) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ so runs with and without MTP compare on the same number; the MTP depths' losses 
 (`mtp_loss/depth_k`).
 
 The routing numbers come from what the routers chose on those windows, through the same functions the routing
-report uses (moe_lm/analysis/metrics.py): MaxVio_global, mean pairwise domain JSD (bits), and the shares of
+report uses (moe_lm/routing/stats.py): MaxVio_global, mean pairwise domain JSD (bits), and the shares of
 adjacent same-document tokens with the same first choice / overlapping top-k. Counts are summed over ranks.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_lm.analysis import metrics as M
-from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.model import Transformer
+from moe_lm.routing import stats as M
+from moe_lm.routing.recorder import RoutingRecorder
 from moe_lm.train.objective import NEXT_TOKEN, Objective, loss_sums
 
 

@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_lm.checkpoint import save_resume
+from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import Config, ConfigError, config_to_dict, dump_config
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import build_signature, load_split, prepare_data, read_meta, signature_changes
-from moe_lm.interop.ds_checkpoint import latest_tag
+from moe_lm.errors import RunError
 from moe_lm.model import Transformer, build_model, count_params
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
-from moe_lm.train import RunError, checkpoint
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops, train_flops_per_token
@@ -68,7 +69,7 @@ def train(cfg: Config) -> dict:
         model = apply_activation_checkpointing(model, t.activation_checkpointing)
         model = apply_compile(model, t.compile)
         engine = build_engine(model, cfg)
-        start_step, sample_base = checkpoint.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
+        start_step, sample_base = save_resume.resume(engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
         watch.done = start_step
         if rank == 0:
             dump_config(cfg, run_dir / "config.yaml")
@@ -278,7 +279,7 @@ def _save(engine, model: Transformer, run_dir: Path, cfg: Config, state: dict, h
     """Save unless the model is unhealthy (a streak of skipped steps, or non-finite weights): a bad model never
     becomes `latest`, and no good checkpoint is pruned for it. Returns whether it saved."""
     why = "the last step was skipped (non-finite loss or gradient)" if not healthy else None
-    if why is None and not checkpoint.weights_finite(model):
+    if why is None and not save_resume.weights_finite(model):
         why = "the weights are not finite"
     if why:
         tracker.info(
@@ -286,7 +287,7 @@ def _save(engine, model: Transformer, run_dir: Path, cfg: Config, state: dict, h
             f"{latest_tag(run_dir) or 'none'}"
         )
         return False
-    tag = checkpoint.save(engine, run_dir, state["step"], cfg, state, cfg.train.keep_last)
+    tag = save_resume.save(engine, run_dir, state["step"], cfg, state, cfg.train.keep_last)
     tracker.info(f"saved checkpoint {run_dir / 'checkpoints' / tag}")
     return True
 

@@ -12,9 +12,9 @@ import shutil
 import time
 from pathlib import Path
 
-from moe_lm.interop.ds_checkpoint import ckpt_root
-from moe_lm.train import RunError
-from moe_lm.train.checkpoint import barrier, rank
+from moe_lm.checkpoint.format import ckpt_root
+from moe_lm.checkpoint.save_resume import barrier, rank
+from moe_lm.errors import RunError
 
 
 @contextlib.contextmanager

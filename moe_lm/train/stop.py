@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_lm.interop.ds_checkpoint import ckpt_root, latest_tag
+from moe_lm.checkpoint.format import ckpt_root, latest_tag
+from moe_lm.errors import RunError
 from moe_lm.parallel.deepspeed_setup import (
     Peer,
     dead_ranks,
@@ -32,7 +33,6 @@ from moe_lm.parallel.deepspeed_setup import (
     peer_failure_reason,
     suspect_host,
 )
-from moe_lm.train import RunError
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from moe_lm.analysis.ablation import ablation_study, document_losses, route_around
-from moe_lm.analysis.trace import RoutingRecorder
 from moe_lm.model import Transformer
+from moe_lm.routing.recorder import RoutingRecorder
 from tests.tiny import replace_moe, tiny_model_cfg
 
 

@@ -20,7 +20,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
-from moe_lm.analysis.trace import RoutingRecorder
+from moe_lm.routing.recorder import RoutingRecorder
 from tests.conftest import WORDS, make_text
 
 ROOT = Path(__file__).resolve().parents[2]

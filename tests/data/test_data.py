@@ -10,8 +10,9 @@ import pytest
 from moe_lm.config import DataConfig
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.default_corpus import DOMAINS, iter_default_corpus
-from moe_lm.data.documents import DataError, ReadReport, iter_source
+from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import is_validation, load_split, prepare_data
+from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import load_data_tokenizer
 from tests.conftest import WORDS, write_folder_corpus
 

@@ -12,8 +12,9 @@ import pytest
 
 from moe_lm.config import DataConfig
 from moe_lm.data.batches import eval_windows
-from moe_lm.data.documents import DataError, ReadReport, iter_source
+from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import load_split, prepare_data
+from moe_lm.data.sources import iter_source
 from tests.conftest import write_folder_corpus
 
 ROOT = Path(__file__).resolve().parents[2]

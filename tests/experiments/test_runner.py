@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from moe_lm.checkpoint.format import load_model
 from moe_lm.config import ConfigError, dump_config
 from moe_lm.data.prepare import load_split
 from moe_lm.experiments.final_eval import document_windows, evaluate_run
 from moe_lm.experiments.report import write_report
 from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
-from moe_lm.interop.ds_checkpoint import load_model
 from tests.conftest import tiny_train_cfg
 
 pytestmark = pytest.mark.slow

@@ -212,7 +212,7 @@ def test_export_cli_from_a_training_run(tiny_data, tmp_path):
     import sys
     from pathlib import Path
 
-    from moe_lm.interop.ds_checkpoint import load_model
+    from moe_lm.checkpoint.format import load_model
     from moe_lm.train import loop
     from tests.conftest import tiny_train_cfg
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from moe_lm.checkpoint.format import load_model
 from moe_lm.config import ConfigError, load_config
-from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.model import build_model, count_params
 from moe_lm.model.encdec import EncoderDecoder
 from moe_lm.train import loop

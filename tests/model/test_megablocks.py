@@ -132,7 +132,7 @@ def test_slots_entry_point_equals_loop():
 
 def test_offline_loading_of_a_megablocks_run_uses_grouped(tiny_data, tmp_path):
     """A run trained with megablocks on a GPU can be analysed and exported on a CPU: the weights are the same."""
-    from moe_lm.interop.ds_checkpoint import latest_tag, load_model
+    from moe_lm.checkpoint.format import latest_tag, load_model
     from moe_lm.train import loop
     from tests.conftest import tiny_train_cfg
 

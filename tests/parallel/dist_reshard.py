@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_lm.checkpoint import save_resume
+from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import load_config
-from moe_lm.interop.ds_checkpoint import latest_tag
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel
-from moe_lm.train import checkpoint
 from tests.distributed import run_worker
 
 
@@ -31,7 +31,7 @@ def main(args: argparse.Namespace) -> None:
     cfg = load_config(run / "checkpoints" / tag / "config.yaml")
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=args.ep))
     engine = build_engine(apply_expert_parallel(Transformer(cfg.model), args.ep), cfg)
-    checkpoint.load(engine, run, tag, load_optimizer_states=False)
+    save_resume.load(engine, run, tag, load_optimizer_states=False)
     engine.eval()
     with torch.no_grad():
         logits = engine(fixed_tokens(cfg.model.vocab_size)).logits

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lm.checkpoint.format import load_model
 from moe_lm.config import dump_config
-from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.interop.hf import export_hf
 from moe_lm.train import loop
 from tests.conftest import tiny_train_cfg

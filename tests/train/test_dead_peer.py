@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
+from moe_lm.checkpoint.format import ckpt_root, latest_tag
 from moe_lm.config import dump_config
-from moe_lm.interop.ds_checkpoint import ckpt_root, latest_tag
 from moe_lm.parallel.deepspeed_setup import Peer, init_distributed
 from moe_lm.train.stop import PeerLost, WatchPeers
 from tests.conftest import tiny_train_cfg

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lm.checkpoint import save_resume
+from moe_lm.checkpoint.format import COMPLETE, latest_tag, load_model
 from moe_lm.config import ConfigError, dump_config, load_config
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import prepare_data
-from moe_lm.interop.ds_checkpoint import COMPLETE, latest_tag, load_model
-from moe_lm.train import RunError, checkpoint, loop, run_folder
+from moe_lm.errors import RunError
+from moe_lm.train import loop, run_folder
 from moe_lm.train.flops import Throughput
 from tests.conftest import VOCAB, tiny_train_cfg, write_folder_corpus
 
@@ -336,7 +338,7 @@ def test_a_second_process_on_the_same_run_folder_is_refused(tiny_data, tmp_path)
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tiny_data, tmp_path, monkeypatch):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
-    real = checkpoint.torch.save
+    real = save_resume.torch.save
     calls = {"n": 0}
 
     def disk_full(obj, path, *a, **k):
@@ -346,7 +348,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tin
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real(obj, path, *a, **k)
 
-    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    monkeypatch.setattr(save_resume.torch, "save", disk_full)
     with pytest.raises(RunError, match="No space left on device.*step_00000002, is intact"):
         loop.train(cfg)
     assert latest_tag(tmp_path / "run") == "step_00000002"

@@ -78,9 +78,9 @@ def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path):
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
     # the eval loss is over the targets only: recomputed from the checkpoint on the same windows
+    from moe_lm.checkpoint.format import load_model
     from moe_lm.data.batches import eval_windows
     from moe_lm.data.prepare import load_split
-    from moe_lm.interop.ds_checkpoint import load_model
 
     _, model, _ = load_model(tmp_path / "run")
     windows = eval_windows(load_split(cfg.data.out_dir, "val"), cfg.train.seq_len, cfg.train.micro_batch_size)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_lm.checkpoint.format import load_model
 from moe_lm.config import MTPConfig
-from moe_lm.interop.ds_checkpoint import load_model
 from moe_lm.model import Transformer
 from moe_lm.train import loop
 from moe_lm.train.recompute import apply_activation_checkpointing

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from moe_lm.checkpoint.format import COMPLETE, complete_record
 from moe_lm.config import ConfigError
-from moe_lm.interop.ds_checkpoint import COMPLETE, complete_record
-from moe_lm.train import RunError, loop
+from moe_lm.errors import RunError
+from moe_lm.train import loop
 from tests.conftest import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,18 +110,18 @@ def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data,
 def test_deepspeed_reads_weights_only_even_past_the_check(tiny_data, tmp_path, monkeypatch):
     """Were a file swapped after verify_safe read it, DeepSpeed's own load (weights_only=False in its code) still
     runs none of it. The reference: without the forced weights-only load, the same resume does run the pickle."""
-    from moe_lm.train import checkpoint
+    from moe_lm.checkpoint import save_resume
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
     loop.train(cfg)
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
     plant(next(folder.glob("*optim_states.pt")), tmp_path / "PWNED")
-    monkeypatch.setattr(checkpoint, "verify_safe", lambda folder: None)  # as if swapped right after the check
+    monkeypatch.setattr(save_resume, "verify_safe", lambda folder: None)  # as if swapped right after the check
     resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3))
     with pytest.raises(RunError, match="no checkpoint .* loads"):
         loop.train(resumed)
     assert not (tmp_path / "PWNED").exists()
-    monkeypatch.setattr(checkpoint, "weights_only_everywhere", lambda allowed: contextlib.nullcontext())
+    monkeypatch.setattr(save_resume, "weights_only_everywhere", lambda allowed: contextlib.nullcontext())
     with pytest.raises(RunError):  # the payload runs, then DeepSpeed fails on what it returned
         loop.train(resumed)
     assert (tmp_path / "PWNED").exists()  # the attack is real: the guard above is what stopped it
@@ -153,20 +154,20 @@ def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_pat
         as_numpy1_wrote_it(folder / "rng_rank0.pt")
     (folder / COMPLETE).write_text(json.dumps({p.name: p.stat().st_size for p in sorted(folder.glob("*.pt"))}))
     np.random.seed(0)
-    from moe_lm.train import checkpoint
+    from moe_lm.checkpoint import save_resume
 
     class Engine:  # only the RNG part is under test here; DeepSpeed's load is exercised by the resume below
         def load_checkpoint(self, *args, **kwargs):
             return "ok", {}
 
-    checkpoint.load(Engine(), tmp_path / "run", "step_00000002")
+    save_resume.load(Engine(), tmp_path / "run", "step_00000002")
     assert np.random.get_state()[1].tolist() == old_rng["numpy"][1].tolist() and random.getstate() == old_rng["python"]
     loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
 
 
 def test_the_rng_state_round_trips_through_a_weights_only_file(tmp_path):
-    from moe_lm.interop.ds_checkpoint import safe_load
-    from moe_lm.train.checkpoint import _rng_state, _set_rng_state
+    from moe_lm.checkpoint.format import safe_load
+    from moe_lm.checkpoint.save_resume import _rng_state, _set_rng_state
 
     np.random.seed(3), random.seed(3), torch.manual_seed(3)
     np.random.normal(), random.gauss(0, 1)  # cached Gaussians are part of the state too

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lm.checkpoint import save_resume
+from moe_lm.checkpoint.format import COMPLETE, latest_tag
 from moe_lm.config import MTPConfig, load_config
-from moe_lm.interop.ds_checkpoint import COMPLETE, latest_tag
-from moe_lm.train import checkpoint, loop, objective
+from moe_lm.train import loop, objective
 from moe_lm.train.schedule import lr_at
 from tests.conftest import tiny_train_cfg
 
@@ -84,9 +85,9 @@ def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, 
     evals = rows(tmp_path / "straight", "eval")
     assert {"mtp_loss/depth_1", "mtp_loss/depth_2", "maxvio_global/layer_3", "domain_jsd/layer_3"} <= set(evals[-1])
     # eval's `loss` is the main head's alone: recomputed here on the same windows from the final checkpoint
+    from moe_lm.checkpoint.format import load_model
     from moe_lm.data.batches import eval_windows
     from moe_lm.data.prepare import load_split
-    from moe_lm.interop.ds_checkpoint import load_model
 
     _, model, _ = load_model(tmp_path / "straight")
     windows = eval_windows(load_split(cfg.data.out_dir, "val"), cfg.train.seq_len, cfg.train.micro_batch_size)
@@ -104,7 +105,7 @@ def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, 
 def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkeypatch):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
     calls = {"n": 0}
-    real = checkpoint._rng_state
+    real = save_resume._rng_state
 
     def crash_on_second_save():
         calls["n"] += 1
@@ -112,13 +113,13 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkey
             raise KeyboardInterrupt("killed during save")
         return real()
 
-    monkeypatch.setattr(checkpoint, "_rng_state", crash_on_second_save)
+    monkeypatch.setattr(save_resume, "_rng_state", crash_on_second_save)
     with pytest.raises(KeyboardInterrupt):
         loop.train(cfg)
     run = tmp_path / "run"
     assert latest_tag(run) == "step_00000002"
     assert not (run / "checkpoints" / "step_00000004" / COMPLETE).exists()
-    monkeypatch.setattr(checkpoint, "_rng_state", real)
+    monkeypatch.setattr(save_resume, "_rng_state", real)
     loop.train(cfg)  # resumes from the previous checkpoint and finishes
     assert latest_tag(run) == "step_00000004"
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]

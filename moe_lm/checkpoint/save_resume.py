@@ -1,6 +1,6 @@
 """Checkpoints that survive crashes, faults and signals: save and resume.
 
-The layout on disk (and how to read it without DeepSpeed) is moe_lm/interop/ds_checkpoint.py. A kill at any
+The layout on disk (and how to read it without DeepSpeed) is moe_lm/checkpoint/format.py. A kill at any
 moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is replaced with os.replace only
 after all ranks finished writing and the COMPLETE marker (every file's size and hash) is down, and older
 checkpoints are pruned only after that. A model whose weights are not finite is never saved.
@@ -25,8 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_lm.config import Config, config_to_dict, dump_config, load_config
-from moe_lm.interop.ds_checkpoint import (
+from moe_lm.checkpoint.format import (
     COMPLETE,
     ckpt_root,
     complete_record,
@@ -37,7 +36,8 @@ from moe_lm.interop.ds_checkpoint import (
     safe_load,
     saved_world_size,
 )
-from moe_lm.train import RunError
+from moe_lm.config import Config, config_to_dict, dump_config, load_config
+from moe_lm.errors import RunError
 
 # Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).
 RESUME_MUST_MATCH = ("model", "data")

@@ -1,0 +1,20 @@
+"""The errors that carry a message for the user rather than a bug report: each says what is wrong and what to do,
+and the command line prints it as one line (moe_lm/cli), without a traceback unless asked for."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be accepted; the message names the dotted key."""
+
+
+class DataError(ValueError):
+    """Input data that cannot be read or used; the message names the file or source."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot start or go on; the message says why and what to do (no traceback needed)."""
+
+
+class UserError(Exception):
+    """Any other problem the user can fix (the message says how)."""

@@ -1,0 +1,45 @@
+"""What the routers chose, recorded from their outputs by forward hooks: our `Routing`, or the (logits, weights,
+indices) a transformers gate returns. Never a recomputation from logits: under biased, group-limited routing only
+the router knows what it chose. Training's evaluation, the routing traces and the experiments all read it here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lm.model import Routing, Transformer
+
+
+class RoutingRecorder:
+    """Context manager: forward hooks that keep each MoE layer's last choice, (experts [T, K], weights [T, K]) on
+    the CPU, from what the router returned. `model`: our Transformer, or an `HFMoEModel`."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.layers = model.moe_layer_ids()
+        self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks = []
+
+    def __enter__(self) -> RoutingRecorder:
+        for layer_id, router in zip(self.layers, self.model.routers(), strict=True):
+            self._hooks.append(router.register_forward_hook(self._hook(layer_id)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _hook(self, layer_id: int):
+        def hook(module, inputs, output) -> None:
+            idx, w = (output.topk_idx, output.topk_weight) if isinstance(output, Routing) else gate_choices(output)
+            self.last[layer_id] = (idx.detach().cpu(), w.detach().cpu())
+
+        return hook
+
+
+def gate_choices(output) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [T, K], weights [T, K]) from an HF gate's (logits, weights, indices), largest weight first."""
+    _, weights, indices = output
+    order = weights.float().argsort(dim=-1, descending=True, stable=True)
+    return indices.gather(-1, order), weights.float().gather(-1, order)

@@ -1,0 +1,71 @@
+"""Routing statistics shared by training and analysis, as pure functions of arrays: expert counts and MaxVio
+(balance), the Jensen-Shannon divergence between domains' expert distributions (specialisation), and adjacent-token
+repetition (Mixtral §5). The trainer logs them (moe_lm/train/balance.py, evaluate.py); the routing report adds its
+baselines and intervals around the same functions (moe_lm/analysis/metrics.py). Definitions: docs/analytics.md.
+
+Notation: N tokens, E experts, K experts per token. `experts` is [N, K] (first choice first).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def max_vio(counts: np.ndarray) -> float:
+    """MaxVio = (max_i c_i - mean c) / mean c over experts (Wang et al. 2024); 0 is perfect balance."""
+    counts = np.asarray(counts, dtype=np.float64)
+    mean = counts.mean()
+    return float((counts.max() - mean) / mean) if mean > 0 else 0.0
+
+
+def expert_counts(experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """Token-slots per expert [E]."""
+    return np.bincount(np.asarray(experts).ravel(), minlength=n_experts)
+
+
+def js_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    """Jensen-Shannon divergence in bits between two distributions (0 = identical, 1 = disjoint)."""
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        mask = a > 0
+        return float((a[mask] * np.log2(a[mask] / b[mask])).sum())
+
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+
+
+def pairwise_jsd(dist: np.ndarray) -> np.ndarray:
+    """[Dm, Dm] JSD (bits) between the rows of a [Dm, E] matrix of distributions."""
+    n = len(dist)
+    out = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            out[i, j] = out[j, i] = js_divergence(dist[i], dist[j])
+    return out
+
+
+def domain_jsd(counts_DE: np.ndarray) -> np.ndarray:
+    """Pairwise JSD (bits) between the expert-assignment distributions of the domains that have tokens, from
+    their counts [Dm, E] (`domain_expert_counts`); domains without tokens are left out, not compared as zeros."""
+    counts_DE = np.asarray(counts_DE, np.float64)
+    present = counts_DE[counts_DE.sum(1) > 0]
+    return pairwise_jsd(present / present.sum(1, keepdims=True))
+
+
+def mean_pairwise(matrix: np.ndarray) -> float:
+    n = len(matrix)
+    return float(matrix[np.triu_indices(n, 1)].mean()) if n > 1 else 0.0
+
+
+def consecutive_pairs(doc: np.ndarray) -> np.ndarray:
+    """Indices t such that tokens t and t + 1 are adjacent in the same document (N - D of them)."""
+    doc = np.asarray(doc)
+    return np.flatnonzero(doc[1:] == doc[:-1])
+
+
+def repetition_hits(experts: np.ndarray, doc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the P adjacent same-document pairs (t, t + 1): t [P], same first choice [P], overlapping top-k [P]."""
+    t = consecutive_pairs(doc)
+    a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
+    return t, a[:, 0] == b[:, 0], (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
