@@ -34,8 +34,9 @@ train: data
 data: setup
 	$(BIN)/python launch/prepare_data.py --config $(CONFIG) $(ARGS)
 
+# The MoE layer's benchmark; `$(BIN)/python -m moe_lm.bench --help` lists the others (loss, train, decode, ...).
 bench: setup
-	$(BIN)/python launch/bench_moe.py
+	$(BIN)/python -m moe_lm.bench moe
 
 # Serve small MLA and GQA exports in vLLM (CPU build) and compare its prompt logprobs with ours (docs/serving.md).
 # vLLM lives in its own venv so the project's dependencies stay as they are; the torchvision, torchaudio and

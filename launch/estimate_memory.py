@@ -3,7 +3,7 @@
     python launch/estimate_memory.py --config configs/gpu_1b.yaml --world 1
     python launch/estimate_memory.py --config configs/deepseek_v3_16b.yaml --world 8
     python launch/estimate_memory.py --config configs/deepseek_v3_671b.yaml --world 256 parallel.ep_size=64 \
-        train.activation_checkpointing=full
+        performance.activation_checkpointing=full
 
 The accounting (moe_lm/train/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
 activations counted per token and block from the model's own tensors. An estimate: compare it with a measured peak.
@@ -32,11 +32,12 @@ def main() -> None:
     if args.world % cfg.parallel.ep_size:
         fail(f"parallel.ep_size={cfg.parallel.ep_size} must divide --world {args.world}")
     n, m, t = count_params(cfg.model), estimate(cfg, args.world), cfg.train
+    recompute = cfg.performance.activation_checkpointing
     print(
         f"{args.config}: {n.total / 1e9:.3f} B parameters ({n.active / 1e9:.3f} B active)"
         + (f" + MTP {n.mtp_total / 1e9:.3f} B" if n.mtp_total else "")
         + f"; bf16 training, world {args.world}, ZeRO-{cfg.parallel.zero_stage}, ep_size {cfg.parallel.ep_size}, "
-        f"micro-batch {t.micro_batch_size} x {t.seq_len}, activation checkpointing {t.activation_checkpointing}"
+        f"micro-batch {t.micro_batch_size} x {t.seq_len}, activation checkpointing {recompute}"
     )
     for name in ("weights", "gradients", "optimizer", "activations", "logits", "buckets"):
         print(f"  {name:12s} {getattr(m, name) / GB:8.2f} GiB")

@@ -21,6 +21,7 @@ from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.inference.generate import fit_prompt, generate
 from moe_lm.inference.sampling import Sampling
 from moe_lm.inference.speculative import speculative_generate
+from moe_lm.model.masks import mask_provider
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
         ap.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     cfg, model, tag = load_model(*args.run)
     tok = load_data_tokenizer(cfg.data.out_dir)
-    if cfg.model.arch != "decoder" or cfg.model.attn_mask not in ("causal", "prefix"):
+    if cfg.model.arch != "decoder" or not mask_provider(cfg.model.attn_mask).decodes:
         raise UserError(
             f"{args.run.run} is an encoder (model.arch={cfg.model.arch}, attn_mask={cfg.model.attn_mask}): "
             "generation needs a decoder-only causal or prefix-LM model"

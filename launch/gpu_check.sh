@@ -10,10 +10,10 @@
 # exit code and time in OUT_DIR/summary.txt:
 #   env        nvidia-smi, nvcc, versions, which SDPA backend MLA's head dims get
 #   tests      the GPU-marked tests (pytest -m gpu)
-#   bench_moe  launch/bench_moe.py --device cuda --dtype bfloat16 (ours grouped_mm, MegaBlocks when installed,
+#   bench_moe  python -m moe_lm.bench moe --device cuda --dtype bfloat16 (ours grouped_mm, MegaBlocks when installed,
 #              HF eager and grouped_mm, a dense MLP of equal active FLOPs) at the GPU shapes
-#   bench_loss launch/bench_loss.py --device cuda --dtype bfloat16: the head's loss on gpu_1b's 8 x 2048 tokens, plain
-#              vs chunked (train.loss_chunk): peak memory and time
+#   bench_loss python -m moe_lm.bench loss --device cuda --dtype bfloat16: the head's loss on gpu_1b's 8 x 2048 tokens,
+#              plain vs chunked (performance.loss_chunk): peak memory and time
 #   train      `deepspeed --num_gpus 1 launch/train.py --config configs/gpu_1b.yaml` for $STEPS steps (default 120)
 #              on the default corpus (prepared here if data/gpu is absent), no checkpoint
 #   summary    tokens/s, MFU, peak memory (against launch/estimate_memory.py's), losses, from metrics.jsonl
@@ -69,8 +69,8 @@ fi
 step env 120 bash -c "nvidia-smi; nvcc --version; $PY -c 'import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; $PY -m pip list 2>/dev/null | grep -iE 'torch|deepspeed|transformers|megablocks|triton'"
 step tests 600 $PY -m pytest -q -m gpu tests -p no:cacheprovider
 wait  # the MegaBlocks build, if any, before the benchmark that times it
-step bench_moe 600 $PY launch/bench_moe.py --device cuda --dtype bfloat16 --reps 20
-step bench_loss 300 $PY launch/bench_loss.py --device cuda --dtype bfloat16 --tokens 16384 --chunks 0 2048 4096 --rounds 2 --iters 5
+step bench_moe 600 $PY -m moe_lm.bench moe --device cuda --dtype bfloat16 --reps 20
+step bench_loss 300 $PY -m moe_lm.bench loss --device cuda --dtype bfloat16 --tokens 16384 --chunks 0 2048 4096 --rounds 2 --iters 5
 DATA=data/gpu
 [ -f "$DATA/meta.json" ] || step prepare 600 $PY launch/prepare_data.py --config configs/gpu_1b.yaml --workers 8
 DS=$(command -v deepspeed || echo "$SITE/bin/deepspeed")

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import moe_lm.experiments.variants  # noqa: F401  (every command knows the research variants' config names)
 from moe_lm.errors import ConfigError, DataError, RunError, UserError
 
 USAGE = 2  # exit code of a user error, as argparse uses for bad arguments

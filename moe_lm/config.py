@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -146,23 +149,24 @@ class MTPConfig:
 class ModelConfig:
     """Decoder-only Transformer; the first `first_k_dense_replace` blocks use a dense SwiGLU MLP."""
 
-    # "decoder": decoder-only (every experiment's default); "encdec": an encoder over the prefix and a decoder with
-    # cross-attention over the rest (RedLLM-style, moe_lm/model/encdec.py), trained with train.objective=prefix_lm.
-    arch: Literal["decoder", "encdec"] = "decoder"
+    # "decoder": the decoder-only Transformer. Research variants register other architectures (the encoder-decoder
+    # "encdec" of moe_lm/experiments/variants/encdec.py).
+    arch: str = "decoder"
     vocab_size: int = 4096
     dim: int = 128
-    # Layers of the decoder (for arch=encdec: of its decoder stack; the encoder has n_enc_layers).
+    # Layers of the decoder (of the decoder stack where an architecture has an encoder too).
     n_layers: int = 4
+    # Layers of an encoder stack, for architectures that have one (the encoder-decoder variant).
     n_enc_layers: int = 0
     n_heads: int = 4
     # Width of the dense SwiGLU MLP in the first `first_k_dense_replace` layers.
     inter_dim: int = 256
     first_k_dense_replace: int = 1
     attention: Literal["mla", "gqa"] = "mla"
-    # "prefix": bidirectional attention inside a prefix, causal after it (prefix-LM / UniLM). For masked-language
-    # models (train.objective=mlm): "bidirectional", or Su's mixed forward/backward attention, by head ("mixed_heads")
-    # or by layer ("mixed_layers").
-    attn_mask: Literal["causal", "prefix", "bidirectional", "mixed_heads", "mixed_layers"] = "causal"
+    # "causal". Research variants register other masks (moe_lm/experiments/variants/masks.py): "prefix"
+    # (bidirectional inside a prefix: prefix-LM / UniLM) and, for masked-language models, "bidirectional",
+    # "mixed_heads" and "mixed_layers" (Su's mixed forward/backward attention).
+    attn_mask: str = "causal"
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
@@ -177,7 +181,8 @@ class ModelConfig:
         _require(self.vocab_size > 1, f"{path}.vocab_size", "must be > 1")
         for name in ("dim", "n_layers", "n_heads", "inter_dim", "max_seq_len"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
-        deepest = max(self.n_layers, self.n_enc_layers) if self.arch == "encdec" else self.n_layers
+        _require(self.n_enc_layers >= 0, f"{path}.n_enc_layers", "must be >= 0")
+        deepest = max(self.n_layers, self.n_enc_layers)  # dense layers are counted within each stack
         _require(
             0 <= self.first_k_dense_replace <= deepest,
             f"{path}.first_k_dense_replace",
@@ -210,22 +215,8 @@ class ModelConfig:
             )
         self.moe.validate(f"{path}.moe")
         self.mtp.validate(f"{path}.mtp")
-        if self.arch == "encdec":
-            _require(self.n_enc_layers > 0, f"{path}.n_enc_layers", "must be positive for arch=encdec")
-            _require(self.attention == "gqa", f"{path}.attention", "must be gqa for arch=encdec (GQA cross-attention)")
-            _require(self.mtp.depth == 0, f"{path}.mtp.depth", "must be 0 for arch=encdec")
-            _require(
-                self.attn_mask == "causal",
-                f"{path}.attn_mask",
-                "must be causal for arch=encdec (its encoder is bidirectional, its decoder causal, by design)",
-            )
-        # why: inside a bidirectional prefix, module k at position i would see the embedding of token i + k, a
-        # target beyond the prefix.
-        _require(
-            self.mtp.depth == 0 or self.attn_mask == "causal",
-            f"{path}.mtp.depth",
-            "> 0 needs model.attn_mask=causal (an MTP module would see targets through a bidirectional prefix)",
-        )
+        _require_choice("model.arch", self.arch, f"{path}.arch")
+        _require_choice("model.attn_mask", self.attn_mask, f"{path}.attn_mask")
 
 
 # ------------------------------------------------------------------------------------------- data/train
@@ -295,7 +286,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    """The training run: length, batch, evaluation, checkpoints."""
+    """The training run: its length, batch and folder, and where it starts from."""
 
     max_steps: int = 600
     seq_len: int = 256
@@ -305,25 +296,70 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     # Resume from the latest complete checkpoint in out_dir if there is one; false moves an old run aside.
     resume: bool = True
-    log_interval: int = 10
-    eval_interval: int = 100
-    # Batches of micro_batch_size sequences per domain at each evaluation.
-    eval_batches: int = 4
-    # Checkpoint every ckpt_interval steps and at the last one; 0 = none (benchmark runs; a signal still saves).
-    ckpt_interval: int = 200
-    keep_last: int = 2
     # Stop the run after this many consecutive steps with a non-finite loss (each is skipped).
     max_bad_steps: int = 5
     # Stop early (with a checkpoint) after this step, leaving the run resumable; 0 = run to max_steps.
     stop_at: int = 0
-    # What a window of seq_len + 1 tokens trains: "lm" predicts every next token; "prefix_lm" predicts only the
-    # tokens after its first prefix_len tokens (the prefix is input only; with model.attn_mask=prefix the model sees
-    # it bidirectionally: the prefix-LM / UniLM objective).
-    # "mlm": masked-language modelling: mlm_prob of the window's positions are corrupted (80 % to id 0, 10 % to a random
-    # token, 10 % kept) and predicted in place, with masks fixed by the window's content and the seed.
-    objective: Literal["lm", "prefix_lm", "mlm"] = "lm"
+    # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
+    # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
+    init_from: str = ""
+
+    def validate(self, path: str = "train") -> None:
+        for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "max_bad_steps"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+        _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
+        _require(
+            self.init_from == "" or self.init_from.startswith("hf:"),
+            f"{path}.init_from",
+            f"must be '' or hf:PATH (a transformers checkpoint folder), got {self.init_from!r}",
+        )
+
+
+@dataclass
+class CadenceConfig:
+    """How often the run logs, evaluates and checkpoints, and how much it keeps."""
+
+    log_interval: int = 10
+    eval_interval: int = 100
+    # Batches of train.micro_batch_size sequences per domain at each evaluation.
+    eval_batches: int = 4
+    # Checkpoint every ckpt_interval steps and at the last one; 0 = none (benchmark runs; a signal still saves).
+    ckpt_interval: int = 200
+    # Complete checkpoints kept; older ones are deleted once a newer one is complete.
+    keep_last: int = 2
+
+    def validate(self, path: str = "cadence") -> None:
+        for name in ("log_interval", "eval_interval", "eval_batches", "keep_last"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
+        _require(self.ckpt_interval >= 0, f"{path}.ckpt_interval", "must be >= 0 (0: no checkpoints)")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a window of train.seq_len + 1 tokens trains: "lm" predicts every next token.
+
+    Research variants register other objectives (moe_lm/experiments/variants/objectives.py): "prefix_lm" predicts
+    only the tokens after the window's first prefix_len tokens (with model.attn_mask=prefix the model sees the prefix
+    bidirectionally: prefix-LM / UniLM); "mlm" corrupts mlm_prob of the positions (80 % to id 0, 10 % to a random
+    token, 10 % kept) and predicts them in place, with masks fixed by the window's content and the seed.
+    """
+
+    name: str = "lm"
+    # prefix_lm: tokens of the window that are input only.
     prefix_len: int = 0
+    # mlm: share of positions corrupted and predicted.
     mlm_prob: float = 0.15
+
+    def validate(self, path: str = "objective") -> None:
+        _require(self.prefix_len >= 0, f"{path}.prefix_len", f"must be >= 0, got {self.prefix_len}")
+        _require(0 < self.mlm_prob < 1, f"{path}.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
+        _require_choice("objective.name", self.name, f"{path}.name")
+
+
+@dataclass
+class PerformanceConfig:
+    """How a step is computed: the same losses and gradients, other memory and speed."""
+
     # Recompute activations in backward instead of keeping them: "full" (every block), "selective" (the MoE blocks),
     # "none". Losses and gradients are those of "none" (moe_lm/train/recompute.py).
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -332,39 +368,9 @@ class TrainConfig:
     # Training loss of the output head(s) computed this many tokens at a time, without the [tokens, vocab] logits
     # (moe_lm/ops/linear_cross_entropy.py: same loss and gradients); 0 = the plain loss over full logits.
     loss_chunk: int = 0
-    # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
-    # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
-    init_from: str = ""
 
-    def validate(self, path: str = "train") -> None:
-        for name in (
-            "max_steps",
-            "seq_len",
-            "micro_batch_size",
-            "grad_accum_steps",
-            "log_interval",
-            "eval_interval",
-            "eval_batches",
-            "keep_last",
-            "max_bad_steps",
-        ):
-            _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
-        _require(self.ckpt_interval >= 0, f"{path}.ckpt_interval", "must be >= 0 (0: no checkpoints)")
-        _require(self.stop_at >= 0, f"{path}.stop_at", f"must be >= 0 (0: run to max_steps), got {self.stop_at}")
-        _require(0 < self.mlm_prob < 1, f"{path}.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
+    def validate(self, path: str = "performance") -> None:
         _require(self.loss_chunk >= 0, f"{path}.loss_chunk", f"must be >= 0 (0: full logits), got {self.loss_chunk}")
-        if self.objective == "prefix_lm":
-            _require(
-                0 < self.prefix_len < self.seq_len,
-                f"{path}.prefix_len",
-                f"must be between 1 and train.seq_len - 1 = {self.seq_len - 1} for objective=prefix_lm, "
-                f"got {self.prefix_len}",
-            )
-        _require(
-            self.init_from == "" or self.init_from.startswith("hf:"),
-            f"{path}.init_from",
-            f"must be '' or hf:PATH (a transformers checkpoint folder), got {self.init_from!r}",
-        )
 
 
 @dataclass
@@ -417,6 +423,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    cadence: CadenceConfig = field(default_factory=CadenceConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -425,6 +434,9 @@ class Config:
         self.data.validate("data")
         self.optim.validate("optim")
         self.train.validate("train")
+        self.objective.validate("objective")
+        self.cadence.validate("cadence")
+        self.performance.validate("performance")
         self.parallel.validate("parallel")
         _require(
             self.model.moe.n_routed_experts % self.parallel.ep_size == 0,
@@ -437,37 +449,50 @@ class Config:
             f"= {self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
         )
         _require(
-            self.model.arch == "decoder" or self.train.objective == "prefix_lm",
-            "model.arch",
-            "= encdec needs train.objective=prefix_lm (the encoder reads the prefix, the decoder predicts the rest)",
-        )
-        _require(
-            self.model.arch == "decoder" or self.train.loss_chunk == 0,
-            "train.loss_chunk",
-            "must be 0 for model.arch=encdec (its chunked loss is not implemented; the plain loss is exact)",
-        )
-        mask, objective = self.model.attn_mask, self.train.objective
-        _require(
-            mask != "prefix" or objective == "prefix_lm",
-            "model.attn_mask",
-            "= prefix needs train.objective=prefix_lm with a train.prefix_len (the plain LM objective supplies no "
-            "prefix to attend to bidirectionally)",
-        )
-        _require(
-            mask not in ("bidirectional", "mixed_heads", "mixed_layers") or objective == "mlm",
-            "model.attn_mask",
-            f"= {mask} sees the next token: it needs train.objective=mlm (a masked-language-model encoder)",
-        )
-        _require(
-            objective != "mlm" or mask not in ("causal", "prefix"),
-            "train.objective",
-            "= mlm predicts tokens in place: use model.attn_mask=bidirectional, mixed_heads or mixed_layers",
-        )
-        _require(
             self.train.seq_len > self.model.mtp.depth,
             "model.mtp.depth",
             f"= {self.model.mtp.depth} leaves no position to predict in windows of train.seq_len={self.train.seq_len}",
         )
+        for key, value in (
+            ("model.arch", self.model.arch),
+            ("model.attn_mask", self.model.attn_mask),
+            ("objective.name", self.objective.name),
+        ):
+            rule = _CHOICES[key][value]
+            if rule is not None:
+                rule(self)
+
+
+# ------------------------------------------------------------------------------------------ extension point
+
+# The names a key accepts beyond the core's, each with the cross-field rule a config using it must pass. Research
+# variants add theirs when imported (moe_lm/experiments/variants): the core never imports them.
+_CHOICES: dict[str, dict[str, Callable[[Config], None] | None]] = {
+    "model.arch": {"decoder": None},
+    "model.attn_mask": {"causal": None},
+    "objective.name": {"lm": None},
+}
+VARIANTS_MODULE = "moe_lm.experiments.variants"
+
+
+def register_choice(key: str, name: str, rule: Callable[[Config], None] | None = None) -> None:
+    """Let config key `key` (one of _CHOICES) accept `name`; `rule(cfg)` raises ConfigError for a config that uses
+    it wrongly (naming the key to change)."""
+    _CHOICES[key][name] = rule
+
+
+def choices(key: str) -> list[str]:
+    """The names `key` accepts now (the core's, and those of every variant imported so far)."""
+    return list(_CHOICES[key])
+
+
+def _require_choice(key: str, value: str, shown: str) -> None:
+    _require(
+        value in _CHOICES[key],
+        shown,
+        f"= {value!r} is not known; known: {', '.join(_CHOICES[key])} (research variants register more when "
+        f"{VARIANTS_MODULE} is imported: the moe-lm command and launch/ scripts do)",
+    )
 
 
 # ----------------------------------------------------------------------------------------- load / dump
@@ -488,7 +513,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
-        _set_dotted(raw, key.strip(), parsed)
+        _set_dotted(raw, _new_spelling(key.strip(), "an override"), parsed)
     cfg = from_dict(Config, raw)
     cfg.validate()
     return cfg
@@ -508,13 +533,53 @@ def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid YAML, {_yaml_problem(e)}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
-    raw = loaded or {}
+    raw = _moved_keys(loaded or {}, str(path))
     base = raw.pop("base", None)
     if base is None:
         return raw
     if not isinstance(base, str):
         raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
     return _merge(read_preset(path.parent / base, (*chain, path.resolve())), raw)
+
+
+# Keys that moved when the training section was split (old spelling -> new). Configs, experiment definitions and
+# run folders written before keep loading; each old spelling is noted once per process.
+MOVED = {
+    **{f"train.{k}": f"cadence.{k}" for k in ("log_interval", "eval_interval", "eval_batches", "ckpt_interval")},
+    "train.keep_last": "cadence.keep_last",
+    "train.objective": "objective.name",
+    "train.prefix_len": "objective.prefix_len",
+    "train.mlm_prob": "objective.mlm_prob",
+    **{f"train.{k}": f"performance.{k}" for k in ("activation_checkpointing", "compile", "loss_chunk")},
+}
+_noted: set[str] = set()
+
+
+def _new_spelling(key: str, where: str) -> str:
+    new = MOVED.get(key)
+    if new is None:
+        return key
+    if key not in _noted and os.environ.get("RANK", "0") == "0":
+        _noted.add(key)
+        print(f"note: {key} is now {new} ({where}; the old key still works: rename it)", file=sys.stderr)
+    return new
+
+
+def _moved_keys(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """`raw` (one file's sections) with the old spellings of MOVED keys put where they live now."""
+    train = raw.get("train")
+    if not isinstance(train, dict) or not any(f"train.{k}" in MOVED for k in train):
+        return raw
+    raw = {**raw, "train": dict(train)}
+    for key in [k for k in train if f"train.{k}" in MOVED]:
+        section, name = _new_spelling(f"train.{key}", where).split(".")
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"{where}: '{section}' must be a mapping of keys")
+        if name in target:
+            raise ConfigError(f"{where}: both train.{key} and {section}.{name} are set; keep {section}.{name}")
+        target[name] = raw["train"].pop(key)
+    return raw
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

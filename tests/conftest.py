@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from moe_lm.config import Config, DataConfig, LoggingConfig, MLAConfig, OptimConfig, TrainConfig
+from moe_lm.config import (
+    CadenceConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    MLAConfig,
+    OptimConfig,
+    TrainConfig,
+)
 from moe_lm.data.prepare import prepare_data
 from tests.tiny import tiny_model_cfg
 
@@ -53,7 +61,8 @@ def tiny_data(tmp_path_factory):
     return cfg
 
 
-def tiny_train_cfg(data: DataConfig, out_dir, **train) -> Config:
+def tiny_train_cfg(data: DataConfig, out_dir, **settings) -> Config:
+    """A 2-layer run of a few steps on the tiny corpus; keywords as `with_train` takes them."""
     model = tiny_model_cfg(
         vocab_size=VOCAB,
         n_layers=2,
@@ -62,26 +71,30 @@ def tiny_train_cfg(data: DataConfig, out_dir, **train) -> Config:
         mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
         moe=dict(num_experts_per_tok=2, routed_scaling_factor=1.0, moe_inter_dim=16, bias_update_speed=1e-2),
     )
-    t = dict(
-        max_steps=6,
-        seq_len=32,
-        micro_batch_size=4,
-        grad_accum_steps=2,
-        out_dir=str(out_dir),
-        log_interval=1,
-        eval_interval=3,
-        eval_batches=1,
-        ckpt_interval=3,
-        keep_last=2,
-    )
-    t.update(train)
     cfg = Config(
         seed=1,
         model=model,
         data=dataclasses.replace(data),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
-        train=TrainConfig(**t),
+        train=TrainConfig(max_steps=6, seq_len=32, micro_batch_size=4, grad_accum_steps=2, out_dir=str(out_dir)),
+        cadence=CadenceConfig(log_interval=1, eval_interval=3, eval_batches=1, ckpt_interval=3, keep_last=2),
         logging=LoggingConfig(wandb_mode="disabled"),
     )
+    return with_train(cfg, **settings)
+
+
+def with_train(cfg: Config, **settings) -> Config:
+    """`cfg` with fields of its train, cadence, performance and objective sections replaced by name (`objective=`
+    names the objective), validated."""
+    sections = {"train": {}, "cadence": {}, "performance": {}, "objective": {}}
+    for key, value in settings.items():
+        if key == "objective":
+            sections["objective"]["name"] = value
+            continue
+        owner = next((s for s in sections if key in {f.name for f in dataclasses.fields(getattr(cfg, s))}), None)
+        if owner is None:
+            raise TypeError(f"no train/cadence/performance/objective field {key!r}")
+        sections[owner][key] = value
+    cfg = dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in sections.items()})
     cfg.validate()
     return cfg

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.config import Config, ConfigError, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,17 +104,17 @@ def test_bad_keys_and_types_name_the_dotted_path(override, key):
         (["model.first_k_dense_replace=9"], "model.first_k_dense_replace"),
         (["model.attention=gqa", "model.gqa.n_kv_heads=3"], "model.gqa.n_kv_heads"),
         (["model.mla.qk_rope_head_dim=7"], "model.mla.qk_rope_head_dim"),
-        (["train.loss_chunk=-1"], "train.loss_chunk"),
+        (["performance.loss_chunk=-1"], "performance.loss_chunk"),
         (
             [
                 "model.arch=encdec",
                 "model.attention=gqa",
                 "model.n_enc_layers=2",
-                "train.objective=prefix_lm",
-                "train.prefix_len=8",
-                "train.loss_chunk=64",
+                "objective.name=prefix_lm",
+                "objective.prefix_len=8",
+                "performance.loss_chunk=64",
             ],
-            "train.loss_chunk",
+            "performance.loss_chunk",
         ),  # fmt: skip
     ],
 )
@@ -135,3 +136,39 @@ def test_dump_round_trips(tmp_path):
     cfg = load_config(TINY, ["model.moe.n_routed_experts=16", "model.moe.aux_alpha=1e-2"])
     dump_config(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_keys_moved_out_of_train_still_load_with_a_one_line_note(tmp_path, capsys, monkeypatch):
+    """Configs and run folders written before train was split into train/cadence/objective/performance load
+    unchanged; each old spelling is noted once, and giving both spellings is refused."""
+    import moe_lm.config
+
+    monkeypatch.setattr(moe_lm.config, "_noted", set())
+    old = tmp_path / "old.yaml"
+    old.write_text("train: {max_steps: 5, log_interval: 7, objective: lm, loss_chunk: 16}\n")
+    cfg = load_config(old, ["train.eval_interval=9", "train.compile=true"])
+    assert (cfg.train.max_steps, cfg.cadence.log_interval, cfg.cadence.eval_interval) == (5, 7, 9)
+    assert (cfg.objective.name, cfg.performance.loss_chunk, cfg.performance.compile) == ("lm", 16, True)
+    notes = capsys.readouterr().err.splitlines()
+    assert f"note: train.log_interval is now cadence.log_interval ({old}; the old key still works: rename it)" in notes
+    assert len(notes) == 5  # one line per moved key
+    load_config(old)
+    assert capsys.readouterr().err == ""  # once per process
+    both = tmp_path / "both.yaml"
+    both.write_text("train: {log_interval: 7}\ncadence: {log_interval: 8}\n")
+    with pytest.raises(ConfigError, match="both train.log_interval and cadence.log_interval are set"):
+        load_config(both)
+
+
+def test_research_variant_names_are_refused_until_registered():
+    """The core knows only its own architecture, mask and objective; the error says how variants register."""
+    import subprocess
+    import sys
+
+    code = (
+        "from moe_lm.config import load_config, ConfigError\n"
+        f"try:\n    load_config({str(TINY)!r}, ['model.attn_mask=prefix'])\n"
+        "except ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout
+    assert "model.attn_mask = 'prefix' is not known; known: causal" in out and "moe_lm.experiments.variants" in out

@@ -9,6 +9,7 @@ the share.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -107,3 +108,9 @@ def sample_lines(samples: list[DomainSample], domains: list[str], unit: str = "t
         if s.under_sampled
     ]
     return lines
+
+
+def print_sample_lines(samples: list[DomainSample], domains: list[str], unit: str = "tokens") -> None:
+    """`sample_lines` on the console: the per-domain lines on stdout, the warnings on stderr."""
+    for line in sample_lines(samples, domains, unit):
+        print(line, file=sys.stderr if line.startswith("warning") else sys.stdout)

@@ -116,11 +116,21 @@ def add_subject_args(ap: argparse.ArgumentParser) -> None:
 
 def open_subject(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Subject:
     """The Subject the flags name; a clear error (and exit) for what cannot be loaded."""
+    check_subject_args(ap, args)
+    return load_subject(args)
+
+
+def check_subject_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The subject flags' combinations argparse cannot check itself: a usage error (and exit) on the first wrong."""
     if args.hf and not args.data:
         ap.error("--hf needs --data (the documents to run it on)")
     missing = [p for p in args.data or [] if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
     if missing:
         ap.error(f"--data: not found: {', '.join(missing)}")
+
+
+def load_subject(args: argparse.Namespace) -> Subject:
+    """The Subject the (checked) flags name: --hf or --run; a clear error (and exit) for what cannot be loaded."""
     try:
         return hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
     except (FileNotFoundError, DataError, ValueError, OSError) as e:

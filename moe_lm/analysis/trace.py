@@ -131,6 +131,57 @@ def document_chunks(docs: Iterable[tuple[int, np.ndarray]], seq_len: int) -> Ite
             yield DocChunk(d, domain, start, np.asarray(tokens[start : start + seq_len]))
 
 
+def budgeted_chunks(docs: Iterable[tuple[int, np.ndarray]], seq_len: int, max_tokens: int | None) -> Iterator[DocChunk]:
+    """`document_chunks`, stopping at `max_tokens` tokens in all (the last chunk cut to fit; None: no limit)."""
+    given = 0
+    for chunk in document_chunks(docs, seq_len):
+        if max_tokens is not None:
+            room = max_tokens - given
+            if room <= 0:
+                break
+            chunk.tokens = chunk.tokens[:room]
+        given += len(chunk.tokens)
+        yield chunk
+
+
+def chunk_batches(chunks: Iterable[DocChunk], batch_size: int) -> Iterator[list[DocChunk]]:
+    """Consecutive chunks in batches of `batch_size` (the last one shorter)."""
+    batch: list[DocChunk] = []
+    for chunk in chunks:
+        batch.append(chunk)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def route_batch(model: Transformer, recorder: RoutingRecorder, batch: list[DocChunk]) -> torch.Tensor:
+    """Run `model` on the chunks, right-padded to the longest; the recorder then holds each MoE layer's
+    (experts, weights) [B*S, K]. Returns the [B*S] mask of the real (not padding) rows."""
+    S = max(len(c.tokens) for c in batch)
+    tokens = torch.zeros(len(batch), S, dtype=torch.long)  # right padding: causal, so it cannot affect real tokens
+    valid = torch.zeros(len(batch), S, dtype=torch.bool)
+    for b, c in enumerate(batch):
+        tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
+        valid[b, : len(c.tokens)] = True
+    recorder.last.clear()
+    model(tokens)  # the inference path: decoder layers only (a model's MTP modules do not run)
+    return valid.flatten()
+
+
+def write_batch(writer: TraceWriter, batch: list[DocChunk], recorder: RoutingRecorder, valid: torch.Tensor) -> None:
+    """Append the batch's real rows: its chunks' tokens in order, with the routing the recorder holds."""
+    writer.append(
+        np.concatenate([c.tokens for c in batch]),
+        np.concatenate([np.full(len(c.tokens), c.doc) for c in batch]),
+        np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in batch]),
+        np.concatenate([np.full(len(c.tokens), c.domain) for c in batch]),
+        {layer: recorder.last[layer][0][valid].numpy() for layer in writer.layers},
+        {layer: recorder.last[layer][1][valid].numpy() for layer in writer.layers},
+    )
+
+
 @torch.no_grad()
 def record_trace(
     model: Transformer,
@@ -145,69 +196,36 @@ def record_trace(
 ) -> Trace:
     """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`.
     `progress`: a progress bar (a string labels it), counting the tokens given when `docs` is a list."""
+    if model.cfg.attn_mask != "causal":
+        raise ValueError("recording needs a causal model (padding would leak into a bidirectional prefix)")
     model.eval()
     recorder = RoutingRecorder(model)
+    E, K = model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
     writer: TraceWriter | None = None  # made at the first batch: its layers are the routers that ran
-    written = 0
     t0 = time.perf_counter()
+    bar = _progress_bar(docs, max_tokens, progress)
+    with recorder:
+        for batch in chunk_batches(budgeted_chunks(docs, seq_len, max_tokens), batch_size):
+            valid = route_batch(model, recorder, batch)
+            if writer is None:
+                layers = [layer for layer in recorder.layers if layer in recorder.last]
+                writer = TraceWriter(Path(out), layers, E, K, domains, source or {})
+            write_batch(writer, batch, recorder, valid)
+            bar.update(int(valid.sum()))
+    bar.close()
+    if writer is None:  # no documents: an empty trace (the caller says there is nothing to analyse)
+        writer = TraceWriter(Path(out), recorder.layers, E, K, domains, source or {})
+    seconds = time.perf_counter() - t0
+    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9)})
+
+
+def _progress_bar(docs: Iterable[tuple[int, np.ndarray]], max_tokens: int | None, progress: bool | str) -> tqdm:
+    """A token-counting bar (disabled when `progress` is False); its total is known only when `docs` is a list."""
     total = sum(len(tokens) for _, tokens in docs) if isinstance(docs, list) else None
     if max_tokens is not None:
         total = max_tokens if total is None else min(total, max_tokens)
     label = progress if isinstance(progress, str) else "recording routing"
-    bar = tqdm(total=total, desc=label, unit="tok", disable=not progress, leave=False)
-    batch: list[DocChunk] = []
-
-    def open_writer(layers: list[int]) -> TraceWriter:
-        E, K = model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
-        return TraceWriter(Path(out), layers, E, K, domains, source or {})
-
-    def flush() -> None:
-        nonlocal writer, written
-        S = max(len(c.tokens) for c in batch)
-        tokens = torch.zeros(len(batch), S, dtype=torch.long)  # right padding: causal, so it cannot affect real tokens
-        for b, c in enumerate(batch):
-            tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
-        recorder.last.clear()
-        model(tokens)  # the inference path: decoder layers only (a model's MTP modules do not run)
-        if writer is None:
-            writer = open_writer([layer for layer in recorder.layers if layer in recorder.last])
-        valid = torch.zeros(len(batch), S, dtype=torch.bool)
-        for b, c in enumerate(batch):
-            valid[b, : len(c.tokens)] = True
-        flat = valid.flatten()
-        experts = {layer: recorder.last[layer][0][flat].numpy() for layer in writer.layers}
-        weights = {layer: recorder.last[layer][1][flat].numpy() for layer in writer.layers}
-        writer.append(
-            np.concatenate([c.tokens for c in batch]),
-            np.concatenate([np.full(len(c.tokens), c.doc) for c in batch]),
-            np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in batch]),
-            np.concatenate([np.full(len(c.tokens), c.domain) for c in batch]),
-            experts,
-            weights,
-        )
-        bar.update(int(flat.sum()))
-        written = writer.n
-        batch.clear()
-
-    if model.cfg.attn_mask != "causal":
-        raise ValueError("recording needs a causal model (padding would leak into a bidirectional prefix)")
-    with recorder:
-        for chunk in document_chunks(docs, seq_len):
-            if max_tokens is not None:
-                room = max_tokens - written - sum(len(c.tokens) for c in batch)
-                if room <= 0:
-                    break
-                chunk.tokens = chunk.tokens[:room]
-            batch.append(chunk)
-            if len(batch) == batch_size:
-                flush()
-        if batch:
-            flush()
-    bar.close()
-    if writer is None:  # no documents: an empty trace (the caller says there is nothing to analyse)
-        writer = open_writer(recorder.layers)
-    seconds = time.perf_counter() - t0
-    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9)})
+    return tqdm(total=total, desc=label, unit="tok", disable=not progress, leave=False)
 
 
 def _expert_dtype(n_experts: int):

@@ -2,7 +2,7 @@
 
 Each document is cut into windows of seq_len + 1 tokens overlapping by one (as training cuts its windows, but the
 context restarts with each document), so every token after a document's first is predicted exactly once; windows
-are batched by length, without padding. A masked-language-model run (train.objective=mlm) is scored on its masked
+are batched by length, without padding. A masked-language-model run (objective.name=mlm) is scored on its masked
 tokens, with the masks its objective fixes for each window.
 `score_from` = P > 1 scores only the tokens at window positions >= P (the prefix-LM targets, the same labels for
 every arm of an experiment); a model with a prefix mask then sees positions < P bidirectionally. Windows shorter than
@@ -29,9 +29,10 @@ from moe_lm.analysis.attention_probe import erank_by_layer
 from moe_lm.checkpoint.format import load_model
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
-from moe_lm.model import initial_model
+from moe_lm.experiments.variants.objectives import MLM, PrefixLM
+from moe_lm.model import initial_model, reads_prefix
 from moe_lm.routing.recorder import RoutingRecorder
-from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, reads_prefix
+from moe_lm.train.objective import IGNORE, NEXT_TOKEN
 
 RESULT, ARRAYS = "final_eval.json", "final_eval.npz"
 RANK_WINDOWS = 32  # validation windows the attention-rank measure reads (as the rank experiment's probe)
@@ -51,72 +52,29 @@ def evaluate_run(
     the way the run's objective reads them (an MLM's masked inputs), trained and at initialisation."""
     cfg, model, tag = load_model(run_dir)
     shard = load_split(cfg.data.out_dir, "val")
-    S = cfg.train.seq_len
-    objective = NEXT_TOKEN
-    if cfg.train.objective == "mlm":  # masked-token loss on the fixed (content-seeded) masks
-        objective = Objective.of(cfg)
-    elif score_from > 1:
-        objective = Objective("prefix_lm", score_from, reads_prefix(cfg.model))
-    elif reads_prefix(cfg.model):
-        raise ValueError(f"{run_dir}: a prefix-mask or encoder-decoder model needs score_from > 1 (its prefix)")
-    windows = [(d, w) for d in range(shard.n_docs) for w in document_windows(np.asarray(shard.document(d)), S)]
-    windows = [(d, w) for d, w in windows if len(w) > (score_from if score_from > 1 else 1)]
-    # why by length: batches of equal-length windows need no padding, which a bidirectional model would attend to
-    windows.sort(key=lambda dw: len(dw[1]))
-    n_docs, layers = shard.n_docs, []
-    nll, count = np.zeros(n_docs), np.zeros(n_docs, dtype=np.int64)
-    position_nll, position_count = np.zeros(S), np.zeros(S, dtype=np.int64)  # by position in the window
-    expert_counts, tokens, token_domain, token_experts = None, [], [], []
+    objective = scoring_objective(cfg, score_from, run_dir)
+    windows = validation_windows(shard, cfg.train.seq_len, score_from)
+    losses = _LossTally(shard.n_docs, cfg.train.seq_len)
+    routes = _RoutingTally(shard, cfg.model.moe.n_routed_experts) if routing else None
     recorder = RoutingRecorder(model)
     with recorder:
         for part in _equal_length_batches(windows, batch_size):
-            L = len(part[0][1])
             batch = torch.from_numpy(np.stack([w for _, w in part]).astype(np.int64))
             recorder.last.clear()
             out, labels = objective.run(model, batch)
-            nll_BS = F.cross_entropy(out.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
-            labelled = labels != IGNORE
-            for b, (d, _) in enumerate(part):
-                nll[d] += nll_BS[b].sum().item()
-                count[d] += int(labelled[b].sum())
-            position_nll[: L - 1] += nll_BS.sum(0).double().numpy()
-            position_count[: L - 1] += labelled.sum(0).numpy()
-            if routing:
-                layers = layers or [layer for layer in recorder.layers if layer in recorder.last]
-                if expert_counts is None:
-                    expert_counts = np.zeros((n_docs, len(layers), cfg.model.moe.n_routed_experts), np.int64)
-                doc_of = np.repeat([d for d, _ in part], L - 1)
-                ids = batch[:, :-1].flatten().numpy()
-                per_layer = [recorder.last[layer][0].numpy() for layer in layers]
-                for j, experts in enumerate(per_layer):
-                    np.add.at(expert_counts[:, j], (np.repeat(doc_of, experts.shape[1]), experts.ravel()), 1)
-                tokens.append(ids)
-                token_domain.append(shard.doc_domain[doc_of])
-                token_experts.append(np.stack(per_layer, 1))
-    domain = np.asarray(shard.doc_domain[:n_docs])
-    result = summarise(nll, count, domain, shard.domains)
+            docs = [d for d, _ in part]
+            losses.add(docs, out.logits, labels)
+            if routes is not None:
+                routes.add(docs, batch, recorder)
+    domain = np.asarray(shard.doc_domain[: shard.n_docs])
+    result = summarise(losses.nll, losses.count, domain, shard.domains)
     result.update(checkpoint=tag, score_from=score_from, windows=len(windows))
-    arrays = {
-        "nll": nll,
-        "count": count,
-        "domain": domain,
-        "position_nll": position_nll,
-        "position_count": position_count,
-    }
-    if routing and expert_counts is not None:
-        arrays["expert_counts"] = expert_counts
-        experts = np.concatenate(token_experts)
-        result["routing"] = routing_summary(
-            expert_counts,
-            domain,
-            len(shard.domains),
-            layers,
-            np.concatenate(tokens),
-            np.concatenate(token_domain),
-            experts,
-        )
-        init = init_domain_jsd(cfg, windows, shard, layers, batch_size)  # N1: the same model untrained
-        for layer in layers:
+    arrays = {**losses.arrays(), "domain": domain}
+    if routes is not None and routes.counts is not None:
+        arrays["expert_counts"] = routes.counts
+        result["routing"] = routes.summary(domain, len(shard.domains))
+        init = init_domain_jsd(cfg, windows, shard, routes.layers, batch_size)  # N1: the same model untrained
+        for layer in routes.layers:
             result["routing"][f"layer_{layer}"]["domain_jsd_init"] = init[layer]
     if attention_rank:
         probe, untrained = probe_windows(cfg, RANK_WINDOWS), initial_model(cfg.model, cfg.seed).eval()
@@ -128,6 +86,77 @@ def evaluate_run(
     np.savez(Path(run_dir) / ARRAYS, **arrays)
     (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))
     return result
+
+
+def scoring_objective(cfg, score_from: int, run_dir: Path):
+    """How the run is scored: an MLM on its fixed (content-seeded) masks, the prefix-LM labels from window position
+    `score_from` (a prefix-reading model sees the prefix its way), or every next token."""
+    if cfg.objective.name == "mlm":
+        return MLM.of(cfg)
+    if score_from > 1:
+        return PrefixLM(score_from, reads_prefix(cfg.model))
+    if reads_prefix(cfg.model):
+        raise ValueError(f"{run_dir}: a prefix-mask or encoder-decoder model needs score_from > 1 (its prefix)")
+    return NEXT_TOKEN
+
+
+def validation_windows(shard, seq_len: int, score_from: int) -> list[tuple[int, np.ndarray]]:
+    """(document, window) for every window of the split that holds a label, sorted by length."""
+    windows = [(d, w) for d in range(shard.n_docs) for w in document_windows(np.asarray(shard.document(d)), seq_len)]
+    windows = [(d, w) for d, w in windows if len(w) > (score_from if score_from > 1 else 1)]
+    # why by length: batches of equal-length windows need no padding, which a bidirectional model would attend to
+    windows.sort(key=lambda dw: len(dw[1]))
+    return windows
+
+
+class _LossTally:
+    """Summed NLL and label counts per document and per window position."""
+
+    def __init__(self, n_docs: int, seq_len: int) -> None:
+        self.nll, self.count = np.zeros(n_docs), np.zeros(n_docs, dtype=np.int64)
+        self.position_nll, self.position_count = np.zeros(seq_len), np.zeros(seq_len, dtype=np.int64)
+
+    def add(self, docs: list[int], logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> None:
+        nll_BS = F.cross_entropy(logits_BSV.float().transpose(1, 2), labels_BS, ignore_index=IGNORE, reduction="none")
+        labelled = labels_BS != IGNORE
+        for b, d in enumerate(docs):
+            self.nll[d] += nll_BS[b].sum().item()
+            self.count[d] += int(labelled[b].sum())
+        L = labels_BS.shape[1]
+        self.position_nll[:L] += nll_BS.sum(0).double().numpy()
+        self.position_count[:L] += labelled.sum(0).numpy()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"nll": self.nll, "count": self.count, "position_nll": self.position_nll,
+                "position_count": self.position_count}  # fmt: skip
+
+
+class _RoutingTally:
+    """What the routers chose: token-slots per (document, MoE layer, expert), and per token its id, domain and
+    experts (for the token-shuffled baseline)."""
+
+    def __init__(self, shard, n_experts: int) -> None:
+        self.shard, self.n_experts = shard, n_experts
+        self.layers: list[int] = []
+        self.counts: np.ndarray | None = None  # [documents, layers, experts]
+        self.tokens, self.token_domain, self.token_experts = [], [], []
+
+    def add(self, docs: list[int], batch_BS1: torch.Tensor, recorder: RoutingRecorder) -> None:
+        self.layers = self.layers or [layer for layer in recorder.layers if layer in recorder.last]
+        if self.counts is None:
+            self.counts = np.zeros((self.shard.n_docs, len(self.layers), self.n_experts), np.int64)
+        doc_of = np.repeat(docs, batch_BS1.shape[1] - 1)
+        per_layer = [recorder.last[layer][0].numpy() for layer in self.layers]
+        for j, experts in enumerate(per_layer):
+            np.add.at(self.counts[:, j], (np.repeat(doc_of, experts.shape[1]), experts.ravel()), 1)
+        self.tokens.append(batch_BS1[:, :-1].flatten().numpy())
+        self.token_domain.append(self.shard.doc_domain[doc_of])
+        self.token_experts.append(np.stack(per_layer, 1))
+
+    def summary(self, doc_domain: np.ndarray, n_domains: int) -> dict:
+        token, token_domain = np.concatenate(self.tokens), np.concatenate(self.token_domain)
+        experts = np.concatenate(self.token_experts)
+        return routing_summary(self.counts, doc_domain, n_domains, self.layers, token, token_domain, experts)
 
 
 @torch.no_grad()

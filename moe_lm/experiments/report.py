@@ -16,8 +16,7 @@ from moe_lm.experiments import stats
 from moe_lm.experiments.final_eval import ARRAYS, domain_jsd_of
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Comparison, Experiment
-from moe_lm.model import count_params
-from moe_lm.train.flops import train_flops_per_token
+from moe_lm.model import count_params, decode_flops_per_token, train_flops_per_token
 
 RULES = {
     "lower": "supported if the 95 % t-interval of the seed-paired delta (a - b) lies below 0 and every seed agrees; "
@@ -99,11 +98,14 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
     for arm, data in by_arm.items():
         cfg = data.runs[0].cfg
         n = count_params(cfg.model)
-        t = cfg.train
+        t, prefix = cfg.train, cfg.objective.prefix_len
+        # decoding after the same prompt in every arm: the scored prefix (an encoder-decoder's is its encoder input)
+        prompt = prefix or (exp.score_from if exp.score_from > 1 else 0)
         times = [r.train_seconds for r in data.runs if r.train_seconds]
         rows.append({
             "arm": arm, "overrides": exp.arms[arm], "total_params": n.total + n.mtp_total, "active_params":
-            n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len, t.prefix_len),
+            n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len, prefix),
+            "decode_flops_per_token": decode_flops_per_token(cfg.model, t.seq_len, prompt),
             "tokens_seen": t.max_steps * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
             "train_seconds": float(np.mean(times)) if times else None,
             "loss": [r.result["loss"] for r in data.runs],
@@ -132,6 +134,18 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
 
 
 def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures: list[str]) -> str:
+    lines = _summary_lines(exp, results, by_arm) + _arm_lines(results)
+    lines += _result_lines(exp, results, by_arm) + _comparison_lines(results)
+    lines += ["", "Rules, fixed before the runs: " + "; ".join(f"*{k}*: {v}" for k, v in RULES.items()) + "."]
+    lines += closing_sections(exp, figures)
+    runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
+    command = f"python launch/experiment.py {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
+    lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_lines(exp: Experiment, results: dict, by_arm: dict[str, ArmData]) -> list[str]:
+    """The claim, its source, the verdict and what every arm was trained and scored on."""
     first = next(iter(by_arm.values())).runs[0].result
     lines = [
         f"# {exp.name}: {exp.claim}",
@@ -143,62 +157,86 @@ def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures
     ]
     if exp.verdict:
         lines += ["", exp.verdict.strip()]
-    lines += [
+    return lines + [
         "",
         f"Each arm trained for {exp.steps} steps with seeds 0..{exp.seeds - 1} (the seed fixes initialisation and "
         f"data order, so arms are paired by seed), then evaluated on the whole validation split: "
         f"{first['documents']} documents, {first['labels']:,} scored tokens"
         + (f" (window positions >= {exp.score_from})" if exp.score_from > 1 else "")
         + ".",
+    ]
+
+
+def _arm_lines(results: dict) -> list[str]:
+    lines = [
         "",
         "## Arms and what is held equal",
         "",
-        "| arm | overrides | parameters (total / active) | train FLOPs/token | tokens seen | train time |",
-        "|---|---|---|---|---|---|",
+        "| arm | overrides | parameters (total / active) | train FLOPs/token | decode FLOPs/token | tokens seen | "
+        "train time |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in results["arms"]:
         secs = f"{row['train_seconds']:.0f} s" if row["train_seconds"] else "-"
         over = " ".join(f"`{o}`" for o in row["overrides"]) or "(none)"
         lines.append(
             f"| {row['arm']} | {over} | {row['total_params'] / 1e6:.2f} M / {row['active_params'] / 1e6:.2f} M | "
-            f"{row['train_flops_per_token'] / 1e6:.2f} M | {row['tokens_seen'] / 1e6:.2f} M | {secs} |"
+            f"{row['train_flops_per_token'] / 1e6:.2f} M | {row['decode_flops_per_token'] / 1e6:.2f} M | "
+            f"{row['tokens_seen'] / 1e6:.2f} M | {secs} |"
         )
+    return lines
+
+
+def _result_lines(exp: Experiment, results: dict, by_arm: dict[str, ArmData]) -> list[str]:
+    """Validation loss per arm and domain, and the measures the experiment asks for."""
     doms = results["domains"]
-    lines += ["", "## Results (validation loss, nats/token; mean ± sd over seeds)", ""]
+    lines = ["", "## Results (validation loss, nats/token; mean ± sd over seeds)", ""]
     lines += ["| arm | loss | " + " | ".join(doms) + " |", "|---|---|" + "---|" * len(doms)]
     for arm, data in by_arm.items():
         cells = [_mean_sd([r.result["loss"] for r in data.runs])]
         cells += [_mean_sd([r.result.get(f"loss/{d}", np.nan) for r in data.runs]) for d in doms]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if "routing" in exp.measures:
-        lines += [
-            "",
-            "| arm | MaxVio_global (floor) | domain JSD, bits | at init (N1) | token-shuffled (N2) | JSD - N2 |",
-        ]
-        lines.append("|---|---|---|---|---|---|")
-        for arm, data in by_arm.items():
-            per = [list(r.result["routing"].values()) for r in data.runs]
-            mv = [np.mean([v["maxvio_global"] for v in p]) for p in per]
-            floor = np.mean([v["maxvio_floor"] for v in per[0]])
-            jsd = [np.mean([v["domain_jsd"] for v in p]) for p in per]
-            sh = [np.mean([v["domain_jsd_shuffled"] for v in p]) for p in per]
-            n1 = [np.mean([v["domain_jsd_init"] for v in p]) for p in per]
-            lines.append(
-                f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(n1)} | {_mean_sd(sh)} | "
-                f"{_mean_sd(np.subtract(jsd, sh))} |"
-            )
+        lines += _routing_lines(by_arm)
     if "attention_rank" in exp.measures:
-        n_windows = first["attention_rank"]["windows"]
-        lines += ["", f"Effective rank of the attention matrices (mean over heads and {n_windows} validation windows, "
-                  "read as in training; mean over seeds), by layer:", "", "| arm | trained | at initialisation |",
-                  "|---|---|---|"]  # fmt: skip
-        for arm, data in by_arm.items():
-            cells = [
-                ", ".join(f"{v:.1f}" for v in np.mean([r.result["attention_rank"][key] for r in data.runs], 0))
-                for key in ("erank", "erank_init")
-            ]
-            lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
-    lines += ["", "## Comparisons (delta = a - b; 95 % intervals)", ""]
+        lines += _attention_rank_lines(by_arm)
+    return lines
+
+
+def _routing_lines(by_arm: dict[str, ArmData]) -> list[str]:
+    lines = ["", "| arm | MaxVio_global (floor) | domain JSD, bits | at init (N1) | token-shuffled (N2) | JSD - N2 |"]
+    lines.append("|---|---|---|---|---|---|")
+    for arm, data in by_arm.items():
+        per = [list(r.result["routing"].values()) for r in data.runs]
+        mv = [np.mean([v["maxvio_global"] for v in p]) for p in per]
+        floor = np.mean([v["maxvio_floor"] for v in per[0]])
+        jsd = [np.mean([v["domain_jsd"] for v in p]) for p in per]
+        sh = [np.mean([v["domain_jsd_shuffled"] for v in p]) for p in per]
+        n1 = [np.mean([v["domain_jsd_init"] for v in p]) for p in per]
+        lines.append(
+            f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(n1)} | {_mean_sd(sh)} | "
+            f"{_mean_sd(np.subtract(jsd, sh))} |"
+        )
+    return lines
+
+
+def _attention_rank_lines(by_arm: dict[str, ArmData]) -> list[str]:
+    n_windows = next(iter(by_arm.values())).runs[0].result["attention_rank"]["windows"]
+    lines = ["", f"Effective rank of the attention matrices (mean over heads and {n_windows} validation windows, "
+             "read as in training; mean over seeds), by layer:", "", "| arm | trained | at initialisation |",
+             "|---|---|---|"]  # fmt: skip
+    for arm, data in by_arm.items():
+        cells = [
+            ", ".join(f"{v:.1f}" for v in np.mean([r.result["attention_rank"][key] for r in data.runs], 0))
+            for key in ("erank", "erank_init")
+        ]
+        lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def _comparison_lines(results: dict) -> list[str]:
+    """Every comparison's prediction, per-seed deltas, intervals and verdict, and the loss deltas per domain."""
+    lines = ["", "## Comparisons (delta = a - b; 95 % intervals)", ""]
     lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | bootstrap | verdict |"]
     lines.append("|---|---|---|---|---|---|---|")
     for c in results["comparisons"]:
@@ -212,17 +250,13 @@ def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures
             f"| {c['name']} | {c['metric']} | {pred} | {seeds} | {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) | "
             f"{boot} | {judged} |"
         )
+    doms = results["domains"]
     for c in (c for c in results["comparisons"] if "by_domain" in c):
         lines += ["", f"Per domain, {c['name']} (loss): " + ", ".join(
             f"{doms[d]} {v['mean']:+.4f} ({v['t_interval'][0]:+.4f}, {v['t_interval'][1]:+.4f})"
             for d, v in c["by_domain"].items() if d < len(doms)
         )]  # fmt: skip
-    lines += ["", "Rules, fixed before the runs: " + "; ".join(f"*{k}*: {v}" for k, v in RULES.items()) + "."]
-    lines += closing_sections(exp, figures)
-    runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
-    command = f"python launch/experiment.py {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
-    lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def closing_sections(exp: Experiment, figures: list[str]) -> list[str]:
@@ -250,12 +284,23 @@ def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], d
     import matplotlib
 
     matplotlib.use("Agg")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [_draw_curves(exp, by_arm, folder / "curves.png")]
+    loss_cmp = [c for c in comparisons if "by_domain" in c]
+    if loss_cmp:
+        written.append(_draw_deltas(loss_cmp, domains, folder / "deltas.png"))
+    if exp.score_from > 1 and loss_cmp:
+        written.append(_draw_delta_by_distance(exp, by_arm, loss_cmp, folder / "delta_by_distance.png"))
+    if "routing" in exp.measures:
+        written.append(_draw_maxvio(by_arm, folder / "maxvio_batch.png"))
+    return [str(path) for path in written]
+
+
+def _draw_curves(exp: Experiment, by_arm: dict[str, ArmData], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     from moe_lm.analysis.plots import save
 
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm, data in by_arm.items():
         curves = [_rows(r.folder, "eval") for r in data.runs]
@@ -263,9 +308,10 @@ def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], d
         if not steps:
             continue
         loss = np.array([[next(row["loss"] for row in c if row["step"] == s) for s in steps] for c in curves])
-        t = data.runs[0].cfg.train
+        cfg = data.runs[0].cfg
+        t = cfg.train
         tokens = np.array(steps) * t.micro_batch_size * t.grad_accum_steps * t.seq_len
-        flops = tokens * train_flops_per_token(data.runs[0].cfg.model, t.seq_len, t.prefix_len)
+        flops = tokens * train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len)
         for ax, x in zip(axes, (tokens, flops), strict=True):
             ax.plot(x, loss.mean(0), marker="o", label=arm)
             ax.fill_between(x, loss.min(0), loss.max(0), alpha=0.2)
@@ -275,61 +321,77 @@ def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], d
         ax.set_ylabel("validation loss (training-time windows)")
         ax.legend()
     fig.suptitle(f"{exp.name}: mean over seeds, band = min-max")
-    save(fig, folder / "curves.png")
-    written.append(str(folder / "curves.png"))
-    loss_cmp = [c for c in comparisons if "by_domain" in c]
-    if loss_cmp:
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains) * len(loss_cmp)), 4))
-        width = 0.8 / len(loss_cmp)
-        for i, c in enumerate(loss_cmp):
-            x = np.arange(len(domains)) + i * width
-            means = [c["by_domain"].get(d, {}).get("mean", np.nan) for d in range(len(domains))]
-            lo = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[0] for d in range(len(domains))]
-            hi = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[1] for d in range(len(domains))]
-            err = np.array([np.subtract(means, lo), np.subtract(hi, means)])
-            err = np.where(np.isfinite(err), err, 0)
-            ax.bar(x, means, width, yerr=err, capsize=3, label=c["name"])
-        ax.axhline(0, color="k", lw=0.8)
-        ax.set_xticks(np.arange(len(domains)) + 0.4 - width / 2, domains)
-        ax.set_ylabel("delta loss (a - b), 95 % t-interval over seeds")
-        ax.legend()
-        save(fig, folder / "deltas.png")
-        written.append(str(folder / "deltas.png"))
-    if exp.score_from > 1 and loss_cmp:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for c in loss_cmp:
-            curves = []
-            for s in range(len(c["deltas"])):
-                pa, pb = (by_arm[arm].arrays[s] for arm in (c["a"], c["b"]))
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    curves.append(pa["position_nll"] / pa["position_count"] - pb["position_nll"] / pb["position_count"])
-            mean = np.nanmean(curves, 0)
-            x = np.arange(len(mean)) + 1 - exp.score_from  # target t_{j+1}'s distance from the boundary
-            keep = x >= 0
-            ax.plot(x[keep], mean[keep], label=c["name"])
-        ax.axhline(0, color="k", lw=0.8)
-        ax.set_xlabel("target's distance from the prefix boundary (tokens)")
-        ax.set_ylabel("delta loss (a - b), mean over seeds")
-        ax.legend()
-        save(fig, folder / "delta_by_distance.png")
-        written.append(str(folder / "delta_by_distance.png"))
-    if "routing" in exp.measures:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for arm, data in by_arm.items():
-            curves = []
-            for r in data.runs:
-                rows = _rows(r.folder, "train")
-                curves.append([np.mean([v for k, v in row.items() if k.startswith("maxvio/")]) for row in rows])
-            n = min(len(c) for c in curves)
-            steps = [row["step"] for row in _rows(data.runs[0].folder, "train")][:n]
-            ax.plot(steps, np.mean([c[:n] for c in curves], 0), label=arm)
-        ax.set_xlabel("step")
-        ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
-        ax.set_yscale("log")
-        ax.legend()
-        save(fig, folder / "maxvio_batch.png")
-        written.append(str(folder / "maxvio_batch.png"))
-    return written
+    save(fig, path)
+    return path
+
+
+def _draw_deltas(loss_cmp: list[dict], domains: list[str], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from moe_lm.analysis.plots import save
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains) * len(loss_cmp)), 4))
+    width = 0.8 / len(loss_cmp)
+    for i, c in enumerate(loss_cmp):
+        x = np.arange(len(domains)) + i * width
+        means = [c["by_domain"].get(d, {}).get("mean", np.nan) for d in range(len(domains))]
+        lo = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[0] for d in range(len(domains))]
+        hi = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[1] for d in range(len(domains))]
+        err = np.array([np.subtract(means, lo), np.subtract(hi, means)])
+        err = np.where(np.isfinite(err), err, 0)
+        ax.bar(x, means, width, yerr=err, capsize=3, label=c["name"])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(domains)) + 0.4 - width / 2, domains)
+    ax.set_ylabel("delta loss (a - b), 95 % t-interval over seeds")
+    ax.legend()
+    save(fig, path)
+    return path
+
+
+def _draw_delta_by_distance(exp: Experiment, by_arm: dict[str, ArmData], loss_cmp: list[dict], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from moe_lm.analysis.plots import save
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in loss_cmp:
+        curves = []
+        for s in range(len(c["deltas"])):
+            pa, pb = (by_arm[arm].arrays[s] for arm in (c["a"], c["b"]))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                curves.append(pa["position_nll"] / pa["position_count"] - pb["position_nll"] / pb["position_count"])
+        mean = np.nanmean(curves, 0)
+        x = np.arange(len(mean)) + 1 - exp.score_from  # target t_{j+1}'s distance from the boundary
+        keep = x >= 0
+        ax.plot(x[keep], mean[keep], label=c["name"])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xlabel("target's distance from the prefix boundary (tokens)")
+    ax.set_ylabel("delta loss (a - b), mean over seeds")
+    ax.legend()
+    save(fig, path)
+    return path
+
+
+def _draw_maxvio(by_arm: dict[str, ArmData], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    from moe_lm.analysis.plots import save
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, data in by_arm.items():
+        curves = []
+        for r in data.runs:
+            rows = _rows(r.folder, "train")
+            curves.append([np.mean([v for k, v in row.items() if k.startswith("maxvio/")]) for row in rows])
+        n = min(len(c) for c in curves)
+        steps = [row["step"] for row in _rows(data.runs[0].folder, "train")][:n]
+        ax.plot(steps, np.mean([c[:n] for c in curves], 0), label=arm)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
+    ax.set_yscale("log")
+    ax.legend()
+    save(fig, path)
+    return path
 
 
 def _rows(folder: Path, kind: str) -> list[dict]:

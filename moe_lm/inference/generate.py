@@ -7,6 +7,7 @@ import torch
 from moe_lm.inference.sampling import Sampling
 from moe_lm.model import Transformer
 from moe_lm.model.attention import KVCache
+from moe_lm.model.masks import mask_provider
 
 
 def fit_prompt(prompt_ids: list[int], max_seq_len: int, max_tokens: int) -> tuple[list[int], int]:
@@ -26,7 +27,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_tokens: int, samplin
     gen = torch.Generator().manual_seed(seed)
     cache = KVCache()
     budget = min(max_tokens, model.cfg.max_seq_len - len(prompt_ids))
-    prefix = len(prompt_ids) if model.cfg.attn_mask == "prefix" else None
+    prefix = len(prompt_ids) if mask_provider(model.cfg.attn_mask).reads_prefix else None
     logits = model(torch.tensor([prompt_ids]), prefix_len=prefix, cache=cache).logits[0, -1]
     out = []
     for i in range(budget):

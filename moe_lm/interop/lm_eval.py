@@ -133,3 +133,49 @@ def evaluate(
         torch_random_seed=seed,
         fewshot_random_seed=seed,
     )
+
+
+def evaluate_export_or_run(
+    model_dir: str | Path | None, run, out: Path, tasks: list[str], include_path: str | None = None,
+    limit: int | float | None = None, num_fewshot: int | None = None, batch_size: int | str = 1,
+    device: str = "cpu", dtype: str = "auto", log_samples: bool = False, seed: int = 0,
+) -> tuple[dict, list[Path]]:  # fmt: skip
+    """Evaluate an export (`model_dir`), or a run's checkpoint (`run`, a RunRef) exported with its tokenizer into a
+    temporary folder under `out`; writes results.json (and samples) into `out`. Returns (results, files)."""
+    import sys
+    import tempfile
+    from contextlib import nullcontext
+
+    from moe_lm.interop.hf import export_run
+
+    if model_dir is not None:
+        document_start_id(model_dir)  # why first: a folder that is no export is named before the task index is built
+    manager, tasks = resolve_tasks(tasks, include_path)
+    # why under out: a big model's export needs the room the user chose for results, not /tmp's
+    folder = tempfile.TemporaryDirectory(dir=out, prefix=".export-") if run else nullcontext(model_dir)
+    with folder as model_dir:
+        source = str(model_dir)
+        if run:
+            tag, said = export_run(run.run, run.tag, Path(model_dir))  # why required: no evaluation without it
+            print(f"exported {run.run}:{tag} with {said}", file=sys.stderr)
+            source = f"{run.run}:{tag}"
+        lm = harness_lm(model_dir, batch_size, device, dtype)
+        results = evaluate(lm, manager, tasks, limit, num_fewshot, log_samples, seed)
+    results["moe_lm"] = {"model": source, "tasks": tasks, "start_token_id": lm.prefix_token_id}
+    return results, write_results(results, out)
+
+
+def write_results(results: dict, out: Path) -> list[Path]:
+    """<out>/results.json, and one samples_<task>.jsonl per task when samples were logged; returns the files."""
+    from lm_eval.utils import handle_non_serializable
+
+    samples = results.pop("samples", None) or {}
+    written = [out / "results.json"]
+    written[0].write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    for task, docs in samples.items():
+        path = out / f"samples_{task}.jsonl"
+        path.write_text(
+            "".join(json.dumps(d, default=handle_non_serializable, ensure_ascii=False) + "\n" for d in docs)
+        )
+        written.append(path)
+    return written

@@ -1,4 +1,4 @@
-"""Attention: MLA (DeepSeek-V2/V3 multi-head latent attention) and GQA, rotary embeddings, masks.
+"""Attention: MLA (DeepSeek-V2/V3 multi-head latent attention) and GQA, rotary embeddings, the decoding mask.
 
 Shape legend: B = batch, S = query length, L = key length, H = heads, D = model dim, R = rotary dims.
 
@@ -66,41 +66,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x [..., S, R] by position (rotate-half layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-def attention_mask(kind: str, S: int, prefix_len: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask [B, 1, S, S] (True = may attend), or None for plain causal (SDPA's is_causal fast path).
-
-    "prefix": token i sees token j if j <= i or both lie inside the sequence's prefix (j < prefix_len[b]).
-    """
-    if kind == "causal":
-        return None
-    if prefix_len is None:
-        raise ValueError("attn_mask='prefix' needs prefix_len (one length per sequence, [B] or an int)")
-    pos = torch.arange(S, device=device)
-    causal_SS = pos[None, :] <= pos[:, None]
-    prefix_BS = pos[None, :] < torch.as_tensor(prefix_len, device=device).reshape(-1, 1)
-    return (causal_SS[None] | prefix_BS[:, None, :])[:, None]
-
-
-def layer_masks(kind: str, S: int, prefix_len, device, n_heads: int, n_layers: int) -> list[torch.Tensor | None]:
-    """One mask per layer (True = may attend; None = plain causal). Beyond "causal" and "prefix", the masks of
-    masked-language-model encoders (train.objective=mlm): "bidirectional" (every position sees every other);
-    "mixed_heads" (the first half of the heads forward, j <= i, the other half backward, j >= i: with GQA each kv
-    head serves one direction when the halves align with its query groups); "mixed_layers" (forward in even layers,
-    backward in odd ones) -- Su Jianlin's mixed forward/backward attention (kexue.fm/archives/9529)."""
-    if kind in ("causal", "prefix"):
-        return [attention_mask(kind, S, prefix_len, device)] * n_layers
-    pos = torch.arange(S, device=device)
-    forward = pos[None, :] <= pos[:, None]  # [S, S]
-    if kind == "bidirectional":
-        return [torch.ones(1, 1, S, S, dtype=torch.bool, device=device)] * n_layers
-    if kind == "mixed_heads":
-        half = n_heads // 2
-        return [torch.stack([forward] * half + [forward.T] * (n_heads - half))[None]] * n_layers
-    if kind == "mixed_layers":
-        return [(forward if i % 2 == 0 else forward.T)[None, None] for i in range(n_layers)]
-    raise ValueError(f"unknown attention mask {kind!r}")
 
 
 class KVCache:

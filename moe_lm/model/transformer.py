@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from moe_lm.config import ModelConfig
-from moe_lm.model.attention import KVCache, decode_mask, layer_masks, rope_cos_sin, rope_inv_freq
+from moe_lm.model.attention import KVCache, decode_mask, rope_cos_sin, rope_inv_freq
 from moe_lm.model.block import Block
 from moe_lm.model.layers import KeepsFp32Buffers, RMSNorm
+from moe_lm.model.masks import mask_provider
 from moe_lm.model.moe import MoE
 from moe_lm.model.mtp import MTPModule
 from moe_lm.model.router import Router
@@ -38,6 +39,8 @@ class ModelOutput:
 class Transformer(KeepsFp32Buffers):
     """forward(tokens [B, S], prefix_len=None, cache=None, mtp=False) -> ModelOutput(logits [B, S, V], aux_loss, ...).
 
+    `prefix_len` goes to the attention mask's provider (model.attn_mask; the causal mask ignores it).
+
     With a KVCache the tokens continue after the cached positions (incremental decoding for generation). With
     `model.mtp.depth` = D > 0 the model also holds D multi-token-prediction modules (`mtp`), which run only when
     forward is asked for them (`mtp=True`, training and evaluation); the main model's logits never depend on them.
@@ -45,6 +48,9 @@ class Transformer(KeepsFp32Buffers):
 
     # why: RoPE frequencies rounded to bf16 turn positions in the thousands into angles off by radians
     fp32_buffers = ("inv_freq",)
+    # every MoE layer routes the window's positions 0, 1, ... in order (an MTP depth k the first S - k), so what it
+    # chose can be matched to the window's tokens (evaluation's repetition counts)
+    window_aligned_routing = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -73,7 +79,7 @@ class Transformer(KeepsFp32Buffers):
         logits: bool = True,
     ) -> ModelOutput:
         """logits=False skips the output head (logits None, mtp_logits empty): a chunked loss reads `hidden` and
-        `mtp_hidden` with lm_head's weight instead (train.loss_chunk)."""
+        `mtp_hidden` with lm_head's weight instead (performance.loss_chunk)."""
         B, S = tokens_BS.shape
         start = cache.length if cache is not None else 0
         if start + S > self.cfg.max_seq_len:
@@ -81,11 +87,11 @@ class Transformer(KeepsFp32Buffers):
         x = self.embed_tokens(tokens_BS)
         positions = torch.arange(start, start + S, device=x.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_factor)
-        n = len(self.layers)
+        n, provider = len(self.layers), mask_provider(self.cfg.attn_mask)
         if start == 0:
-            masks = layer_masks(self.cfg.attn_mask, S, prefix_len, x.device, self.cfg.n_heads, n)
-        elif self.cfg.attn_mask in ("causal", "prefix"):  # new tokens after a cached context (a prefix was the
-            masks = [decode_mask(S, start, x.device)] * n  # first chunk) see all of it
+            masks = provider.layer_masks(S, prefix_len, x.device, self.cfg.n_heads, n)
+        elif provider.decodes:  # new tokens after a cached context (a prefix was the first chunk) see all of it
+            masks = [decode_mask(S, start, x.device)] * n
         else:
             raise ValueError(f"attn_mask={self.cfg.attn_mask} models are encoders: no incremental decoding")
         aux_loss = x.new_zeros((), dtype=torch.float32)

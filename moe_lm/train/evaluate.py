@@ -58,7 +58,7 @@ def evaluate(
                         continue
                     experts = recorder.last[layer][0].cpu().numpy()
                     counts[i, d] += M.expert_counts(experts, E)
-                    if model.cfg.arch == "encdec":  # its stacks route other spans of the window: counts only
+                    if not model.window_aligned_routing:  # e.g. an encoder-decoder's stacks: counts only
                         continue
                     # an MTP block routes the first S - k positions of each window; a decoder block all S
                     doc = _documents(tokens[:, : len(experts) // len(tokens)], doc_start_id)

@@ -1,4 +1,5 @@
-"""Model FLOPs per token and the peak FLOP/s that MFU divides by."""
+"""The peak FLOP/s that MFU divides by, and a step's tokens/s and MFU (the model's FLOPs per token come from
+moe_lm.model.train_flops_per_token)."""
 
 from __future__ import annotations
 
@@ -6,60 +7,8 @@ import time
 
 import torch
 
-from moe_lm.config import ModelConfig
-from moe_lm.model import count_params
-from moe_lm.model.params import stack_params
-
 # Dense bf16 peak per GPU (no sparsity), by device-name fragment.
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0) -> float:
-    """6 x active matmul parameters + attention score/value matmuls (PaLM's accounting, causal not halved), per
-    token of a window, MTP modules included (depth k runs on seq_len - k of the seq_len positions). An
-    encoder-decoder (needs `prefix_len` P) runs its encoder on P tokens and its decoder on seq_len - P + 1."""
-    n = count_params(cfg)
-    if cfg.attention == "mla":
-        qk, v = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
-    else:
-        qk = v = cfg.gqa.head_dim
-    score = 6.0 * cfg.n_heads * (qk + v)  # per (query, key) pair and layer
-    head = cfg.vocab_size * cfg.dim
-    if cfg.arch == "encdec":
-        P, T = prefix_len, seq_len - prefix_len + 1
-        if not 0 < P < seq_len:
-            raise ValueError(f"an encoder-decoder's FLOPs need its prefix length, got {prefix_len}")
-        encoder = P * (6.0 * stack_params(cfg, cfg.n_enc_layers, active=True) + cfg.n_enc_layers * score * P)
-        decoder = T * (6.0 * (stack_params(cfg, cfg.n_layers, active=True, cross=True) + head))
-        decoder += T * cfg.n_layers * score * (T + P)  # self-attention over T, cross-attention over P
-        return (encoder + decoder) / seq_len
-    active_matmul = n.active - head  # the embedding lookup is not a matmul
-    flops = 6.0 * active_matmul + cfg.n_layers * score * seq_len
-    D = cfg.mtp.depth
-    if D:
-        # one module: its own active parameters plus the shared output head, and one layer of attention
-        module = 6.0 * (n.mtp_active / D + head) + score * seq_len
-        flops += module * sum(max(seq_len - k, 0) for k in range(1, D + 1)) / seq_len
-    return flops
-
-
-def decode_flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int) -> float:
-    """Forward FLOPs of one generated token, on average over generating positions prefix_len .. seq_len - 1 after a
-    prompt of prefix_len tokens with a KV cache: 2 x the matmul parameters it passes through + attention over its
-    context (an encoder-decoder's decoder: its own tokens, and the P encoder positions by cross-attention). The
-    prompt's own processing (prefill, or the encoder) is not included: it is paid once per prompt."""
-    if cfg.attention == "mla":
-        qk, v = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
-    else:
-        qk = v = cfg.gqa.head_dim
-    score = 2.0 * cfg.n_heads * (qk + v)
-    P, T = prefix_len, seq_len - prefix_len
-    head = cfg.vocab_size * cfg.dim
-    if cfg.arch == "encdec":
-        return 2.0 * (stack_params(cfg, cfg.n_layers, active=True, cross=True) + head) + cfg.n_layers * score * (
-            T / 2 + P
-        )
-    return 2.0 * (count_params(cfg).active - head) + cfg.n_layers * score * (P + T / 2)
 
 
 def peak_flops(device: torch.device, configured_tflops: float = 0.0) -> tuple[float, str]:
@@ -94,8 +43,9 @@ class Throughput:
     """Tokens/s and MFU of a step. A rate above the peak means the peak was underestimated: the peak is raised to
     it (and `note` says so once), so that MFU never reads above 100 %."""
 
-    def __init__(self, flops_per_step: float, tokens_per_step: int, peak: float, note) -> None:
+    def __init__(self, flops_per_step: float, tokens_per_step: int, peak: float, note, source: str = "") -> None:
         self.flops_per_step, self.tokens_per_step, self.peak, self.note = flops_per_step, tokens_per_step, peak, note
+        self.source = source  # where the peak comes from, for the run's header line
 
     def __call__(self, seconds: float) -> dict[str, float]:
         achieved = self.flops_per_step / seconds

@@ -11,7 +11,7 @@ Activations are the tensors autograd keeps per token and layer in bf16 (counted 
 inputs and outputs, projections, attention inputs and output, the FFN's gate/up/activation, each routed slot's
 gathered input and expert activations, fp32 router scores), with fused attention (no S x S matrix kept). The
 logits are kept in bf16 and as an fp32 copy, and cross-entropy keeps its fp32 log-softmax: 10 bytes per token and
-vocabulary entry, per output head (main and MTP). With train.loss_chunk = c only one chunk's logits exist (a bf16
+vocabulary entry, per output head (main and MTP). With performance.loss_chunk = c only one chunk's logits exist (a bf16
 product, its fp32 copy, a bf16 gradient: 8 bytes per chunk token and vocabulary entry), and each head keeps its
 dL/dh (bf16, per token and dim) and an fp32 dL/dW (vocab x dim). Full activation checkpointing keeps each block's
 input only (plus one block recomputed at a time); selective keeps the MoE blocks' inputs only. An estimate, to be
@@ -66,7 +66,7 @@ def block_activation_elements(cfg, moe: bool) -> float:
 
 def estimate(cfg: Config, world: int) -> MemoryEstimate:
     """Bytes per GPU for `world` GPUs (data-parallel over all, routed experts over parallel.ep_size)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    m, t, p, perf = cfg.model, cfg.train, cfg.parallel, cfg.performance
     n = count_params(m)
     n_moe_blocks = m.n_layers - m.first_k_dense_replace + m.mtp.depth
     expert_params = n_moe_blocks * m.moe.n_routed_experts * n.routed_expert
@@ -80,15 +80,15 @@ def estimate(cfg: Config, world: int) -> MemoryEstimate:
     tokens = t.micro_batch_size * t.seq_len
     dense = [block_activation_elements(m, moe=False)] * min(m.first_k_dense_replace, m.n_layers)
     sparse = [block_activation_elements(m, moe=True)] * (m.n_layers - len(dense) + m.mtp.depth)
-    kept = {"none": 0, "full": len(dense) + len(sparse), "selective": len(sparse)}[t.activation_checkpointing]
+    kept = {"none": 0, "full": len(dense) + len(sparse), "selective": len(sparse)}[perf.activation_checkpointing]
     blocks = dense + sparse
     recomputed = sorted(blocks)[-kept:] if kept else []
     per_token = sum(blocks) - sum(recomputed) + kept * m.dim + (max(recomputed) if recomputed else 0)
     activations = BF16 * tokens * per_token
     heads = 1 + m.mtp.depth
-    if t.loss_chunk:
+    if perf.loss_chunk:
         kept = heads * (BF16 * tokens * m.dim + FP32 * m.vocab_size * m.dim)
-        logits = (BF16 + FP32 + BF16) * min(t.loss_chunk, tokens) * m.vocab_size + kept
+        logits = (BF16 + FP32 + BF16) * min(perf.loss_chunk, tokens) * m.vocab_size + kept
     else:
         logits = (BF16 + FP32 + FP32) * tokens * m.vocab_size * heads
     buckets = BF16 * min(2 * BUCKET_ELEMENTS, 2 * (other_params + local_experts)) if world > 1 or grad_shard else 0

@@ -1,16 +1,9 @@
 """The training objective: which tokens of a window are predicted, how the model sees the rest, and the losses.
 
-A window holds tokens t_0 .. t_S; the model reads t_0 .. t_{S-1} and position j predicts t_{j+1}.
-- "lm": every t_1 .. t_S is a label.
-- "prefix_lm" with prefix_len P: t_0 .. t_{P-1} are input only; the labels are t_P .. t_S (positions j >= P - 1).
-  With model.attn_mask=prefix the model attends bidirectionally inside the prefix (UniLM / prefix LM); with a
-  causal mask it is the same labels under causal attention (a GPT scored on the same targets); an encoder-decoder
-  (model.arch=encdec) encodes the prefix and decodes the rest.
-- "mlm": masked-language modelling on t_0 .. t_{S-1}: each position is chosen with probability mlm_prob; a chosen
-  token becomes MASK_ID (80 %), a random token (10 %) or stays (10 %), and is predicted at its own position (BERT's
-  recipe). The choices are drawn from a generator seeded by the window's tokens and the run's seed, so every arm
-  of an experiment, every resume and every evaluation sees the same masks for the same window. No label lies
-  inside the prefix, so bidirectional attention never sees a token it is asked to predict.
+A window holds tokens t_0 .. t_S; the model reads t_0 .. t_{S-1} and position j predicts t_{j+1}. The core
+objective, "lm", labels every t_1 .. t_S. Objectives are found by name (`objective.name`) in a registry: research
+variants add theirs (moe_lm/experiments/variants/objectives.py: prefix LM, masked LM) through `register_objective`,
+and the training loop and evaluation only ever call `objective.run`.
 
     loss = CE_main + (lambda / D) * sum_k CE_k + balance losses           (MTP, DeepSeek-V3 §2.2)
 
@@ -21,80 +14,61 @@ two differ by a factor (S - k) / S).
 
 from __future__ import annotations
 
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from moe_lm.config import Config
+from moe_lm.config import Config, register_choice
 from moe_lm.model import ModelOutput
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy  # IGNORE: a position with no label
 
-# why 0: sentencepiece's <unk>, which a byte-fallback tokenizer never emits, so it can stand for [MASK] without
-# preparing the data again
-MASK_ID = 0
 
-
-@dataclass(frozen=True)
-class Objective:
-    kind: str = "lm"  # "lm" | "prefix_lm"
-    prefix_len: int = 0
-    # the model is told the prefix length: it attends bidirectionally inside the prefix (attn_mask=prefix), or its
-    # encoder reads the prefix (arch=encdec)
-    model_reads_prefix: bool = False
-    mlm_prob: float = 0.15
-    vocab_size: int = 0  # mlm: where random replacements are drawn from
-    seed: int = 0
-    loss_chunk: int = 0  # training: the head's loss this many tokens at a time (0: from full logits)
-
-    @classmethod
-    def of(cls, cfg: Config) -> Objective:
-        t = cfg.train
-        prefix = t.prefix_len if t.objective == "prefix_lm" else 0
-        return cls(
-            t.objective, prefix, reads_prefix(cfg.model), t.mlm_prob, cfg.model.vocab_size, cfg.seed, t.loss_chunk
-        )
+class Objective(Protocol):
+    # training: the head's loss this many tokens at a time (0: from full logits)
+    loss_chunk: int
 
     def run(
         self, model, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True
     ) -> tuple[ModelOutput, torch.Tensor]:
         """The model's output on a batch of windows [B, S + 1] and the labels [B, S] (IGNORE where unlabelled).
         logits=False: the output heads are skipped (for next_token_losses with a chunk)."""
-        if self.kind == "mlm":
-            inputs, labels = self.corrupt(window_BS1[:, :-1])
-            return model(inputs, logits=logits), labels
-        prefix = self.prefix_len if self.model_reads_prefix else None
-        return model(window_BS1[:, :-1], prefix_len=prefix, mtp=mtp, logits=logits), self.labels(window_BS1)
+        ...
 
-    def corrupt(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """mlm: (corrupted inputs [B, S], labels [B, S]: the original token where chosen, IGNORE elsewhere)."""
-        inputs, labels = tokens_BS.clone(), torch.full_like(tokens_BS, IGNORE)
-        for b, row in enumerate(tokens_BS.cpu()):
-            gen = torch.Generator().manual_seed(zlib.crc32(row.numpy().tobytes()) ^ (self.seed * 2654435761 % 2**32))
-            u, kind = torch.rand(len(row), generator=gen), torch.rand(len(row), generator=gen)
-            random_tokens = torch.randint(0, self.vocab_size, (len(row),), generator=gen)
-            dev = tokens_BS.device
-            chosen, kind, random_tokens = (u < self.mlm_prob).to(dev), kind.to(dev), random_tokens.to(dev)
-            labels[b, chosen] = tokens_BS[b, chosen]
-            inputs[b, chosen & (kind < 0.8)] = MASK_ID
-            swap = chosen & (kind >= 0.8) & (kind < 0.9)
-            inputs[b, swap] = random_tokens[swap]
-        return inputs, labels
+
+@dataclass(frozen=True)
+class NextToken:
+    """Plain language modelling: every next token is a label."""
+
+    loss_chunk: int = 0
+
+    def run(
+        self, model, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True
+    ) -> tuple[ModelOutput, torch.Tensor]:
+        return model(window_BS1[:, :-1], mtp=mtp, logits=logits), self.labels(window_BS1)
 
     def labels(self, window_BS1: torch.Tensor) -> torch.Tensor:
-        labels = window_BS1[:, 1:].clone()
-        if self.kind == "prefix_lm":
-            labels[:, : self.prefix_len - 1] = IGNORE
-        return labels
+        return window_BS1[:, 1:].clone()
 
 
-def reads_prefix(model_cfg) -> bool:
-    """Whether the model takes the prefix length: a bidirectional prefix mask, or an encoder over the prefix."""
-    return model_cfg.attn_mask == "prefix" or model_cfg.arch == "encdec"
+NEXT_TOKEN = NextToken()
+
+OBJECTIVES: dict[str, Callable[[Config], Objective]] = {"lm": lambda cfg: NextToken(cfg.performance.loss_chunk)}
 
 
-NEXT_TOKEN = Objective()  # plain language modelling: every next token is a label
+def register_objective(
+    name: str, factory: Callable[[Config], Objective], rule: Callable[[Config], None] | None = None
+) -> None:
+    """Make `objective.name=name` train with `factory(cfg)`; `rule(cfg)` is the config check that goes with it."""
+    OBJECTIVES[name] = factory
+    register_choice("objective.name", name, rule)
+
+
+def objective_for(cfg: Config) -> Objective:
+    """The objective a validated config trains (the config refused unknown names)."""
+    return OBJECTIVES[cfg.objective.name](cfg)
 
 
 def next_token_losses(

@@ -1,12 +1,12 @@
 """Memory and speed transforms of a built model, applied from outside before the engine wraps it (the model code
 is untouched, its state-dict keys too): activation checkpointing and torch.compile of the blocks.
 
-- Activation checkpointing (`train.activation_checkpointing`): "full" recomputes every block's forward during
+- Activation checkpointing (`performance.activation_checkpointing`): "full" recomputes every block's forward during
   backward instead of keeping its activations; "selective" only the blocks with an MoE FFN (whose K experts' wide
   intermediate activations are the largest per token); "none" keeps everything. torch.utils.checkpoint with
   use_reentrant=False. The routers' token counts stay right: a router does not count during the recompute
   (moe_lm/model/router.py), so the bias update sees each token once.
-- Compile (`train.compile`): torch.compile of every block (attention, norms, residuals, dense MLPs), in place
+- Compile (`performance.compile`): torch.compile of every block (attention, norms, residuals, dense MLPs), in place
   (nn.Module.compile, so checkpoints keep their keys); the MoE FFN inside a block runs eagerly (a graph break),
   since its routing has data-dependent shapes and, on CPU, calls our compiled C++ kernels.
 """

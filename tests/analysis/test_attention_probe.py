@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.analysis.attention_probe import (
     attention_matrices,
     capture_attention,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts

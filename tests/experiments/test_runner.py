@@ -30,7 +30,7 @@ def definition(folder, base, name: str = "exp", **extra) -> str:
         "config": str(base),
         "steps": 3,
         "seeds": 2,
-        "overrides": ["train.eval_interval=3"],
+        "overrides": ["cadence.eval_interval=3"],
         "arms": {"k2": [], "k1": ["model.moe.num_experts_per_tok=1"]},
         "comparisons": [{"a": "k2", "b": "k1", "metric": "loss", "expect": "lower"}],
         **extra,
@@ -141,7 +141,7 @@ def test_rank_probe_on_a_prefix_experiments_checkpoints(base, tmp_path):
     matrix is exactly full rank, and the report names its checks."""
     from moe_lm.experiments.rank_probe import run_rank_probe
 
-    prefix = ["train.objective=prefix_lm", "train.prefix_len=16"]
+    prefix = ["objective.name=prefix_lm", "objective.prefix_len=16"]
     definition(tmp_path, base, name="masklike", seeds=1, score_from=16, comparisons=[],
                arms={"causal": prefix, "bidir": [*prefix, "model.attn_mask=prefix"]})  # fmt: skip
     spec = {"claim": "c", "source": "s", "probe": "rank", "arms_from": "masklike.yaml", "windows": 4,
@@ -163,18 +163,17 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path):
     import dataclasses
 
     from moe_lm.train import loop
-    from moe_lm.train.objective import IGNORE, Objective
+    from moe_lm.train.objective import IGNORE, objective_for
+    from tests.conftest import with_train
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
-    cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, attn_mask="bidirectional"),
-        train=dataclasses.replace(cfg.train, objective="mlm"),
-    )  # fmt: skip
+    cfg = with_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="bidirectional")),
+                     objective="mlm")  # fmt: skip
     loop.train(cfg)
     result = evaluate_run(tmp_path / "run")
     _, model, _ = load_model(tmp_path / "run")
     shard = load_split(cfg.data.out_dir, "val")
-    objective, nll, n = Objective.of(cfg), 0.0, 0
+    objective, nll, n = objective_for(cfg), 0.0, 0
     with torch.no_grad():
         for d in range(shard.n_docs):
             for w in document_windows(np.asarray(shard.document(d)), cfg.train.seq_len):

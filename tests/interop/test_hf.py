@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
 from moe_lm.model import Transformer, build_model

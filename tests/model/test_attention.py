@@ -1,14 +1,12 @@
-"""Masks and attention: causality, the prefix-LM mask, MLA and GQA."""
+"""Attention: causality, and decoding with a KV cache, for MLA and GQA."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
 from moe_lm.model import Transformer
-from moe_lm.model.attention import attention_mask
+from moe_lm.model.attention import KVCache
 from tests.tiny import tiny_model_cfg
 
 
@@ -24,43 +22,12 @@ def test_future_tokens_never_change_past_logits(attention):
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])
-def test_prefix_mask_is_bidirectional_only_inside_the_prefix(attention):
-    cfg = dataclasses.replace(tiny_model_cfg(attention), attn_mask="prefix")
-    model = Transformer(cfg).eval()
-    tokens = torch.randint(0, 97, (1, 20))
-    P = 8
-    base = model(tokens, prefix_len=P).logits
-    # a change at the last prefix position reaches the first position (bidirectional inside the prefix)
-    t2 = tokens.clone()
-    t2[0, P - 1] = (t2[0, P - 1] + 1) % 97
-    assert (model(t2, prefix_len=P).logits[:, 0] - base[:, 0]).abs().max() > 1e-4
-    # a change after the prefix stays invisible to everything before it (causal after the prefix)
-    t3 = tokens.clone()
-    t3[0, 14] = (t3[0, 14] + 1) % 97
-    torch.testing.assert_close(model(t3, prefix_len=P).logits[:, :14], base[:, :14], atol=1e-6, rtol=0)
-    # prefix_len 0 (or 1) is the causal model
-    causal = Transformer(dataclasses.replace(cfg, attn_mask="causal"))
-    causal.load_state_dict(model.state_dict())
-    torch.testing.assert_close(model(tokens, prefix_len=1).logits, causal.eval()(tokens).logits, atol=1e-5, rtol=1e-5)
+def test_kv_cache_decoding_matches_full_forward(attention):
+    kv_cache_decoding_matches_full_forward(tiny_model_cfg(attention))
 
 
-def test_prefix_mask_values():
-    m = attention_mask("prefix", 5, torch.tensor([3, 0]), torch.device("cpu"))[:, 0]
-    expected0 = torch.tensor(
-        [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool
-    )
-    assert torch.equal(m[0], expected0)
-    assert torch.equal(m[1], torch.ones(5, 5).tril().bool())
-    with pytest.raises(ValueError, match="prefix_len"):
-        attention_mask("prefix", 5, None, torch.device("cpu"))
-
-
-@pytest.mark.parametrize("attention", ["mla", "gqa"])
-@pytest.mark.parametrize("mask", ["causal", "prefix"])
-def test_kv_cache_decoding_matches_full_forward(attention, mask):
-    from moe_lm.model.attention import KVCache
-
-    cfg = dataclasses.replace(tiny_model_cfg(attention), attn_mask=mask)
+def kv_cache_decoding_matches_full_forward(cfg) -> None:
+    """Decoding a prompt and then one token at a time with a KVCache gives the full forward's logits."""
     model = Transformer(cfg).eval()
     tokens = torch.randint(0, 97, (2, 16))
     P = 6  # the prompt (the prefix, under the prefix mask) goes in as one chunk, then one token at a time

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.config import ConfigError, MTPConfig, load_config
 from moe_lm.model import Transformer, count_params
 from moe_lm.model.attention import rope_cos_sin

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import COMPLETE, latest_tag, load_model
 from moe_lm.config import ConfigError, dump_config, load_config
@@ -28,17 +29,13 @@ from moe_lm.data.prepare import prepare_data
 from moe_lm.errors import RunError
 from moe_lm.train import loop, run_folder
 from moe_lm.train.flops import Throughput
-from tests.conftest import VOCAB, tiny_train_cfg, write_folder_corpus
+from tests.conftest import VOCAB, tiny_train_cfg, with_train, write_folder_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def rows(run_dir, kind="train"):
     return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
-def with_train(cfg, **kw):
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw))
 
 
 def train_cli(cfg_file: Path, *overrides: str) -> subprocess.Popen:
@@ -254,7 +251,7 @@ def test_optimizer_values_are_validated_up_front(override, key):
 def test_prefix_mask_without_a_prefix_objective_is_refused_before_anything_is_built(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="prefix"))
-    with pytest.raises(ConfigError, match="attn_mask = prefix needs train.objective=prefix_lm"):
+    with pytest.raises(ConfigError, match="attn_mask = prefix needs objective.name=prefix_lm"):
         loop.train(cfg)
     assert not (tmp_path / "run").exists()
 

@@ -48,18 +48,20 @@ def test_memory_estimate_follows_the_zero_accounting():
     ep = estimate(load_config(ROOT / "configs" / "tiny.yaml", ["parallel.ep_size=8"]), world=8)
     experts = 3 * n.routed_expert * cfg.model.moe.n_routed_experts
     assert ep.weights == pytest.approx(BF16 * (n.total - experts + experts / 8))
+    tiny = ROOT / "configs" / "tiny.yaml"
     acts = [
-        estimate(load_config(ROOT / "configs" / "tiny.yaml", [f"train.activation_checkpointing={m}"]), 1).activations
+        estimate(load_config(tiny, [f"performance.activation_checkpointing={m}"]), 1).activations
         for m in ("none", "selective", "full")
     ]
     assert acts[0] > acts[1] > acts[2] > 0
 
 
 def test_chunked_loss_estimate_holds_one_chunk_of_logits():
-    """With train.loss_chunk the logits term stops growing with the micro-batch's tokens x vocab (only dL/dh does)."""
+    """With performance.loss_chunk the logits term stops growing with the micro-batch's tokens x vocab (only dL/dh
+    does)."""
     gpu = ROOT / "configs" / "gpu_1b.yaml"
     plain = [estimate(load_config(gpu, [f"train.micro_batch_size={b}"]), 1).logits for b in (4, 8)]
-    chunked = [estimate(load_config(gpu, [f"train.micro_batch_size={b}", "train.loss_chunk=4096"]), 1).logits
+    chunked = [estimate(load_config(gpu, [f"train.micro_batch_size={b}", "performance.loss_chunk=4096"]), 1).logits
                for b in (4, 8)]  # fmt: skip
     assert plain[1] == pytest.approx(2 * plain[0])
     cfg = load_config(gpu)

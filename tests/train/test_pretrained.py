@@ -63,7 +63,7 @@ def test_step_zero_loss_of_a_pretrained_checkpoint_equals_transformers(tiny_data
     evals = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step0 = next(r for r in evals if r["kind"] == "eval" and r["step"] == 0)
     t = cfg.train
-    want = hf_validation_loss(path, cfg.data.out_dir, t.seq_len, t.eval_batches * t.micro_batch_size)
+    want = hf_validation_loss(path, cfg.data.out_dir, t.seq_len, cfg.cadence.eval_batches * t.micro_batch_size)
     assert step0["loss"] == pytest.approx(want, rel=1e-5)
     trained = [r for r in evals if r["kind"] == "train"]
     assert [r["step"] for r in trained] == [1, 2]  # then it trains like any run
@@ -93,7 +93,7 @@ def test_init_from_a_checkpoint_with_mtp_loads_its_modules(tiny_data, tmp_path, 
     total = n = 0
     with torch.no_grad():
         for w in eval_windows(
-            load_split(run.data.out_dir, "val"), t.seq_len, t.eval_batches * t.micro_batch_size
+            load_split(run.data.out_dir, "val"), t.seq_len, run.cadence.eval_batches * t.micro_batch_size
         ).values():
             logits = imported(w[:, :-1], mtp=True).mtp_logits[0]
             total += F.cross_entropy(logits.flatten(0, 1), w[:, 2:].flatten(), reduction="sum").item()
@@ -122,7 +122,7 @@ def test_the_used_by_command_prepares_the_default_corpus_on_a_fresh_clone(tmp_pa
 
     overrides = [
         f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}", "data.max_mb_per_domain=0.3",
-        "model.vocab_size=1024", "train.max_steps=2", "train.eval_batches=1", "logging.wandb_mode=disabled",
+        "model.vocab_size=1024", "train.max_steps=2", "cadence.eval_batches=1", "logging.wandb_mode=disabled",
     ]  # fmt: skip
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py"]
     cmd += ["--config", "configs/tiny.yaml", *overrides]

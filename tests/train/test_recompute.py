@@ -16,7 +16,7 @@ from moe_lm.config import MTPConfig
 from moe_lm.model import Transformer
 from moe_lm.train import loop
 from moe_lm.train.recompute import apply_activation_checkpointing
-from tests.conftest import tiny_train_cfg
+from tests.conftest import tiny_train_cfg, with_train
 from tests.tiny import tiny_model_cfg
 
 
@@ -47,14 +47,11 @@ def test_activation_checkpointing_changes_neither_losses_nor_gradients_nor_count
 
 @pytest.mark.slow
 def test_compiled_and_checkpointed_training_matches_the_plain_run(tiny_data, tmp_path):
-    """Two steps through the real loop (DeepSpeed engine) with train.compile and selective checkpointing: the
+    """Two steps through the real loop (DeepSpeed engine) with performance.compile and selective checkpointing: the
     losses of the plain run (the first steps include compiling, ~1 min on a 2-core CPU)."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "plain", max_steps=2, eval_interval=2)
     loop.train(cfg)
-    fast = dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "fast"), compile=True,
-                                       activation_checkpointing="selective"),
-    )  # fmt: skip
+    fast = with_train(cfg, out_dir=str(tmp_path / "fast"), compile=True, activation_checkpointing="selective")
     loop.train(fast)
 
     def losses(run):
@@ -66,13 +63,12 @@ def test_compiled_and_checkpointed_training_matches_the_plain_run(tiny_data, tmp
 
 @pytest.mark.slow
 def test_chunked_loss_training_matches_the_plain_run(tiny_data, tmp_path):
-    """train.loss_chunk through the real loop (DeepSpeed engine), with an MTP module whose head shares the chunked
+    """performance.loss_chunk through the real loop (DeepSpeed engine), with an MTP module whose head shares the chunked
     loss: every step's losses (main and MTP depth), the evaluations and the final weights are the plain run's."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "plain", max_steps=4, ckpt_interval=4)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=1)))
     loop.train(cfg)
-    chunked = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(tmp_path / "chunked"),
-                                                                 loss_chunk=7))  # fmt: skip
+    chunked = with_train(cfg, out_dir=str(tmp_path / "chunked"), loss_chunk=7)
     loop.train(chunked)
 
     def rows(run):

@@ -21,7 +21,7 @@ from moe_lm.checkpoint.format import COMPLETE, complete_record
 from moe_lm.config import ConfigError
 from moe_lm.errors import RunError
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
+from tests.conftest import tiny_train_cfg, with_train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def test_the_scripts_refuse_a_planted_pickle_and_run_none_of_it(attacked, script
 
 def test_resume_refuses_the_planted_file_and_falls_back(attacked, capsys):
     cfg, run, marker = attacked
-    loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=5, ckpt_interval=0)))
+    loop.train(with_train(cfg, max_steps=5, ckpt_interval=0))
     out = capsys.readouterr().out
     assert "mp_rank_00_model_states.pt holds an object of posix.system" in out and "at step 2" in out
     assert not marker.exists()

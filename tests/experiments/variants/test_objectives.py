@@ -1,5 +1,5 @@
-"""Training objectives: the prefix-LM labels, no label visible to the position that predicts it, and a prefix-LM
-run (bidirectional prefix) that trains, evaluates on the target tokens only and generates."""
+"""The research variants' objectives: the prefix-LM labels, no label visible to the position that predicts it, a
+prefix-LM run (bidirectional prefix) that trains and evaluates on the target tokens only; the MLM masks and run."""
 
 from __future__ import annotations
 
@@ -11,17 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.config import ConfigError, load_config
+from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import Transformer
 from moe_lm.train import loop
-from moe_lm.train.objective import IGNORE, Objective, loss_sums, next_token_losses
-from tests.conftest import tiny_train_cfg
+from moe_lm.train.objective import IGNORE, NEXT_TOKEN, loss_sums, next_token_losses, objective_for
+from tests.conftest import tiny_train_cfg, with_train
 from tests.tiny import tiny_model_cfg
 
 
 def test_prefix_lm_labels_only_the_tokens_after_the_prefix():
     window = torch.arange(10).view(1, 10) + 100
-    assert Objective("lm").labels(window).tolist() == [list(range(101, 110))]
-    labels = Objective("prefix_lm", prefix_len=4).labels(window)
+    assert NEXT_TOKEN.labels(window).tolist() == [list(range(101, 110))]
+    labels = PrefixLM(prefix_len=4).labels(window)
     assert labels.tolist() == [[IGNORE] * 3 + list(range(104, 110))]  # t_4 .. t_9: what follows the prefix
 
 
@@ -31,7 +32,7 @@ def test_no_labelled_token_is_visible_to_the_position_that_predicts_it(attention
     changes; and a prefix position does see later prefix tokens (the mask is really bidirectional there)."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(tiny_model_cfg(attention), attn_mask="prefix")).eval()
-    objective, P = Objective("prefix_lm", prefix_len=6, model_reads_prefix=True), 6
+    objective, P = PrefixLM(prefix_len=6, model_reads_prefix=True), 6
     window = torch.randint(0, 97, (1, 17))
     base, labels = objective.run(model, window)
     for j in range(16):
@@ -48,7 +49,7 @@ def test_prefix_objective_losses_count_only_the_targets():
     torch.manual_seed(0)
     model = Transformer(tiny_model_cfg()).eval()
     window = torch.randint(0, 97, (2, 13))
-    objective = Objective("prefix_lm", prefix_len=5)
+    objective = PrefixLM(prefix_len=5)
     out, labels = objective.run(model, window)
     ce, _ = next_token_losses(out, labels)
     want = F.cross_entropy(out.logits[:, 4:].flatten(0, 1), window[:, 5:].flatten())
@@ -58,15 +59,15 @@ def test_prefix_objective_losses_count_only_the_targets():
 
 
 def test_prefix_lm_config_rules():
-    with pytest.raises(ConfigError, match="train.prefix_len"):
-        load_config("configs/tiny.yaml", ["train.objective=prefix_lm"])
-    with pytest.raises(ConfigError, match="train.prefix_len"):
-        load_config("configs/tiny.yaml", ["train.objective=prefix_lm", "train.prefix_len=256"])
+    with pytest.raises(ConfigError, match="objective.prefix_len"):
+        load_config("configs/tiny.yaml", ["objective.name=prefix_lm"])
+    with pytest.raises(ConfigError, match="objective.prefix_len"):
+        load_config("configs/tiny.yaml", ["objective.name=prefix_lm", "objective.prefix_len=256"])
     cfg = load_config(
-        "configs/tiny.yaml", ["train.objective=prefix_lm", "train.prefix_len=128", "model.attn_mask=prefix"]
+        "configs/tiny.yaml", ["objective.name=prefix_lm", "objective.prefix_len=128", "model.attn_mask=prefix"]
     )
-    o = Objective.of(cfg)
-    assert (o.kind, o.prefix_len, o.model_reads_prefix) == ("prefix_lm", 128, True)
+    o = objective_for(cfg)
+    assert (type(o), o.prefix_len, o.model_reads_prefix) == (PrefixLM, 128, True)
 
 
 def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path):
@@ -87,18 +88,18 @@ def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path):
     nll = n = 0
     with torch.no_grad():
         for w in windows.values():
-            s, c, _ = loss_sums(*Objective.of(cfg).run(model, w))
+            s, c, _ = loss_sums(*objective_for(cfg).run(model, w))
             nll, n = nll + s, n + c
     assert final["loss"] == pytest.approx(nll / n, rel=1e-5)
 
 
 def test_mlm_masks_are_fixed_by_the_window_and_follow_the_80_10_10_recipe():
-    objective = Objective("mlm", mlm_prob=0.15, vocab_size=97, seed=3)
+    objective = MLM(mlm_prob=0.15, vocab_size=97, seed=3)
     window = torch.randint(1, 97, (64, 257), generator=torch.Generator().manual_seed(0))
     inputs, labels = objective.corrupt(window[:, :-1])
     again, labels2 = objective.corrupt(window[:, :-1].flip(0))  # same windows in another batch order
     assert torch.equal(again.flip(0), inputs) and torch.equal(labels2.flip(0), labels)
-    other_seed = Objective("mlm", mlm_prob=0.15, vocab_size=97, seed=4).corrupt(window[:, :-1])[1]
+    other_seed = MLM(mlm_prob=0.15, vocab_size=97, seed=4).corrupt(window[:, :-1])[1]
     assert not torch.equal(other_seed, labels)
     chosen = labels != IGNORE
     assert abs(chosen.float().mean().item() - 0.15) < 0.01  # 16k positions
@@ -108,37 +109,13 @@ def test_mlm_masks_are_fixed_by_the_window_and_follow_the_80_10_10_recipe():
     assert abs(masked - 0.8) < 0.03 and abs(kept - 0.1 - 0.1 / 97) < 0.03  # random replacements sometimes hit it
 
 
-def test_mixed_attention_masks_by_head_and_by_layer():
-    from moe_lm.analysis.attention_probe import attention_matrices, capture_attention
-
-    for kind in ("mixed_heads", "mixed_layers", "bidirectional"):
-        model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask=kind)).eval()
-        store = []
-        with torch.no_grad(), capture_attention(store):
-            model(torch.randint(0, 97, (1, 12)))
-        for layer, (q, k, _, mask, scale, gqa) in enumerate(store):
-            A = attention_matrices(q, k, mask, scale, gqa)[0]  # [H, S, S]
-            for h in range(A.shape[0]):
-                forward = torch.equal(A[h], A[h].tril())
-                backward = torch.equal(A[h], A[h].triu())
-                if kind == "bidirectional":
-                    assert not forward and not backward
-                elif kind == "mixed_heads":
-                    assert (forward, backward) == ((True, False) if h < 2 else (False, True)), (layer, h)
-                else:
-                    assert (forward, backward) == ((True, False) if layer % 2 == 0 else (False, True)), (layer, h)
-
-
 def test_mlm_config_rules_and_a_run(tiny_data, tmp_path):
-    with pytest.raises(ConfigError, match="needs train.objective=mlm"):
+    with pytest.raises(ConfigError, match="needs objective.name=mlm"):
         load_config("configs/tiny.yaml", ["model.attn_mask=bidirectional"])
-    with pytest.raises(ConfigError, match="train.objective = mlm predicts tokens in place"):
-        load_config("configs/tiny.yaml", ["train.objective=mlm"])
+    with pytest.raises(ConfigError, match="objective.name = mlm predicts tokens in place"):
+        load_config("configs/tiny.yaml", ["objective.name=mlm"])
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, eval_interval=3)
-    cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, attn_mask="mixed_heads"),
-        train=dataclasses.replace(cfg.train, objective="mlm"),
-    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="mixed_heads"))
+    cfg = with_train(cfg, objective="mlm")
     final = loop.train(cfg)
     assert 0 < final["loss"] < 8  # the masked tokens' loss, near ln(300) at this point

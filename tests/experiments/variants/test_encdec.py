@@ -10,10 +10,10 @@ import torch
 
 from moe_lm.checkpoint.format import load_model
 from moe_lm.config import ConfigError, load_config
+from moe_lm.experiments.variants.encdec import EncoderDecoder
+from moe_lm.experiments.variants.objectives import PrefixLM
 from moe_lm.model import build_model, count_params
-from moe_lm.model.encdec import EncoderDecoder
 from moe_lm.train import loop
-from moe_lm.train.objective import Objective
 from tests.conftest import tiny_train_cfg
 from tests.tiny import tiny_model_cfg
 
@@ -42,12 +42,12 @@ def test_no_target_is_visible_to_the_encoder_or_to_the_position_predicting_it():
     window = torch.randint(0, 97, (1, S + 1))
     encoded = []
     model.enc_norm.register_forward_hook(lambda m, i, o: encoded.append(o))
-    base, labels = Objective("prefix_lm", P, True).run(model, window)
+    base, labels = PrefixLM(P, True).run(model, window)
     assert (base.logits[0, : P - 1] == 0).all() and labels[0, : P - 1].eq(-100).all()
     for m in range(1, S + 1):  # change token m: what may move is positions j >= m (and the encoder iff m < P)
         changed = window.clone()
         changed[0, m] = (window[0, m] + 1) % 97
-        out, _ = Objective("prefix_lm", P, True).run(model, changed)
+        out, _ = PrefixLM(P, True).run(model, changed)
         if m < S:
             assert torch.equal(encoded[-1], encoded[0]) == (m >= P), m  # the encoder reads the prefix only
         moved = (out.logits[0] - base.logits[0]).abs().amax(-1)
@@ -60,8 +60,8 @@ def test_encdec_config_rules():
     with pytest.raises(ConfigError, match="model.arch.*prefix_lm"):
         load_config("configs/tiny_gqa.yaml", ["model.arch=encdec", "model.n_enc_layers=2"])
     with pytest.raises(ConfigError, match="model.attention must be gqa"):
-        load_config("configs/tiny.yaml", ["model.arch=encdec", "model.n_enc_layers=2", "train.objective=prefix_lm",
-                                          "train.prefix_len=64"])  # fmt: skip
+        load_config("configs/tiny.yaml", ["model.arch=encdec", "model.n_enc_layers=2", "objective.name=prefix_lm",
+                                          "objective.prefix_len=64"])  # fmt: skip
     with pytest.raises(ValueError, match="prefix_len"):
         build_model(encdec_cfg())(torch.zeros(1, 8, dtype=torch.long))
 

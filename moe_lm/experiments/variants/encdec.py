@@ -6,8 +6,8 @@ self-attention. The decoder reads t_{P-1} .. t_{S-1} and predicts t_P .. t_S: n_
 self-attention, cross-attention over the encoder's output, and the FFN (dense or MoE by the same rule as the
 decoder-only model, counted within each stack). RoPE is applied in every attention with one continuous position
 axis (encoder positions 0 .. P-1, decoder positions P-1 .. S-1), as RedLLM does; the embedding is shared by both
-stacks, the output head untied. So the labels are exactly the prefix-LM objective's (moe_lm/train/objective.py)
-and no target is ever visible to the encoder. forward returns logits for every input position (zeros before P-1,
+stacks, the output head untied. So the labels are exactly the prefix-LM objective's (objectives.py here) and no
+target is ever visible to the encoder. forward returns logits for every input position (zeros before P-1,
 which the objective leaves unlabelled) so the training and evaluation code serve both architectures unchanged.
 
 Shape legend: B = batch, S = window, P = prefix, T = S - P + 1 decoder positions, D = model dim, V = vocabulary.
@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lm.config import ModelConfig
-from moe_lm.model.attention import GQA, apply_rope, attention_mask, rope_cos_sin, rope_inv_freq
+from moe_lm.config import Config, ConfigError, ModelConfig
+from moe_lm.model.architectures import Architecture, register_architecture
+from moe_lm.model.attention import GQA, apply_rope, rope_cos_sin, rope_inv_freq
 from moe_lm.model.block import Block
 from moe_lm.model.layers import KeepsFp32Buffers, RMSNorm
 from moe_lm.model.moe import MoE
+from moe_lm.model.params import ParamCount, attention_params, score_flops, stack_params
 from moe_lm.model.router import Router
 from moe_lm.model.transformer import ModelOutput, _init_weights
 
@@ -69,6 +71,7 @@ class EncoderDecoder(KeepsFp32Buffers):
     S-1, zeros before; aux_loss; hidden)."""
 
     fp32_buffers = ("inv_freq",)  # as the Transformer's
+    window_aligned_routing = False  # the encoder routes the prefix, the decoder positions P-1 .. S-1
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -89,7 +92,7 @@ class EncoderDecoder(KeepsFp32Buffers):
         self, tokens_BS: torch.Tensor, prefix_len: int | None = None, cache=None, mtp: bool = False, logits: bool = True
     ):
         if not logits:
-            raise ValueError("the encoder-decoder always computes its logits (train.loss_chunk must be 0)")
+            raise ValueError("the encoder-decoder always computes its logits (performance.loss_chunk must be 0)")
         if prefix_len is None or cache is not None:
             raise ValueError("the encoder-decoder model reads whole windows with a prefix_len (its encoder's input)")
         B, S = tokens_BS.shape
@@ -101,7 +104,7 @@ class EncoderDecoder(KeepsFp32Buffers):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_factor)
         aux_loss = x.new_zeros((), dtype=torch.float32)
         enc = x[:, :P]
-        everywhere = attention_mask("prefix", P, P, x.device)  # [1, 1, P, P], all True: bidirectional
+        everywhere = torch.ones(1, 1, P, P, dtype=torch.bool, device=x.device)  # bidirectional
         for block in self.encoder:
             enc, aux = block(enc, cos[:P], sin[:P], everywhere)
             aux_loss = aux_loss + aux
@@ -128,3 +131,67 @@ class EncoderDecoder(KeepsFp32Buffers):
 
     def routers(self) -> list[Router]:
         return [moe.gate for moe in self.moe_layers()]
+
+
+# ------------------------------------------------------------------------------------ sizes and registration
+
+
+def cross_params(cfg: ModelConfig, n_layers: int) -> int:
+    """The decoder blocks' cross-attentions and their norms."""
+    return n_layers * (attention_params(cfg) + cfg.dim)
+
+
+def encdec_params(cfg: ModelConfig) -> ParamCount:
+    D = cfg.dim
+    outside = 2 * cfg.vocab_size * D + 2 * D  # embedding, untied head, the two final norms
+    stacks = cross_params(cfg, cfg.n_layers)
+    total = outside + stacks + stack_params(cfg, cfg.n_layers) + stack_params(cfg, cfg.n_enc_layers)
+    active = outside + stacks + stack_params(cfg, cfg.n_layers, True) + stack_params(cfg, cfg.n_enc_layers, True)
+    return ParamCount(total, active, 3 * D * cfg.moe.moe_inter_dim)
+
+
+def encdec_train_flops(cfg: ModelConfig, seq_len: int, prefix_len: int) -> float:
+    """Training FLOPs per token of a window: the encoder on the P prefix tokens, the decoder on seq_len - P + 1
+    (self-attention over those, cross-attention over P)."""
+    P, T = prefix_len, seq_len - prefix_len + 1
+    if not 0 < P < seq_len:
+        raise ValueError(f"an encoder-decoder's FLOPs need its prefix length, got {prefix_len}")
+    score, head = 3 * score_flops(cfg), cfg.vocab_size * cfg.dim
+    encoder = P * (6.0 * stack_params(cfg, cfg.n_enc_layers, active=True) + cfg.n_enc_layers * score * P)
+    decoder = T * 6.0 * (stack_params(cfg, cfg.n_layers, active=True) + cross_params(cfg, cfg.n_layers) + head)
+    decoder += T * cfg.n_layers * score * (T + P)
+    return (encoder + decoder) / seq_len
+
+
+def encdec_decode_flops(cfg: ModelConfig, seq_len: int, prefix_len: int) -> float:
+    """Forward FLOPs per generated token after a prompt of P (the encoder's input, paid once): the decoder's
+    matmuls and attention over its own tokens and, by cross-attention, the P encoder positions."""
+    P, T = prefix_len, seq_len - prefix_len
+    matmul = stack_params(cfg, cfg.n_layers, active=True) + cross_params(cfg, cfg.n_layers) + cfg.vocab_size * cfg.dim
+    return 2.0 * matmul + cfg.n_layers * score_flops(cfg) * (T / 2 + P)
+
+
+def _rule(cfg: Config) -> None:
+    m, why = cfg.model, None
+    if m.n_enc_layers <= 0:
+        key, why = "model.n_enc_layers", "must be positive for model.arch=encdec"
+    elif m.attention != "gqa":
+        key, why = "model.attention", "must be gqa for model.arch=encdec (GQA cross-attention)"
+    elif m.mtp.depth:
+        key, why = "model.mtp.depth", "must be 0 for model.arch=encdec"
+    elif m.attn_mask != "causal":
+        key, why = "model.attn_mask", "must be causal for model.arch=encdec (its encoder is bidirectional, its "
+        "decoder causal, by design)"
+    elif cfg.objective.name != "prefix_lm":
+        key, why = "model.arch", "= encdec needs objective.name=prefix_lm (the encoder reads the prefix, the decoder "
+        "predicts the rest)"
+    elif cfg.performance.loss_chunk:
+        key, why = "performance.loss_chunk", "must be 0 for model.arch=encdec (its chunked loss is not implemented; "
+        "the plain loss is exact)"
+    if why:
+        raise ConfigError(f"{key} {why}")
+
+
+def register() -> None:
+    arch = Architecture(EncoderDecoder, encdec_params, encdec_train_flops, encdec_decode_flops, reads_prefix=True)
+    register_architecture("encdec", arch, _rule)

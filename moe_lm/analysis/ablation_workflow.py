@@ -1,0 +1,107 @@
+"""The ablate_experts.py workflow, from checked flags to its files: the documents under the document budget, the
+targets (given, or each domain's most loaded expert per layer), the study (ablation.py) and ablation.json,
+ablation.png and ablation.md. launch/ablate_experts.py parses the flags and calls `ablate_experts`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moe_lm.analysis import metrics as M
+from moe_lm.analysis import plots
+from moe_lm.analysis.ablation import ablation_study
+from moe_lm.analysis.budget import budget_document_count, print_sample_lines
+from moe_lm.analysis.subject import Subject, load_subject, user_documents
+from moe_lm.analysis.trace import record_trace
+from moe_lm.cli import UserError, output_dir
+from moe_lm.data.prepare import load_split
+
+Target = tuple[int, list[int]]  # (MoE layer, experts routed around together)
+
+
+def ablate_experts(args: argparse.Namespace) -> dict:
+    """The ablation the flags of launch/ablate_experts.py ask for (checked there: the subject flags, a positive
+    --max-documents); writes ablation.json, ablation.png and ablation.md into --out, prints the table and returns
+    the result."""
+    out = output_dir(args.out)  # why again: a caller from Python gets the CLI's check; from the CLI it is a no-op
+    subject = load_subject(args)
+    docs, domains = documents(subject, args)
+    docs, samples = budget_document_count(docs, len(domains), args.max_documents)
+    print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {args.max_documents}, equal shares):")
+    print_sample_lines(samples, domains, unit="documents")
+    model, seq_len = subject.model, subject.seq_len
+    check_targets(args.targets or [], model.moe_layer_ids(), model.cfg.moe.n_routed_experts)
+    targets = args.targets or specialised_targets(model, docs, domains, seq_len, out)
+    print(f"routing around {len(targets)} targets with {args.controls} controls each, on {len(docs)} documents")
+    result = ablation_study(model, docs, domains, targets, seq_len, args.controls, args.n_boot)
+    result["subject"] = subject.source
+    result["sampling"] = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
+    write_ablation(result, domains, out)
+    print((out / "ablation.md").read_text())
+    return result
+
+
+def documents(subject: Subject, args: argparse.Namespace) -> tuple[list[tuple[int, np.ndarray]], list[str]]:
+    """(domain index, token ids) per document, and the domain names: --data, or the run's validation split."""
+    if not args.data:
+        shard = load_split(subject.cfg.data.out_dir, "val")
+        return [(int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs)], shard.domains
+    domains: list[str] = []
+    docs = list(user_documents(args.data, subject.tok, domains, args.text_field, args.domain_field))
+    return docs, domains
+
+
+def check_targets(targets: list[Target], layers: list[int], n_experts: int) -> None:
+    """A user error naming the targets that are not (MoE layer, existing experts) of the model."""
+    bad = [t for t in targets if t[0] not in layers or not all(0 <= e < n_experts for e in t[1])]
+    if bad:
+        raise UserError(f"--targets {bad}: MoE layers are {layers}, experts 0..{n_experts - 1}")
+
+
+def specialised_targets(model, docs, domains, seq_len: int, out: Path) -> list[Target]:
+    """In every MoE layer, the expert with the highest relative load on each domain (duplicates merged)."""
+    trace = record_trace(model, docs, out / "trace", domains, seq_len, progress=False)
+    targets = []
+    for layer in trace.layers:
+        load = M.domain_shares(np.asarray(trace.experts(layer)), trace.domain, len(domains), trace.n_experts)
+        for e in sorted({int(np.nanargmax(row)) for row in load["relative_load"]}):
+            targets.append((layer, [e]))
+    return targets
+
+
+def ablation_table(result: dict, domains: list[str]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The figure's numbers: target names ("L{layer} e{experts}"), and [targets, domains] Δ loss of each target
+    and the mean Δ loss of its controls."""
+    names = [f"L{r['layer']} e{','.join(map(str, r['experts']))}" for r in result["ablations"]]
+    delta = np.array([[r["by_domain"][d]["delta"] for d in domains] for r in result["ablations"]])
+    control = np.array(
+        [[np.mean([c["by_domain"][d]["delta"] for c in r["controls"]]) for d in domains] for r in result["ablations"]]
+    )
+    return names, delta, control
+
+
+def write_ablation(result: dict, domains: list[str], out: Path) -> None:
+    """ablation.json (the result), ablation.png (targets x domains, against controls) and ablation.md (the table)."""
+    (out / "ablation.json").write_text(json.dumps(result, indent=1))
+    names, delta, control = ablation_table(result, domains)
+    plots.save(plots.ablation_heatmap(delta, control, names, domains), out / "ablation.png")
+    (out / "ablation.md").write_text(markdown(result, names, domains))
+
+
+def markdown(result: dict, names: list[str], domains: list[str]) -> str:
+    """The Δ loss table per target and domain, with its interval and each control's Δ, under the base losses."""
+    lines = [
+        "| ablated | domain | Δ loss (95 % CI) | controls' Δ (each) |",
+        "|---|---|---|---|",
+    ]
+    for name, r in zip(names, result["ablations"], strict=True):
+        for d in domains:
+            v = r["by_domain"][d]
+            ctrl = ", ".join(f"{c['by_domain'][d]['delta']:+.4f}" for c in r["controls"])
+            lines.append(f"| {name} | {d} | {v['delta']:+.4f} ({v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}) | {ctrl} |")
+    base = ", ".join(f"{d} {v:.3f}" for d, v in result["base_loss"].items())
+    return f"Base loss (nats/token): {base}\n\n" + "\n".join(lines) + "\n"

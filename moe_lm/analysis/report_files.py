@@ -1,0 +1,163 @@
+"""The report's files, drawn and written from its numbers (`report.routing_metrics`): metrics.json, metrics.csv
+(tidy: layer x domain x expert), figures/*.png and routing.html. Nothing here reads a trace or computes a metric."""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moe_lm.analysis import plots
+from moe_lm.analysis.html import routing_page
+from moe_lm.data.tokenizer import Tokenizer
+
+
+def write_report(
+    result: dict,
+    out: Path,
+    tok: Tokenizer,
+    samples: list[dict],
+    metrics_rows: list[dict] | None = None,
+    min_count: int = 20,
+) -> None:
+    """Write metrics.json, metrics.csv, figures/*.png and routing.html into `out` (created). `samples`: the page's
+    documents (`report.page_samples`); `metrics_rows`: the run's metrics.jsonl rows (the load-over-training
+    figure); `min_count`: the occurrences the preferred-token tables required, for their caption."""
+    out.mkdir(parents=True, exist_ok=True)
+    figs = out / "figures"
+    figs.mkdir(exist_ok=True)
+    draw_figures(result, figs, metrics_rows)
+    (out / "routing.html").write_text(routing_html(result, samples, tok, min_count))
+    write_tidy(result, out / "metrics.csv")
+    (out / "metrics.json").write_text(json.dumps(result, indent=1))
+
+
+def draw_figures(result: dict, figs: Path, metrics_rows: list[dict] | None = None) -> None:
+    """Every PNG of the report into `figs`: per drawn layer, then across layers, per token, saturation (when
+    compared) and load over training (when the run's metrics are given)."""
+    for layer in result["figure_layers"]:
+        draw_layer(result, layer, figs)
+    draw_repetition(result, figs)
+    draw_tokens(result, figs)
+    if "saturation" in result:
+        draw_saturation(result, figs)
+    if metrics_rows:
+        train = [r for r in metrics_rows if r["kind"] == "train"]
+        evals = [r for r in metrics_rows if r["kind"] == "eval"]
+        plots.save(plots.load_over_training(train, evals, result["trace"]["layers"]), figs / "load_over_training.png")
+
+
+def draw_layer(result: dict, layer: int, figs: Path) -> None:
+    """One MoE layer's figures: expert shares per domain, relative load, co-activation."""
+    meta, lm = result["trace"], result["layers"][str(layer)]
+    domains, K = meta["domains"], meta["k"]
+    plots.save(
+        plots.domain_expert_bars(
+            np.array(lm["domain_token_share"]), domains, K, layer, np.array(meta["tokens_per_domain"])
+        ),
+        figs / f"domain_experts_L{layer}.png",
+    )
+    plots.save(
+        plots.relative_load_heatmap(np.array(lm["domain_relative_load"]), domains, layer),
+        figs / f"relative_load_L{layer}.png",
+    )
+    plots.save(plots.coactivation_heatmap(np.array(lm["coactivation"]), layer, K), figs / f"coactivation_L{layer}.png")
+
+
+def draw_repetition(result: dict, figs: Path) -> None:
+    """Consecutive-token repetition by layer, against N0 and (when recorded) N1."""
+    layers = result["trace"]["layers"]
+    init = result.get("init_N1")
+    init_rep = {layer: init[str(layer)]["repetition"] for layer in layers} if init is not None else None
+    rep = {layer: result["layers"][str(layer)]["repetition"] for layer in layers}
+    plots.save(plots.repetition_by_layer(layers, rep, result["baseline_uniform_N0"], init_rep), figs / "repetition.png")
+
+
+def draw_tokens(result: dict, figs: Path) -> None:
+    """Per requested token, its expert shares across layers (file names keep only alphanumerics of the piece)."""
+    layers, K = result["trace"]["layers"], result["trace"]["k"]
+    for piece, t in result["tokens"].items():
+        safe = "".join(c if c.isalnum() else f"_{ord(c):x}" for c in piece)
+        plots.save(
+            plots.token_across_layers(np.array(t["share_by_layer"]), layers, piece, t["count"], K),
+            figs / f"token_{safe}.png",
+        )
+
+
+def draw_saturation(result: dict, figs: Path) -> None:
+    """Router saturation by layer against the compared checkpoint."""
+    meta, sat = result["trace"], result["saturation"]
+    layers = meta["layers"]
+    per_layer = {layer: sat[str(layer)] for layer in layers}
+    plots.save(
+        plots.saturation_by_layer(layers, per_layer, meta["k"], meta["n_experts"], sat["against"]),
+        figs / "saturation.png",
+    )
+
+
+def routing_html(result: dict, samples: list[dict], tok: Tokenizer, min_count: int) -> str:
+    """routing.html: the sample documents coloured by first-choice expert, the per-domain coverage and the
+    preferred-token tables of the drawn layers."""
+    meta = result["trace"]
+    preferred = {layer: result["layers"][str(layer)]["preferred_tokens"] for layer in result["figure_layers"]}
+    return routing_page(
+        samples,
+        meta["layers"],
+        meta["n_experts"],
+        "Routing: first-choice expert per token",
+        coverage_table(meta) + preferred_tables(preferred, tok, min_count),
+    )
+
+
+def write_tidy(result: dict, path: Path) -> None:
+    """One row per layer x domain x expert: the domain's tokens, token-slots to the expert, its token share (a
+    domain's sum to K), assignment share (sum to 1) and relative load (mean 1), for re-plotting elsewhere."""
+    domains, K = result["trace"]["domains"], result["trace"]["k"]
+    tokens = result["trace"]["tokens_per_domain"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["layer", "domain", "expert", "domain_tokens", "token_slots", "token_share", "assignment_share",
+                    "relative_load"])  # fmt: skip
+        for layer, lm in result["layers"].items():
+            for d, name in enumerate(domains):
+                for e, share in enumerate(lm["domain_token_share"][d]):
+                    slots = round(share * tokens[d])
+                    w.writerow([layer, name, e, tokens[d], slots, share, share / K, lm["domain_relative_load"][d][e]])
+
+
+def coverage_table(meta: dict) -> str:
+    """The tokens and documents each domain contributed, so that a thin domain is seen before its numbers are read."""
+    sampling = meta.get("sampling") or {}
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{tokens:,}</td><td>{docs:,}</td>"
+        f"<td>{'under-sampled' if sampling.get(name, {}).get('under_sampled') else ''}</td></tr>"
+        for name, tokens, docs in zip(
+            meta["domains"], meta["tokens_per_domain"], meta["documents_per_domain"], strict=True
+        )
+    )
+    return (
+        "<h3>Tokens per domain</h3><table class='pref'><tr><th>domain</th><th>tokens</th><th>documents</th><th></th>"
+        f"</tr>{rows}</table>"
+    )
+
+
+def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:
+    """HTML tables: per drawn layer and expert, its most preferred tokens with lift, share and count."""
+    parts = [
+        f"<h2>Most preferred tokens per expert</h2><p>Tokens seen at least {min_count} times, ranked by lift = "
+        "P(expert in top-k | token) / P(expert in top-k); share = P(expert in top-k | token); n = occurrences.</p>"
+    ]
+    for layer, experts in preferred.items():
+        rows = []
+        for e, top in enumerate(experts):
+            cells = " ".join(
+                f"<code>{html.escape(repr(tok.id_to_piece(t['token']).replace(chr(0x2581), ' ')))}</code> "
+                f"×{t['lift']:.1f} ({t['share']:.0%}, n={t['count']})"
+                for t in top
+            )
+            rows.append(f"<tr><td>e{e}</td><td>{cells or '-'}</td></tr>")
+        parts.append(f"<h3>layer {layer}</h3><table class='pref'>{''.join(rows)}</table>")
+    return "".join(parts)

@@ -1,0 +1,127 @@
+"""Training-step throughput of config variants, side by side: what a feature costs per optimizer step.
+
+    python -m moe_lm.bench train --config configs/tiny.yaml --arms model.mtp.depth=0 model.mtp.depth=1
+    python -m moe_lm.bench train --config configs/tiny.yaml --arms "" "performance.activation_checkpointing=full" \
+        "performance.compile=true" --rounds 12
+
+Each arm is one set of dotted overrides (space-separated inside one argument; "" = the config as it is). Every arm's
+model is built from the same seed and trained on the same random token batches (micro_batch_size x seq_len, the
+config's) with the same objective as launch/train.py (main CE + lambda/D * MTP CEs + balance losses, the bias
+update; activation checkpointing, compile and the chunked loss as configured), one optimizer step (torch AdamW) per
+timing, in one process. The arms take turns round by round, so that a shared machine's noise hits all of them
+alike; medians and ratios to the first arm are printed. DeepSpeed's per-step bookkeeping is the same for every arm
+and is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moe_lm.bench.timing import Stat, markdown_table, time_interleaved
+from moe_lm.cli import fail
+from moe_lm.config import Config, ConfigError, load_config
+from moe_lm.model import build_model, train_flops_per_token
+from moe_lm.parallel.deepspeed_setup import param_groups
+from moe_lm.train.balance import balance_step
+from moe_lm.train.objective import next_token_losses, total_loss
+from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--config", default="configs/tiny.yaml", help="the config every arm starts from")
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        required=True,
+        help='overrides per arm, e.g. "model.mtp.depth=1" ("": the config as it is); ratios are to the first',
+    )
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds of one step per arm")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before them")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+class Arm:
+    """One config's model and optimizer, stepped the way launch/train.py steps them (without DeepSpeed)."""
+
+    def __init__(self, name: str, cfg: Config) -> None:
+        self.name, self.cfg = name, cfg
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model).train()
+        model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
+        self.model = apply_compile(model, cfg.performance.compile)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
+        self.depth = cfg.model.mtp.depth
+
+    def step(self, batch: torch.Tensor) -> None:
+        chunk = self.cfg.performance.loss_chunk
+        out = self.model(batch[:, :-1], mtp=self.depth > 0, logits=not chunk)
+        ce, mtp = next_token_losses(out, batch[:, 1:], self.model.lm_head.weight, chunk)
+        total_loss(ce, mtp, self.cfg.model.mtp.loss_weight, out.aux_loss).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        balance_step(self.model, self.cfg.model.moe.bias_update_speed)
+
+    def gflops_per_step(self) -> float:
+        t = self.cfg.train
+        return train_flops_per_token(self.cfg.model, t.seq_len, self.cfg.objective.prefix_len) * self.tokens / 1e9
+
+    @property
+    def tokens(self) -> int:
+        return self.cfg.train.micro_batch_size * self.cfg.train.seq_len
+
+
+def build_arms(config: str, specs: list[str]) -> list[Arm]:
+    """One arm per override spec; arms that would not see the same batches are refused."""
+    try:
+        arms = [Arm(spec or "(config)", load_config(config, spec.split())) for spec in specs]
+    except ConfigError as e:
+        fail(str(e))
+    shapes = {(a.cfg.train.micro_batch_size, a.cfg.train.seq_len, a.cfg.model.vocab_size) for a in arms}
+    if len(shapes) > 1:
+        fail(f"the arms must share micro_batch_size, seq_len and vocab_size to see the same batches: {shapes}")
+    return arms
+
+
+def time_arms(arms: list[Arm], rounds: int, warmup: int) -> list[Stat]:
+    """Seconds per optimizer step of each arm (ratios to the first); every round draws one batch that all arms
+    step on."""
+    t, vocab = arms[0].cfg.train, arms[0].cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.empty(0, dtype=torch.long)
+
+    def draw(r: int) -> None:
+        nonlocal batch
+        batch = torch.randint(0, vocab, (t.micro_batch_size, t.seq_len + 1), generator=gen)
+
+    # keyed by position: two arms may carry the same overrides (an A/A run shows the noise)
+    steps = {str(i): (lambda arm=arm: arm.step(batch)) for i, arm in enumerate(arms)}
+    stats = time_interleaved(steps, rounds, warmup, before_round=draw)
+    return [stats[str(i)] for i in range(len(arms))]
+
+
+def table(arms: list[Arm], stats: list[Stat]) -> str:
+    columns = ["arm", "median ms/step (min-max)", "tokens/s", "model GFLOP/step", f"time vs {arms[0].name}"]
+    rows = [
+        [arm.name, f"{1e3 * s.median:.1f} ({1e3 * s.min:.1f}-{1e3 * s.max:.1f})", f"{arm.tokens / s.median:,.0f}",
+         f"{arm.gflops_per_step():.2f}", f"{s.ratio:.3f}"]
+        for arm, s in zip(arms, stats, strict=True)
+    ]  # fmt: skip
+    return markdown_table(columns, rows)
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.rounds < 1 or args.warmup < 0 or args.threads < 0:
+        fail("--rounds must be >= 1, --warmup and --threads >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arms = build_arms(args.config, args.arms)
+    t = arms[0].cfg.train
+    print(
+        f"{len(arms)} arms, {args.rounds} rounds (+{args.warmup} warm-up) of one optimizer step on "
+        f"{t.micro_batch_size} x {t.seq_len} tokens, {torch.get_num_threads()} threads"
+    )
+    print(table(arms, time_arms(arms, args.rounds, args.warmup)))

@@ -1,0 +1,139 @@
+"""The house rules, read from the source: which rooms may import what, no import circle, no long function.
+
+- moe_lm/model/ is single-device PyTorch: it never imports torch.distributed or deepspeed.
+- DeepSpeed enters through parallel/, train/ and checkpoint/save_resume.py only (the checkpoint format reader, the
+  analytics, interop and inference open runs without it).
+- The core (the DeepSeek-V3 trainer) never imports the experiments, their research variants or the command line:
+  variants plug in through the core's extension points (model/masks.py, model/architectures.py,
+  train/objective.py).
+- No two modules of the package import each other, directly or around a circle (imports inside functions count).
+- No function in moe_lm/ or launch/ is longer than 70 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "moe_lm"
+CORE = (
+    "model",
+    "ops",
+    "parallel",
+    "train",
+    "data",
+    "inference",
+    "checkpoint",
+    "interop",
+    "routing",
+    "config",
+    "errors",
+)
+MAX_FUNCTION_LINES = 70
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, those inside functions included; `from a import b` yields a.b
+    when a.b is a module of the package, else a."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.append((node.lineno, sub if _is_module(sub) else node.module))
+    return found
+
+
+def _is_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_model_code_is_single_device():
+    """Nothing under moe_lm/model imports torch.distributed or deepspeed (parallelism is applied from outside)."""
+    offenders = []
+    for path in (PACKAGE / "model").rglob("*.py"):
+        offenders += [
+            f"{path.name}:{line} {m}" for line, m in imports(path) if m.startswith(("torch.distributed", "deepspeed"))
+        ]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "distributed":  # torch.distributed.x without import
+                offenders.append(f"{path.name}:{node.lineno} uses .distributed")
+    assert not offenders, offenders
+
+
+def test_only_parallel_train_and_save_resume_import_deepspeed():
+    """The DeepSpeed-free seam: the checkpoint format reader, analytics, interop and inference never import it."""
+    allowed = ("moe_lm.parallel", "moe_lm.train", "moe_lm.checkpoint.save_resume", "moe_lm.bench")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in package_files()
+        if not module_name(path).startswith(allowed)
+        for line, m in imports(path)
+        if m.split(".")[0] == "deepspeed"
+    ]
+    assert not offenders, offenders
+
+
+def test_the_core_never_imports_experiments_or_the_command_line():
+    """torchtitan's rule for its experiments/: they reuse the core through extension points; the core never
+    imports them (nor the command line above everything)."""
+    core = tuple(f"moe_lm.{room}" for room in CORE)
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {m}"
+        for path in package_files()
+        if module_name(path).startswith(core)
+        for line, m in imports(path)
+        if m.startswith(("moe_lm.experiments", "moe_lm.cli", "launch"))
+    ]
+    assert not offenders, offenders
+
+
+def test_no_import_circle():
+    graph = {module_name(p): {m for _, m in imports(p) if m.startswith("moe_lm")} for p in package_files()}
+    circles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    # why a package's own __init__ is left out of a circle: `import moe_lm.model.x` runs moe_lm/model/__init__.py
+    # first, which may import x back; Python handles that order, and it is not two rooms depending on each other
+    circles = [c for c in circles if not _through_own_init(c)]
+    assert not circles, circles
+
+
+def _through_own_init(circle: str) -> bool:
+    names = circle.split(" -> ")
+    return any(b.startswith(a + ".") or a.startswith(b + ".") for a, b in zip(names, names[1:], strict=False))
+
+
+def test_no_function_longer_than_the_house_limit():
+    long = []
+    for path in [*package_files(), *sorted((ROOT / "launch").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
