@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 HAVE_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo yes)
 
-CONFIG ?= configs/tiny.yaml
+# a preset name (moe-lm config --list) or a YAML file
+CONFIG ?= tiny
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
@@ -27,12 +28,14 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# The main job: prepare the default corpus (skipped when up to date) and train under the deepspeed launcher.
+# The main job: prepare the default corpus (skipped when up to date) and train (moe-lm train: one process, or
+# NPROC=N processes under DeepSpeed's launcher).
+NPROC ?= 1
 train: data
-	$(BIN)/deepspeed launch/train.py --config $(CONFIG) $(ARGS)
+	$(BIN)/moe-lm train --config $(CONFIG) --nproc $(NPROC) $(ARGS)
 
 data: setup
-	$(BIN)/python launch/prepare_data.py --config $(CONFIG) $(ARGS)
+	$(BIN)/moe-lm prepare --config $(CONFIG) $(ARGS)
 
 # The MoE layer's benchmark; `$(BIN)/python -m moe_lm.bench --help` lists the others (loss, train, decode, ...).
 bench: setup
@@ -64,7 +67,7 @@ megablocks: setup
 # benchmark and a short training run of configs/gpu_1b.yaml, and write logs and a summary into OUT.
 OUT ?= gpu_check_out
 gpu-check:
-	launch/gpu_check.sh $(OUT)
+	launch/gpu_check.sh --out $(OUT)
 
 # On this (networked, CPU) machine: the wheels a bare GPU machine lacks, for its Python (GPU_PY, default 3.12).
 # DeepSpeed publishes no wheel: pip builds a pure-Python one from its source (no ops are compiled).

@@ -7,7 +7,7 @@ The same as `python -m moe_lm.bench decode` (whose --help lists the flags and sa
 
 import sys
 
-from moe_lm.bench import main
+from moe_lm.cli.bench import main
 
 if __name__ == "__main__":
     main(["decode", *sys.argv[1:]])

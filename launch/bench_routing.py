@@ -7,7 +7,7 @@ The same as `python -m moe_lm.bench routing` (whose --help lists the flags and s
 
 import sys
 
-from moe_lm.bench import main
+from moe_lm.cli.bench import main
 
 if __name__ == "__main__":
     main(["routing", *sys.argv[1:]])

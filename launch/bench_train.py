@@ -8,7 +8,7 @@ The same as `python -m moe_lm.bench train` (whose --help lists the flags and say
 
 import sys
 
-from moe_lm.bench import main
+from moe_lm.cli.bench import main
 
 if __name__ == "__main__":
     main(["train", *sys.argv[1:]])

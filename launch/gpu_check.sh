@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a lent GPU machine: set up what is missing from wheels brought along, then measure.
 #
-#   launch/gpu_check.sh OUT_DIR            (or: make gpu-check OUT=OUT_DIR)
+#   launch/gpu_check.sh --out OUT_DIR      (or: make gpu-check OUT=OUT_DIR; `launch/gpu_check.sh OUT_DIR` too)
 #
 # Expects a CUDA machine with torch (and, ideally, transformers) but possibly without deepspeed, wandb, megablocks
 # and without network access. Wheels are taken from $WHEELS (default .whl/, see `make gpu-wheels`, which builds
@@ -14,11 +14,17 @@
 #              HF eager and grouped_mm, a dense MLP of equal active FLOPs) at the GPU shapes
 #   bench_loss python -m moe_lm.bench loss --device cuda --dtype bfloat16: the head's loss on gpu_1b's 8 x 2048 tokens,
 #              plain vs chunked (performance.loss_chunk): peak memory and time
-#   train      `deepspeed --num_gpus 1 launch/train.py --config configs/gpu_1b.yaml` for $STEPS steps (default 120)
+#   train      `deepspeed --num_gpus 1 launch/train.py --config gpu_1b` for $STEPS steps (default 120)
 #              on the default corpus (prepared here if data/gpu is absent), no checkpoint
-#   summary    tokens/s, MFU, peak memory (against launch/estimate_memory.py's), losses, from metrics.jsonl
+#   summary    tokens/s, MFU, peak memory (against `moe-lm estimate`'s), losses, from metrics.jsonl
 set -u
-OUT=${1:?usage: launch/gpu_check.sh OUT_DIR}
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  --out) OUT=${2:?--out needs a folder} ;;
+  ""|-*) echo "error: give the output folder: launch/gpu_check.sh --out OUT_DIR (--help explains)" >&2; exit 2 ;;
+  *) OUT=$1 ;;
+esac
 WHEELS=${WHEELS:-.whl}
 STEPS=${STEPS:-120}
 PY=${PYTHON:-python3}
@@ -72,12 +78,12 @@ wait  # the MegaBlocks build, if any, before the benchmark that times it
 step bench_moe 600 $PY -m moe_lm.bench moe --device cuda --dtype bfloat16 --reps 20
 step bench_loss 300 $PY -m moe_lm.bench loss --device cuda --dtype bfloat16 --tokens 16384 --chunks 0 2048 4096 --rounds 2 --iters 5
 DATA=data/gpu
-[ -f "$DATA/meta.json" ] || step prepare 600 $PY launch/prepare_data.py --config configs/gpu_1b.yaml --workers 8
+[ -f "$DATA/meta.json" ] || step prepare 600 $PY launch/prepare_data.py --config gpu_1b --workers 8
 DS=$(command -v deepspeed || echo "$SITE/bin/deepspeed")
-step train 900 $PY "$DS" --num_gpus 1 launch/train.py --config configs/gpu_1b.yaml train.max_steps=$STEPS \
-  optim.warmup_steps=20 train.eval_interval=$STEPS train.ckpt_interval=0 train.out_dir="$OUT/run" \
-  logging.wandb_mode=disabled train.log_interval=10
-$PY launch/estimate_memory.py --config configs/gpu_1b.yaml --world 1 > "$OUT/logs/estimate.log" 2>&1
+step train 900 $PY "$DS" --num_gpus 1 launch/train.py --config gpu_1b train.max_steps=$STEPS \
+  optim.warmup_steps=20 cadence.eval_interval=$STEPS cadence.ckpt_interval=0 train.out_dir="$OUT/run" \
+  logging.wandb_mode=disabled cadence.log_interval=10
+$PY launch/estimate_memory.py --config gpu_1b --world 1 > "$OUT/logs/estimate.log" 2>&1
 $PY - "$OUT" >> "$SUMMARY" <<'PY'
 import json, statistics, sys
 from pathlib import Path

@@ -31,15 +31,20 @@ from moe_lm.errors import ConfigError
 class RopeScalingConfig:
     """Context extension of RoPE: "default" (none) or "yarn", as DeepSeek-V3 ships it and HF computes it."""
 
+    # "default" (plain RoPE) or "yarn" (context extension).
     rope_type: Literal["default", "yarn"] = "default"
+    # YaRN: how many times the original context is extended.
     factor: float = 1.0
     # The context the model was pretrained with; YaRN keeps the dims that rotate fast within it unchanged.
     original_max_position_embeddings: int = 4096
+    # YaRN: dims turning more than this many times within the original context are kept as they are.
     beta_fast: float = 32.0
+    # YaRN: dims turning fewer than this many times are interpolated by `factor`; a ramp in between.
     beta_slow: float = 1.0
     # cos/sin are scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) and MLA's softmax scale by
     # mscale(factor, mscale_all_dim)^2, with mscale(s, m) = 0.1 m ln(s) + 1 (DeepSeek-V3: both 1.0).
     mscale: float = 1.0
+    # YaRN: the mscale of the softmax temperature correction (DeepSeek-V3: 1.0; 0 = none).
     mscale_all_dim: float = 0.0
 
 
@@ -55,6 +60,7 @@ class MLAConfig:
     qk_nope_head_dim: int = 16
     # Rotary query/key dims; the rotary key is shared by all heads.
     qk_rope_head_dim: int = 8
+    # Per-head value dims.
     v_head_dim: int = 16
 
 
@@ -62,7 +68,9 @@ class MLAConfig:
 class GQAConfig:
     """Grouped-query attention with (partial) RoPE, as in GLM-4.5-style MoE models."""
 
+    # Key/value heads, shared by n_heads / n_kv_heads query heads each.
     n_kv_heads: int = 2
+    # Dims per head (queries, keys and values alike).
     head_dim: int = 32
     # Share of each head's dims that is rotated (GLM-4.5 uses 0.5).
     partial_rotary_factor: float = 0.5
@@ -72,14 +80,19 @@ class GQAConfig:
 class MoEConfig:
     """DeepSeek-V3 MoE layer: shared experts plus sigmoid-gated top-k routed experts."""
 
+    # Routed experts per MoE layer (E).
     n_routed_experts: int = 8
     # Shared experts form one SwiGLU MLP of width n_shared_experts * moe_inter_dim, added unweighted.
     n_shared_experts: int = 1
+    # Routed experts each token is sent to (K, top-k).
     num_experts_per_tok: int = 2
     # Group-limited routing: experts are split into n_group groups and only topk_group groups are eligible.
     n_group: int = 1
+    # Groups kept per token (the rest of the experts are not eligible for it).
     topk_group: int = 1
+    # The routed experts' gate weights are scaled by this (DeepSeek-V3: 2.5).
     routed_scaling_factor: float = 1.0
+    # Normalise the K selected gate weights to sum to 1 before the scaling.
     norm_topk_prob: bool = True
     # Width of one routed (and one shared) expert.
     moe_inter_dim: int = 64
@@ -152,25 +165,34 @@ class ModelConfig:
     # "decoder": the decoder-only Transformer. Research variants register other architectures (the encoder-decoder
     # "encdec" of moe_lm/experiments/variants/encdec.py).
     arch: str = "decoder"
+    # Vocabulary size (the tokenizer's; `moe-lm prepare` trains one of this size by default).
     vocab_size: int = 4096
+    # Model (hidden) dimension D.
     dim: int = 128
     # Layers of the decoder (of the decoder stack where an architecture has an encoder too).
     n_layers: int = 4
     # Layers of an encoder stack, for architectures that have one (the encoder-decoder variant).
     n_enc_layers: int = 0
+    # Attention (query) heads.
     n_heads: int = 4
     # Width of the dense SwiGLU MLP in the first `first_k_dense_replace` layers.
     inter_dim: int = 256
+    # The first this many layers use the dense MLP; the rest are MoE layers (DeepSeek-V3: 3).
     first_k_dense_replace: int = 1
+    # "mla" (multi-head latent attention, DeepSeek-V2/V3) or "gqa" (grouped-query attention, GLM-4.5 style).
     attention: Literal["mla", "gqa"] = "mla"
     # "causal". Research variants register other masks (moe_lm/experiments/variants/masks.py): "prefix"
     # (bidirectional inside a prefix: prefix-LM / UniLM) and, for masked-language models, "bidirectional",
     # "mixed_heads" and "mixed_layers" (Su's mixed forward/backward attention).
     attn_mask: str = "causal"
+    # The longest sequence the model takes (RoPE positions, the KV cache, generation's context).
     max_seq_len: int = 256
+    # RoPE base frequency.
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # RMSNorm epsilon.
     norm_eps: float = 1e-6
+    # Standard deviation of the normal initialisation of every linear and embedding weight.
     init_std: float = 0.02
     mla: MLAConfig = field(default_factory=MLAConfig)
     gqa: GQAConfig = field(default_factory=GQAConfig)
@@ -224,14 +246,15 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Corpus, tokenizer and token shards (built by launch/prepare_data.py, read by training and analytics)."""
+    """Corpus, tokenizer and token shards (built by `moe-lm prepare`, read by training and analytics)."""
 
     # "default" builds the embedded multi-domain corpus from text this Python installation carries; otherwise
     # paths to .txt / .jsonl files or folders (a folder of sub-folders is one domain per sub-folder), .parquet /
     # .arrow files, globs or folders of them, save_to_disk folders, or hf:NAME[:CONFIG][@SPLIT] (streamed).
     sources: list[str] = field(default_factory=lambda: ["default"])
-    # The column (or .jsonl key) that holds the text, and the one that names the domain (absent: the source's name).
+    # The column (or .jsonl key) that holds a document's text.
     text_field: str = "text"
+    # The column (or .jsonl key) that names a document's domain; absent: the source's name.
     domain_field: str = "domain"
     # Where the manifest, tokenizer and shards go.
     out_dir: str = "data/default"
@@ -257,15 +280,23 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine (or warmup-stable-decay) to min_lr."""
 
+    # Peak learning rate (AdamW), reached after the warmup.
     lr: float = 3e-3
+    # The learning rate at the end of the decay.
     min_lr: float = 3e-4
+    # Steps of linear warmup from lr / warmup_steps to lr (a warmup as long as the run warns).
     warmup_steps: int = 50
+    # After the warmup: "cosine" decay to min_lr, or "wsd" (warmup-stable-decay: constant, then linear).
     schedule: Literal["cosine", "wsd"] = "cosine"
     # WSD only: share of the run spent in the final linear decay.
     decay_fraction: float = 0.2
+    # AdamW's decoupled weight decay (not applied to norm gains).
     weight_decay: float = 0.1
+    # AdamW's first-moment decay.
     beta1: float = 0.9
+    # AdamW's second-moment decay.
     beta2: float = 0.95
+    # AdamW's epsilon.
     eps: float = 1e-8
     # Global gradient-norm clipping (0 = off).
     grad_clip: float = 1.0
@@ -288,11 +319,15 @@ class OptimConfig:
 class TrainConfig:
     """The training run: its length, batch and folder, and where it starts from."""
 
+    # Optimizer steps of the run (the learning-rate schedule spans them).
     max_steps: int = 600
+    # Tokens per training window (at most model.max_seq_len).
     seq_len: int = 256
     # Sequences per rank per micro-step; the global batch is micro_batch_size * grad_accum_steps * world size.
     micro_batch_size: int = 8
+    # Micro-batches per optimizer step on every rank.
     grad_accum_steps: int = 1
+    # The run folder: config, metrics, checkpoints, wandb and TensorBoard files (--out sets it).
     out_dir: str = "runs/tiny"
     # Resume from the latest complete checkpoint in out_dir if there is one; false moves an old run aside.
     resume: bool = True
@@ -319,7 +354,9 @@ class TrainConfig:
 class CadenceConfig:
     """How often the run logs, evaluates and checkpoints, and how much it keeps."""
 
+    # Steps between train rows (console, metrics.jsonl, wandb, TensorBoard); the last step is always logged.
     log_interval: int = 10
+    # Steps between evaluations on the validation windows; the last step is always evaluated.
     eval_interval: int = 100
     # Batches of train.micro_batch_size sequences per domain at each evaluation.
     eval_batches: int = 4
@@ -344,6 +381,7 @@ class ObjectiveConfig:
     token, 10 % kept) and predicts them in place, with masks fixed by the window's content and the seed.
     """
 
+    # "lm", or an objective a research variant registers ("prefix_lm", "mlm").
     name: str = "lm"
     # prefix_lm: tokens of the window that are input only.
     prefix_len: int = 0
@@ -401,10 +439,13 @@ class LoggingConfig:
 
     # wandb mode: offline by default (no network assumed; `wandb sync` later), or online, or disabled.
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # The wandb project runs are logged to.
     wandb_project: str = "moe-lm"
+    # The wandb run's display name; "" = the run folder's name.
     run_name: str = ""
-    # wandb's own banners and closing summary on the console (off: only its warnings and errors show).
-    wandb_console: bool = False
+    # The libraries' INFO lines and banners on the console (DeepSpeed's, wandb's); off: only their warnings and
+    # errors show (also --verbose, or MOE_LM_VERBOSE=1).
+    verbose: bool = False
     # TensorBoard event files in <run>/tb/ with the scalars and expert-load histograms wandb gets.
     tensorboard: bool = False
     # Peak FLOP/s per device for MFU; 0 = look it up for known GPUs, or measure an fp32 matmul on CPU.
@@ -418,6 +459,7 @@ class LoggingConfig:
 class Config:
     """The whole run. Sections are handed to the components that own them."""
 
+    # Seeds the initialisation, the data order and the tokenizer's training.
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -438,11 +480,7 @@ class Config:
         self.cadence.validate("cadence")
         self.performance.validate("performance")
         self.parallel.validate("parallel")
-        _require(
-            self.model.moe.n_routed_experts % self.parallel.ep_size == 0,
-            "parallel.ep_size",
-            f"= {self.parallel.ep_size} must divide model.moe.n_routed_experts={self.model.moe.n_routed_experts}",
-        )
+        require_ep_divides(self.parallel.ep_size, self.model.moe.n_routed_experts)
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",
@@ -461,6 +499,18 @@ class Config:
             rule = _CHOICES[key][value]
             if rule is not None:
                 rule(self)
+
+
+def require_ep_divides(ep_size: int, n_routed_experts: int, world: int | None = None) -> None:
+    """Expert parallelism's layout rule, in one place: ep_size divides the routed experts (each rank holds the same
+    number) and, once it is known, the world size (every rank belongs to one expert-parallel group)."""
+    if world is None:
+        _require(n_routed_experts % ep_size == 0, "parallel.ep_size",
+                 f"= {ep_size} must divide model.moe.n_routed_experts={n_routed_experts}")  # fmt: skip
+    else:
+        _require(n_routed_experts % ep_size == 0 and world % ep_size == 0, "parallel.ep_size",
+                 f"= {ep_size} must divide both the world size ({world}) and model.moe.n_routed_experts "
+                 f"({n_routed_experts})")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ extension point
@@ -495,7 +545,38 @@ def _require_choice(key: str, value: str, shown: str) -> None:
     )
 
 
+def config_warnings(cfg: Config) -> list[str]:
+    """What a valid config probably does not mean to do (the run says so at start; --print-config shows it)."""
+    warnings = []
+    if cfg.optim.warmup_steps >= cfg.train.max_steps:
+        peak = cfg.optim.lr * cfg.train.max_steps / max(cfg.optim.warmup_steps, 1)
+        warnings.append(
+            f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= train.max_steps={cfg.train.max_steps}: the run "
+            f"ends while warming up, at a learning rate of {peak:.3g} (optim.lr={cfg.optim.lr:g}), and never decays; "
+            "lower optim.warmup_steps"
+        )
+    return warnings
+
+
 # ----------------------------------------------------------------------------------------- load / dump
+
+
+PRESETS = Path(__file__).resolve().parent / "configs"  # shipped with the package
+
+
+def presets() -> list[str]:
+    """The names of the presets shipped with the package (`--config NAME`)."""
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """A preset's file, or the YAML file `name` is a path to (relative to the working directory)."""
+    if name in presets():
+        return PRESETS / f"{name}.yaml"
+    path = Path(name)
+    if path.is_file():
+        return path
+    raise ConfigError(f"--config {name}: no such file, and no preset of that name (presets: {', '.join(presets())})")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -550,6 +631,7 @@ MOVED = {
     "train.objective": "objective.name",
     "train.prefix_len": "objective.prefix_len",
     "train.mlm_prob": "objective.mlm_prob",
+    "logging.wandb_console": "logging.verbose",
     **{f"train.{k}": f"performance.{k}" for k in ("activation_checkpointing", "compile", "loss_chunk")},
 }
 _noted: set[str] = set()
@@ -567,18 +649,19 @@ def _new_spelling(key: str, where: str) -> str:
 
 def _moved_keys(raw: dict[str, Any], where: str) -> dict[str, Any]:
     """`raw` (one file's sections) with the old spellings of MOVED keys put where they live now."""
-    train = raw.get("train")
-    if not isinstance(train, dict) or not any(f"train.{k}" in MOVED for k in train):
-        return raw
-    raw = {**raw, "train": dict(train)}
-    for key in [k for k in train if f"train.{k}" in MOVED]:
-        section, name = _new_spelling(f"train.{key}", where).split(".")
-        target = raw.setdefault(section, {})
+    raw = dict(raw)
+    for old in MOVED:
+        section, key = old.split(".")
+        if not isinstance(raw.get(section), dict) or key not in raw[section]:
+            continue
+        new_section, new_key = _new_spelling(old, where).split(".")
+        raw[section] = dict(raw[section])
+        target = raw.setdefault(new_section, {})
         if not isinstance(target, dict):
-            raise ConfigError(f"{where}: '{section}' must be a mapping of keys")
-        if name in target:
-            raise ConfigError(f"{where}: both train.{key} and {section}.{name} are set; keep {section}.{name}")
-        target[name] = raw["train"].pop(key)
+            raise ConfigError(f"{where}: '{new_section}' must be a mapping of keys")
+        if new_key in target:
+            raise ConfigError(f"{where}: both {old} and {new_section}.{new_key} are set; keep {new_section}.{new_key}")
+        raw[new_section] = {**target, new_key: raw[section].pop(key)}
     return raw
 
 

@@ -18,3 +18,22 @@ class RunError(RuntimeError):
 
 class UserError(Exception):
     """Any other problem the user can fix (the message says how)."""
+
+
+class MissingExtra(UserError):
+    """An optional dependency a feature needs is not installed; the message names the extra that brings it."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of moe-lm's extras (from the checkout: moe-lm is not on a package index)."""
+    return f"pip install -e '.[{extra}]' in the moe-lm checkout"
+
+
+def require(module: str, extra: str, purpose: str):
+    """`import module`, or MissingExtra saying which extra brings it and how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(f"{purpose} needs {module.split('.')[0]}: {install_hint(extra)}") from None

@@ -3,6 +3,7 @@
 - moe_lm/model/ is single-device PyTorch: it never imports torch.distributed or deepspeed.
 - DeepSpeed enters through parallel/, train/ and checkpoint/save_resume.py only (the checkpoint format reader, the
   analytics, interop and inference open runs without it).
+- Nothing but entry points imports the command line (moe_lm/cli).
 - The core (the DeepSeek-V3 trainer) never imports the experiments, their research variants or the command line:
   variants plug in through the core's extension points (model/masks.py, model/architectures.py,
   train/objective.py).
@@ -97,6 +98,19 @@ def test_the_core_never_imports_experiments_or_the_command_line():
         if module_name(path).startswith(core)
         for line, m in imports(path)
         if m.startswith(("moe_lm.experiments", "moe_lm.cli", "launch"))
+    ]
+    assert not offenders, offenders
+
+
+def test_only_entry_points_import_the_command_line():
+    """The command line sits above everything: analytics, experiments and benchmarks take checked arguments and
+    raise moe_lm.errors, they do not reach up into moe_lm/cli (only `python -m` entry points do)."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {m}"
+        for path in package_files()
+        if not module_name(path).startswith("moe_lm.cli") and path.name != "__main__.py"
+        for line, m in imports(path)
+        if m.startswith("moe_lm.cli")
     ]
     assert not offenders, offenders
 

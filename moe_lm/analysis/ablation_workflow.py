@@ -1,6 +1,6 @@
 """The ablate_experts.py workflow, from checked flags to its files: the documents under the document budget, the
 targets (given, or each domain's most loaded expert per layer), the study (ablation.py) and ablation.json,
-ablation.png and ablation.md. launch/ablate_experts.py parses the flags and calls `ablate_experts`."""
+ablation.png and ablation.md. `moe-lm ablate` (moe_lm/cli/ablate.py) parses the flags and calls `ablate_experts`."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from moe_lm.analysis.ablation import ablation_study
 from moe_lm.analysis.budget import budget_document_count, print_sample_lines
 from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import record_trace
-from moe_lm.cli import UserError, output_dir
 from moe_lm.data.prepare import load_split
+from moe_lm.errors import UserError
 
 Target = tuple[int, list[int]]  # (MoE layer, experts routed around together)
 
 
 def ablate_experts(args: argparse.Namespace) -> dict:
-    """The ablation the flags of launch/ablate_experts.py ask for (checked there: the subject flags, a positive
+    """The ablation the flags of `moe-lm ablate` ask for (checked there: the subject flags, a positive
     --max-documents); writes ablation.json, ablation.png and ablation.md into --out, prints the table and returns
     the result."""
-    out = output_dir(args.out)  # why again: a caller from Python gets the CLI's check; from the CLI it is a no-op
+    out = Path(args.out)  # checked (created, writable) by the command line before anything slow
     subject = load_subject(args)
     docs, domains = documents(subject, args)
     docs, samples = budget_document_count(docs, len(domains), args.max_documents)

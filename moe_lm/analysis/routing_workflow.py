@@ -1,6 +1,6 @@
-"""The analyze_routing.py workflow, from checked flags to the report: the documents under the token budget, the
-traces (trained model, untrained baseline N1, an optional compared checkpoint), the report's numbers and files, an
-optional wandb log and the console summary. launch/analyze_routing.py parses the flags and calls `analyze_routing`.
+"""The routing analysis, from checked flags to the report: the documents under the token budget, the traces (trained
+model, untrained baseline N1, an optional compared checkpoint), the report's numbers and files, an optional wandb
+log and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the flags and calls `analyze_routing`.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from moe_lm.analysis.report import build_report, figure_layers
 from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.checkpoint.format import RunRef, load_model
-from moe_lm.cli import UserError, output_dir
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
+from moe_lm.errors import UserError
 
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
 
 
 def analyze_routing(args: argparse.Namespace) -> dict:
-    """The whole analysis the flags of launch/analyze_routing.py ask for (checked there: the subject flags, a
+    """The whole analysis the flags of `moe-lm analyze` ask for (checked there: the subject flags, a
     positive --max-tokens); writes trace*/, figures/, routing.html, metrics.json and metrics.csv into --out and
     returns the metrics."""
-    out = output_dir(args.out)  # why again: a caller from Python gets the CLI's check; from the CLI it is a no-op
+    out = Path(args.out)  # checked (created, writable) by the command line before anything slow
     subject = load_subject(args)
     docs, domains, source = budgeted_documents(subject, args)
     common = dict(seq_len=subject.seq_len, batch_size=args.batch_size)
@@ -43,7 +43,7 @@ def analyze_routing(args: argparse.Namespace) -> dict:
     drawn = figure_layers(trace.layers, args.layers)
     print(f"figures and preferred-token tables for MoE layers {drawn} (--layers to choose)")
     result = build_report(
-        trace, out, subject.tok, args.tokens, init_trace, compare_trace, label, rows, args.min_count,
+        trace, out, subject.tok, args.chart_tokens, init_trace, compare_trace, label, rows, args.min_count,
         layers_to_draw=drawn,
     )  # fmt: skip
     if args.wandb:

@@ -1,10 +1,9 @@
 """What the analytics study: a moe-lm run's checkpoint or a transformers MoE checkpoint, with its tokenizer and
-documents; shared by launch/analyze_routing.py and launch/ablate_experts.py."""
+documents; shared by `moe-lm analyze` and `moe-lm ablate`."""
 
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,13 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
-from moe_lm.checkpoint.format import load_model, parse_run
-from moe_lm.cli import fail
+from moe_lm.analysis.hf_routing import HFMoEModel, parameter_count
+from moe_lm.checkpoint.format import load_model
 from moe_lm.config import Config
-from moe_lm.data.documents import DataError, ReadReport
+from moe_lm.data.documents import ReadReport
 from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
+from moe_lm.errors import UserError
 from moe_lm.model import initial_model
 
 
@@ -98,40 +97,9 @@ def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
     return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source)
 
 
-def add_subject_args(ap: argparse.ArgumentParser) -> None:
-    """The flags that name what is analysed and on which documents (both analytics scripts take them)."""
-    what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--run", type=parse_run, help="a moe-lm run folder, optionally RUN:TAG for a checkpoint")
-    what.add_argument("--hf", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
-    ap.add_argument(
-        "--data", nargs="*", help="sources as in data.sources: files, folders, parquet, hf:NAME (default with --run: "
-        "its validation split)",
-    )  # fmt: skip
-    ap.add_argument("--text-field", default="text", help="the column (or .jsonl key) with the text")
-    ap.add_argument("--domain-field", default="domain", help="the column naming the domain (absent: source name)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
-    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
-    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
-
-
-def open_subject(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Subject:
-    """The Subject the flags name; a clear error (and exit) for what cannot be loaded."""
-    check_subject_args(ap, args)
-    return load_subject(args)
-
-
-def check_subject_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The subject flags' combinations argparse cannot check itself: a usage error (and exit) on the first wrong."""
-    if args.hf and not args.data:
-        ap.error("--hf needs --data (the documents to run it on)")
-    missing = [p for p in args.data or [] if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
-    if missing:
-        ap.error(f"--data: not found: {', '.join(missing)}")
-
-
 def load_subject(args: argparse.Namespace) -> Subject:
     """The Subject the (checked) flags name: --hf or --run; a clear error (and exit) for what cannot be loaded."""
     try:
         return hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
-    except (FileNotFoundError, DataError, ValueError, OSError) as e:
-        fail(str(e))
+    except OSError as e:  # a folder transformers cannot read: the user's to fix, not a bug
+        raise UserError(str(e)) from None

@@ -1,6 +1,6 @@
-"""`python -m moe_lm.bench <what> [flags]`; `python -m moe_lm.bench --help` lists the benchmarks."""
+"""`python -m moe_lm.bench <what> [flags]` = `moe-lm bench <what>`; `--help` lists the benchmarks."""
 
-from moe_lm.bench.cli import main
+from moe_lm.cli.bench import main
 
 if __name__ == "__main__":
     main()

@@ -20,20 +20,19 @@ import torch
 
 from moe_lm.bench.timing import Measurement, interleave, summarize
 from moe_lm.checkpoint.format import load_model, parse_run
-from moe_lm.cli import fail
 from moe_lm.data.prepare import load_split
+from moe_lm.errors import UserError
 from moe_lm.inference.generate import generate
 from moe_lm.inference.sampling import Sampling
 from moe_lm.inference.speculative import SpeculativeStats, speculative_generate
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--run", required=True, type=parse_run, help="RUN or RUN:TAG, a run trained with model.mtp.depth >= 1"
-    )
+    ap.add_argument("--run", type=parse_run, required=True, metavar="RUN[:TAG]",
+                    help="a run trained with model.mtp.depth >= 1 (RUN:TAG for a given checkpoint)")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=8, help="prompts (validation documents, in order)")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of both decoders over all prompts")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
@@ -86,20 +85,26 @@ def prompts_of(shard, n: int, length: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    if min(args.prompts, args.prompt_tokens, args.max_tokens, args.rounds, args.threads) < 1 or args.temperature < 0:
-        fail("--prompts, --prompt-tokens, --max-tokens, --rounds and --threads must be >= 1, --temperature >= 0")
+    if (
+        min(args.prompts, args.prompt_tokens, args.max_new_tokens, args.rounds, args.threads) < 1
+        or args.temperature < 0
+    ):
+        raise UserError(
+            "--prompts, --prompt-tokens, --max-new-tokens, --rounds and --threads must be >= 1, --temperature >= 0"
+        )
     torch.set_num_threads(args.threads)
-    try:
-        cfg, model, tag = load_model(*args.run)
-        shard = load_split(cfg.data.out_dir, "val")
-    except (FileNotFoundError, ValueError) as e:  # DataError is a ValueError
-        fail(str(e))
+    cfg, model, tag = load_model(*args.run)  # a missing or damaged run is a user error, named by the reader
+    shard = load_split(cfg.data.out_dir, "val")
     if not cfg.model.mtp.depth:
-        fail(f"{args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
+        raise UserError(f"{args.run.run} has no MTP modules (train with model.mtp.depth=1 or more)")
     prompts = prompts_of(shard, args.prompts, args.prompt_tokens)
     if not prompts:
-        fail(f"no validation document of {args.run.run}'s data has {args.prompt_tokens} tokens (--prompt-tokens)")
-    decoders = Decoders(model, prompts, args.max_tokens, Sampling(args.temperature, 0, args.top_p), cfg.model.mtp.depth)
+        raise UserError(
+            f"no validation document of {args.run.run}'s data has {args.prompt_tokens} tokens (--prompt-tokens)"
+        )
+    decoders = Decoders(
+        model, prompts, args.max_new_tokens, Sampling(args.temperature, 0, args.top_p), cfg.model.mtp.depth
+    )
     greedy = args.temperature <= 0
 
     def same_output(r: int) -> None:
@@ -112,8 +117,8 @@ def run(args: argparse.Namespace) -> None:
     s = decoders.stats
     accept = ", ".join(f"depth {j} {100 * a:.1f} %" for j, a in enumerate(s.acceptance(), start=1))
     print(
-        f"{args.run.run}:{tag}, {len(prompts)} prompts of {args.prompt_tokens} tokens, {args.max_tokens} new tokens "
-        f"each, temperature {args.temperature}, {torch.get_num_threads()} thread(s), {args.rounds} rounds"
+        f"{args.run.run}:{tag}, {len(prompts)} prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new "
+        f"tokens each, temperature {args.temperature}, {torch.get_num_threads()} thread(s), {args.rounds} rounds"
     )
     print(f"plain {plain:,.1f} tokens/s | MTP speculative {mtp:,.1f} tokens/s | speed-up {mtp / plain:.2f}x")
     print(

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.bench.timing import Stat, interleave, markdown_table, summarize
-from moe_lm.cli import fail
+from moe_lm.errors import UserError
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy
 
 
@@ -120,7 +120,7 @@ def table(stats: dict[str, dict[str, Stat]], reference: str) -> str:
 
 def run(args: argparse.Namespace) -> None:
     if min(args.chunks) < 0 or min(args.tokens, args.dim, args.vocab, args.rounds, args.iters) < 1:
-        fail("--chunks must be >= 0 (0: the plain loss); --tokens, --dim, --vocab, --rounds, --iters >= 1")
+        raise UserError("--chunks must be >= 0 (0: the plain loss); --tokens, --dim, --vocab, --rounds, --iters >= 1")
     if args.child is not None:
         print(json.dumps(measure(args)))
         return

@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 
 from moe_lm.bench.timing import markdown_row, markdown_table, no_sync, time_interleaved
-from moe_lm.cli import fail
 from moe_lm.config import ModelConfig, MoEConfig
+from moe_lm.errors import UserError
 from moe_lm.interop.hf import to_hf_config
 from moe_lm.model import MoE
 from moe_lm.model.layers import MLP
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
     shapes = SHAPES[args.shapes or ("gpu" if on_gpu else "cpu")]
     args.tokens = args.tokens or (16384 if on_gpu else 4096)
     if args.seq_len < 1 or args.tokens < args.seq_len or args.reps < 1 or args.warmup < 0:
-        fail("--seq-len and --reps must be >= 1, --tokens >= --seq-len, --warmup >= 0")
+        raise UserError("--seq-len and --reps must be >= 1, --tokens >= --seq-len, --warmup >= 0")
     torch.manual_seed(0)
     print(
         f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "

@@ -19,22 +19,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moe_lm.bench.timing import markdown_table, time_interleaved
-from moe_lm.cli import fail
-from moe_lm.config import Config, load_config
+from moe_lm.config import Config, load_config, preset_path
 from moe_lm.data.documents import ReadReport
 from moe_lm.data.prepare import iter_documents, prepare_data, read_meta
 from moe_lm.data.tokenize_shards import tokenize_to_shards
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.errors import UserError
 
 CEILING = "encode (ceiling)"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--config",
-        default="configs/tiny.yaml",
-        help="its data section is prepared (into a temporary folder) and tokenized",
-    )
+    ap.add_argument("--config", default="tiny", metavar="NAME|FILE",
+                    help="its data section is prepared (into a temporary folder) and tokenized")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the three arms")
     ap.add_argument("--repeat", type=int, default=4, help="the corpus this many times over (a longer stream)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.max_mb_per_domain=1")
@@ -62,8 +59,8 @@ def arms(tok, texts: list[str], tokenize: Callable[[int], None]) -> dict[str, Ca
 
 def run(args: argparse.Namespace) -> None:
     if args.rounds < 1 or args.repeat < 1:
-        fail("--rounds and --repeat must be >= 1")
-    cfg = load_config(args.config, args.overrides)
+        raise UserError("--rounds and --repeat must be >= 1")
+    cfg = load_config(preset_path(args.config), args.overrides)
     work = Path(tempfile.mkdtemp(prefix="bench_prepare_"))
     try:
         data = prepare_data(dataclasses.replace(cfg.data, out_dir=str(work / "data")), cfg.model.vocab_size, log=print)

@@ -23,7 +23,7 @@ import transformers
 from moe_lm.analysis.hf_routing import HFMoEModel
 from moe_lm.analysis.trace import document_chunks, record_trace
 from moe_lm.bench.timing import time_interleaved
-from moe_lm.cli import fail
+from moe_lm.errors import UserError
 
 VOCAB = 4096
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids)
@@ -94,7 +94,9 @@ def arms(model: HFMoEModel, docs: Documents, args: argparse.Namespace, work: Pat
 
 def run(args: argparse.Namespace) -> None:
     if min(args.hidden, args.layers, args.experts, args.k, args.tokens, args.seq_len, args.batch_size, args.rounds) < 1:
-        fail("--hidden, --layers, --experts, --k, --tokens, --seq-len, --batch-size and --rounds must be >= 1")
+        raise UserError(
+            "--hidden, --layers, --experts, --k, --tokens, --seq-len, --batch-size and --rounds must be >= 1"
+        )
     torch.manual_seed(0)
     model = random_model(args)
     docs = random_documents(args.tokens)

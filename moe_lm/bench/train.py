@@ -6,7 +6,7 @@
 
 Each arm is one set of dotted overrides (space-separated inside one argument; "" = the config as it is). Every arm's
 model is built from the same seed and trained on the same random token batches (micro_batch_size x seq_len, the
-config's) with the same objective as launch/train.py (main CE + lambda/D * MTP CEs + balance losses, the bias
+config's) with the same objective as `moe-lm train` (main CE + lambda/D * MTP CEs + balance losses, the bias
 update; activation checkpointing, compile and the chunked loss as configured), one optimizer step (torch AdamW) per
 timing, in one process. The arms take turns round by round, so that a shared machine's noise hits all of them
 alike; medians and ratios to the first arm are printed. DeepSpeed's per-step bookkeeping is the same for every arm
@@ -20,8 +20,8 @@ import argparse
 import torch
 
 from moe_lm.bench.timing import Stat, markdown_table, time_interleaved
-from moe_lm.cli import fail
-from moe_lm.config import Config, ConfigError, load_config
+from moe_lm.config import Config, load_config, preset_path
+from moe_lm.errors import UserError
 from moe_lm.model import build_model, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import param_groups
 from moe_lm.train.balance import balance_step
@@ -30,7 +30,7 @@ from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", default="configs/tiny.yaml", help="the config every arm starts from")
+    ap.add_argument("--config", default="tiny", metavar="NAME|FILE", help="the config every arm starts from")
     ap.add_argument(
         "--arms",
         nargs="+",
@@ -43,7 +43,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 class Arm:
-    """One config's model and optimizer, stepped the way launch/train.py steps them (without DeepSpeed)."""
+    """One config's model and optimizer, stepped the way `moe-lm train` steps them (without DeepSpeed)."""
 
     def __init__(self, name: str, cfg: Config) -> None:
         self.name, self.cfg = name, cfg
@@ -76,13 +76,12 @@ class Arm:
 
 def build_arms(config: str, specs: list[str]) -> list[Arm]:
     """One arm per override spec; arms that would not see the same batches are refused."""
-    try:
-        arms = [Arm(spec or "(config)", load_config(config, spec.split())) for spec in specs]
-    except ConfigError as e:
-        fail(str(e))
+    arms = [Arm(spec or "(config)", load_config(preset_path(config), spec.split())) for spec in specs]
     shapes = {(a.cfg.train.micro_batch_size, a.cfg.train.seq_len, a.cfg.model.vocab_size) for a in arms}
     if len(shapes) > 1:
-        fail(f"the arms must share micro_batch_size, seq_len and vocab_size to see the same batches: {shapes}")
+        raise UserError(
+            f"the arms must share micro_batch_size, seq_len and vocab_size to see the same batches: {shapes}"
+        )
     return arms
 
 
@@ -115,7 +114,7 @@ def table(arms: list[Arm], stats: list[Stat]) -> str:
 
 def run(args: argparse.Namespace) -> None:
     if args.rounds < 1 or args.warmup < 0 or args.threads < 0:
-        fail("--rounds must be >= 1, --warmup and --threads >= 0")
+        raise UserError("--rounds must be >= 1, --warmup and --threads >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     arms = build_arms(args.config, args.arms)

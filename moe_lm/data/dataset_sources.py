@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moe_lm.data.documents import DataError, Document, ReadReport
+from moe_lm.errors import require
 
 BATCH = 1024
 DATASET_SUFFIXES = (".parquet", ".arrow")
@@ -125,8 +126,7 @@ def _rows(batches, where: str, default_domain: str, report: ReadReport, text_fie
 def _file_batches(path: Path):
     """Batches of one .parquet file (by row groups) or one .arrow file (memory-mapped)."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
+        pq = require("pyarrow.parquet", "datasets", f"data source {path}")
         try:
             pf = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file it cannot read
@@ -135,8 +135,7 @@ def _file_batches(path: Path):
         for batch in pf.iter_batches(batch_size=BATCH):
             yield names, batch.to_pydict()
         return
-    import datasets
-
+    datasets = require("datasets", "datasets", f"data source {path}")
     try:
         ds = datasets.Dataset.from_file(str(path))
     except Exception as e:  # the same for Arrow files
@@ -146,8 +145,7 @@ def _file_batches(path: Path):
 
 def _saved_batches(folder: Path):
     """Batches of a save_to_disk folder: the Dataset, or a DatasetDict's train split (or its only split)."""
-    import datasets
-
+    datasets = require("datasets", "datasets", f"data source {folder}")
     try:
         loaded = datasets.load_from_disk(str(folder))
     except Exception as e:  # datasets raises several types (and fails on an empty saved table)
@@ -162,8 +160,7 @@ def _saved_batches(folder: Path):
 
 def _hub_batches(where: str, name: str, config: str | None, split: str):
     """Batches of datasets.load_dataset(NAME, CONFIG, split=SPLIT, streaming=True): nothing is downloaded whole."""
-    import datasets
-
+    datasets = require("datasets", "datasets", f"data source {where}")
     try:
         stream = datasets.load_dataset(name, config, split=split, streaming=True)
     except StopIteration:  # why: datasets peeks at the first row to infer columns, and an empty split has none

@@ -279,14 +279,14 @@ def read_meta(data_dir: str | Path) -> dict:
     """meta.json of a prepared data folder, or a DataError that names the file and what to do."""
     meta_path = Path(data_dir) / "meta.json"
     if not meta_path.is_file():
-        raise DataError(f"no prepared data in {data_dir}: run `python launch/prepare_data.py --config <your config>`")
+        raise DataError(f"no prepared data in {data_dir}: run `moe-lm prepare --config <your config>`")
     try:
         meta = json.loads(meta_path.read_text())
         meta["signature"], meta["domains"], meta["vocab_size"], meta["tokens"]  # noqa: B018 - the keys we rely on
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise DataError(
             f"{meta_path} is corrupt ({type(e).__name__}: {e}); prepare the data again: "
-            "python launch/prepare_data.py --config <your config> --force"
+            "moe-lm prepare --config <your config> --force"
         ) from None
     return meta
 

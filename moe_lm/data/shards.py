@@ -88,5 +88,5 @@ class TokenShard:
 def _corrupt(folder: Path, why: str) -> DataError:
     return DataError(
         f"token shard {folder} is damaged ({why}); prepare the data again: "
-        "python launch/prepare_data.py --config <your config> --force"
+        "moe-lm prepare --config <your config> --force"
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from moe_lm.data.documents import DataError
+from moe_lm.errors import install_hint
 
 SPM_FILE = "tokenizer.model"
 HF_FOLDER = "tokenizer"
@@ -110,7 +111,7 @@ def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
     data_dir = Path(data_dir)
     redo = (
         "restore it from a copy (an export of a run on this data holds one) or prepare the data again with "
-        "launch/prepare_data.py --config CONFIG --force"
+        "moe-lm prepare --config CONFIG --force"
     )
     if (data_dir / HF_FOLDER).is_dir():
         try:
@@ -122,7 +123,7 @@ def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:
             return SentencePieceTokenizer(data_dir / SPM_FILE)
         except (RuntimeError, OSError) as e:
             raise DataError(f"{data_dir / SPM_FILE} is not a readable sentencepiece model ({e}); {redo}") from e
-    raise DataError(f"no tokenizer in {data_dir} (run launch/prepare_data.py first)")
+    raise DataError(f"no tokenizer in {data_dir} (run `moe-lm prepare` first)")
 
 
 def data_tokenizer_sha256(data_dir: str | Path) -> str | None:
@@ -169,7 +170,7 @@ def _auto_tokenizer(src: Path):
     try:
         import transformers
     except ImportError as e:
-        raise DataError("Hugging Face tokenizers need transformers: pip install 'moe-lm[hf]'") from e
+        raise DataError(f"Hugging Face tokenizers need transformers: {install_hint('hf')}") from e
     if src.is_dir():
         return transformers.AutoTokenizer.from_pretrained(str(src))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(src))

@@ -218,7 +218,7 @@ def markdown(exp: Experiment, r: dict, causal_arm: str, bidir_arm: str, figures:
         "",
         "## Reproduce",
         "",
-        f"`python launch/experiment.py {exp.name}` (runs `{exp.arms_from}` first if needed)",
+        f"`moe-lm experiment {exp.name}` (runs `{exp.arms_from}` first if needed)",
     ]
     return "\n".join(lines) + "\n"
 

@@ -139,7 +139,7 @@ def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures
     lines += ["", "Rules, fixed before the runs: " + "; ".join(f"*{k}*: {v}" for k, v in RULES.items()) + "."]
     lines += closing_sections(exp, figures)
     runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
-    command = f"python launch/experiment.py {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
+    command = f"moe-lm experiment {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
     lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
     return "\n".join(lines) + "\n"
 

@@ -4,7 +4,7 @@ A run's folder is `<runs>/<hash>`, the hash of its resolved config (every key bu
 is never trained twice and identical arms of different experiments share their runs. A run is finished when its
 final evaluation (final_eval.json) matches what the experiment asks for (the scored positions, its measures); a
 run whose training was interrupted resumes from its last checkpoint (the training loop's own resume). Training
-runs as a subprocess of `launch/train.py` (the real command, its log in <run>/train.log).
+runs as a subprocess of the real training command (`python -m moe_lm.cli.train`, its log in <run>/train.log).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
+from moe_lm.errors import RunError
 from moe_lm.experiments.final_eval import RESULT, evaluate_run
 from moe_lm.experiments.spec import Experiment
 
-ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_INFO = "experiment_run.json"
 
@@ -93,14 +93,14 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
         (run.folder / RUN_INFO).write_text(json.dumps({"experiment": exp.name, "arm": run.arm, "seed": run.seed}))
         t0 = time.perf_counter()
         with open(run.folder / "train.log", "a") as out:
-            cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(run.folder / "launch.yaml")]
+            cmd = [sys.executable, "-m", "moe_lm.cli.train", "--config", str(run.folder / "launch.yaml")]
             # why a cleaned environment: a process-group address inherited from the caller (a process that trained
             # in-process, or a launcher) would make this single-process run join or collide with it
             env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
             proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         if proc.returncode != 0:
             tail = (run.folder / "train.log").read_text()[-2000:]
-            raise RuntimeError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")
+            raise RunError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")
         info = {**_info(run), "train_seconds": time.perf_counter() - t0}
         (run.folder / RUN_INFO).write_text(json.dumps(info))
     run.result = evaluate_run(

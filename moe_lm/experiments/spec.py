@@ -31,7 +31,7 @@ import yaml
 
 from moe_lm.config import ConfigError
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "experiments"
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"  # shipped with the package
 EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher")
 # each metric beyond the loss and the measure that records it
 MEASURED_BY = {"maxvio_global": "routing", "domain_jsd": "routing", "jsd_over_shuffled": "routing",

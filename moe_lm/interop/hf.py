@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScalingConfig
+from moe_lm.console import transformers_quiet
+from moe_lm.errors import install_hint
 from moe_lm.interop.hf_mtp import add_to_export, mtp_state_from_hf, mtp_tensors_for_hf, read_mtp_layers
 from moe_lm.model import Transformer
 
@@ -35,7 +37,7 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("Hugging Face interop needs transformers: pip install 'moe-lm[hf]'") from e
+        raise ImportError(f"Hugging Face interop needs transformers: {install_hint('hf')}") from e
     return transformers
 
 
@@ -230,7 +232,8 @@ def export_hf(
     hf_model.generation_config = tf.GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     out_dir = Path(out_dir)
     shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    hf_model.save_pretrained(out_dir, safe_serialization=True, **shards)
+    with transformers_quiet():
+        hf_model.save_pretrained(out_dir, safe_serialization=True, **shards)
     add_to_export(out_dir, mtp_tensors_for_hf(own, cfg.n_layers, cfg.mtp.depth))
     return out_dir
 

@@ -76,7 +76,7 @@ def starts_documents(folder: Path, tok, texts: list[str]) -> str | None:
 
     auto = AutoTokenizer.from_pretrained(folder)
     for text in texts:
-        if auto(text).input_ids != [tok.doc_start_id, *tok.encode(text)]:
+        if auto(text, verbose=False).input_ids != [tok.doc_start_id, *tok.encode(text)]:  # longer than a window: fine
             return text[:40]
     return None
 
@@ -126,6 +126,6 @@ def spm_to_hf(model_file: str | Path):
 def matches(hf_tokenizer, encode, texts: list[str]) -> str | None:
     """The first text on which the converted tokenizer's ids differ from `encode`'s, or None."""
     for text in texts:
-        if hf_tokenizer.encode(text, add_special_tokens=False) != encode(text):
+        if hf_tokenizer.encode(text, add_special_tokens=False, verbose=False) != encode(text):
             return text
     return None

@@ -1,5 +1,5 @@
-"""Downstream evaluation of a Hugging Face export with EleutherAI's lm-evaluation-harness (`pip install
-'moe-lm[eval]'`), scoring exactly the ids training fed the model.
+"""Downstream evaluation of a Hugging Face export with EleutherAI's lm-evaluation-harness (the `eval` extra),
+scoring exactly the ids training fed the model.
 
 Every training document began with the tokenizer's document-start token (BOS, else EOS: `Tokenizer.doc_start_id`),
 and export_hf writes that id as `bos_token_id` in config.json. lm-eval's `HFLM` scores a (context, continuation) pair
@@ -21,19 +21,21 @@ import fnmatch
 import json
 from pathlib import Path
 
+from moe_lm.errors import install_hint
+
 
 def document_start_id(export_dir: str | Path) -> int:
     """The token every training document began with, as export_hf wrote it (config.json's `bos_token_id`)."""
     config = Path(export_dir) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(
-            f"{config} not found: --model takes a folder written by launch/export_hf.py (or give --run RUN)"
+            f"{config} not found: --model takes a folder written by `moe-lm export` (or give --run RUN)"
         )
     start = json.loads(config.read_text()).get("bos_token_id")
     if start is None:
         raise ValueError(
             f"{config} names no bos_token_id: the export has no tokenizer (exported with --config?); export a run "
-            "with launch/export_hf.py --run RUN, which writes its tokenizer and start token"
+            "with moe-lm export --run RUN, which writes its tokenizer and start token"
         )
     return int(start)
 
@@ -43,13 +45,13 @@ def harness_lm(export_dir: str | Path, batch_size: int | str = 1, device: str = 
     try:
         from lm_eval.models.huggingface import HFLM
     except ImportError as e:
-        raise ImportError(f"evaluation needs lm-evaluation-harness: pip install 'moe-lm[eval]' ({e})") from e
+        raise ImportError(f"evaluation needs lm-evaluation-harness: {install_hint('eval')} ({e})") from e
 
     start = document_start_id(export_dir)
     if not (Path(export_dir) / "tokenizer_config.json").is_file():
         raise FileNotFoundError(
             f"{export_dir} holds no Hugging Face tokenizer (tokenizer_config.json); re-export the run with "
-            "launch/export_hf.py --run RUN (its log says why a tokenizer was not converted)"
+            "moe-lm export --run RUN (its log says why a tokenizer was not converted)"
         )
     lm = HFLM(
         pretrained=str(export_dir),
@@ -82,7 +84,7 @@ def check_start_token(lm, start: int, where: str | Path = "the export") -> None:
             raise ValueError(
                 f"lm-eval would score {context + continuation!r} as {(ctx + cont)[:4]}..., not [{start}] + the text's "
                 f"ids {plain[:3]}... (every training document began with token {start}): the tokenizer in {where} "
-                "does not add it; re-export the run with launch/export_hf.py --run RUN"
+                "does not add it; re-export the run with moe-lm export --run RUN"
             )
 
 

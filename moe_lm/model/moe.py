@@ -38,7 +38,8 @@ class MoE(nn.Module):
         cfg = model_cfg.moe
         self.cfg = cfg
         self.gate = Router(model_cfg.dim, cfg, model_cfg.init_std)
-        self.experts = Experts(
+        # the routed experts, all of them; under expert parallelism this rank's share (see `parallelize`)
+        self.experts: nn.Module = Experts(
             cfg.n_routed_experts, model_cfg.dim, cfg.moe_inter_dim, cfg.experts_impl, model_cfg.init_std
         )
         self.shared_experts = (
@@ -54,6 +55,11 @@ class MoE(nn.Module):
         if self.shared_experts is not None:  # every token, weight 1, wherever its routed experts live
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(B, S, D), self.balance_loss(routing.scores.view(B, S, -1), routing.topk_idx)
+
+    def parallelize(self, experts: nn.Module, dispatch: Dispatcher) -> None:
+        """Expert parallelism's seam (moe_lm/parallel/expert_parallel.py): this rank's share of the routed experts
+        (a module called as Experts is) and the dispatcher that reaches the other ranks' experts."""
+        self.experts, self.dispatch = experts, dispatch
 
     def balance_loss(self, scores_BSE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
         """Sum of the enabled balance losses (0 when both are off or in eval)."""

@@ -21,6 +21,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from moe_lm.config import Config
+from moe_lm.console import library_prints, quiet_deepspeed
 
 
 def init_distributed() -> None:
@@ -32,7 +33,9 @@ def init_distributed() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(verbose=False)
+    quiet_deepspeed()  # again: importing deepspeed reset its logger's level
+    with library_prints():  # why: on CPU its communication op prints a line on every start
+        deepspeed.init_distributed(verbose=False)
 
 
 def shutdown_distributed() -> None:

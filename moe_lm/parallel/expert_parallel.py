@@ -26,7 +26,7 @@ from deepspeed.utils import groups
 from torch import nn
 
 from moe_lm.checkpoint.format import per_expert_keys, stacked_keys
-from moe_lm.config import ConfigError
+from moe_lm.config import require_ep_divides
 from moe_lm.model import Experts, Transformer
 from moe_lm.model.moe import local_dispatch
 from moe_lm.parallel.dispatch import AllToAllDispatcher
@@ -73,12 +73,8 @@ def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False):
 
 def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
     """Shard every MoE layer's routed experts over `ep_size` ranks (in place; all ranks built the same model)."""
-    world = dist.get_world_size()
     E = model.cfg.moe.n_routed_experts
-    if world % ep_size or E % ep_size:
-        raise ConfigError(
-            f"parallel.ep_size={ep_size} must divide both the world size ({world}) and model.moe.n_routed_experts ({E})"
-        )
+    require_ep_divides(ep_size, E, dist.get_world_size())
     group = ensure_groups(ep_size)
     ep_rank = dist.get_rank(group=group)
     n_local = E // ep_size
@@ -91,8 +87,8 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
                 keep = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
                 local.gate_up_proj.copy_(full.gate_up_proj[keep])
                 local.down_proj.copy_(full.down_proj[keep])
-        moe.experts = ExpertShell(local, E, ep_size)
-        moe.dispatch = AllToAllDispatcher(group, ep_size, n_local) if ep_size > 1 else local_dispatch
+        moe.parallelize(ExpertShell(local, E, ep_size), AllToAllDispatcher(group, ep_size, n_local) if ep_size > 1
+                        else local_dispatch)  # fmt: skip
     return model
 
 

@@ -40,7 +40,7 @@ def check_inputs(cfg: Config) -> dict:
     if changed:
         raise DataError(
             f"{cfg.data.out_dir} was not prepared from what data.* names now ({', '.join(changed)} differ): "
-            "prepare it again (python launch/prepare_data.py --config <config> --force) or point data.out_dir "
+            "prepare it again (moe-lm prepare --config <config> --force) or point data.out_dir "
             "at the data prepared for this config"
         )
     return meta

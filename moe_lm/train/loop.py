@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import latest_tag
-from moe_lm.config import Config, dump_config
+from moe_lm.config import Config, config_warnings, dump_config
+from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
@@ -69,9 +70,12 @@ class _Run:
 def train(cfg: Config) -> dict:
     """Run (or resume) training as configured; returns the last evaluation's metrics."""
     cfg.validate()  # a config built in code (dataclasses.replace) skipped load_config's checks
+    set_verbose(cfg.logging.verbose)
     init_distributed()
     t, run_dir = cfg.train, Path(cfg.train.out_dir)
     tracker = Tracker(cfg, run_dir, enabled=dist.get_rank() == 0)
+    for warning in config_warnings(cfg):
+        tracker.info(warning)
     cfg, pretrained = start_from(cfg, run_dir, tracker.info) if t.init_from else (cfg, None)
     prepare_default_corpus(cfg, tracker.info)
     data_meta = check_inputs(cfg)

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.config import Config, LoggingConfig, config_to_dict
+from moe_lm.console import verbose
+from moe_lm.errors import MissingExtra, require
 
 
 class Tracker:
@@ -34,7 +36,10 @@ class Tracker:
         if not self.enabled:
             return
         _truncate_after(self.path, step, self.info)
-        self.wandb = open_wandb(self.cfg.logging, self.run_dir, config=config_to_dict(self.cfg))
+        try:
+            self.wandb = open_wandb(self.cfg.logging, self.run_dir, config=config_to_dict(self.cfg))
+        except MissingExtra as e:  # why not an error: a plain run needs no wandb, metrics.jsonl has every row
+            self.info(f"note: {e} (or set logging.wandb_mode=disabled); this run logs to {self.path} only")
         if self.cfg.logging.tensorboard:
             self.tb = open_tensorboard(self.run_dir, step)
 
@@ -82,7 +87,7 @@ def open_wandb(log_cfg: LoggingConfig, run_dir: Path, config: dict | None = None
     id_file = run_dir / "wandb_id"
     if log_cfg.wandb_mode == "disabled" or not (create or id_file.is_file()):
         return None
-    import wandb
+    wandb = require("wandb", "wandb", f"logging.wandb_mode={log_cfg.wandb_mode}")
 
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
@@ -94,7 +99,7 @@ def open_wandb(log_cfg: LoggingConfig, run_dir: Path, config: dict | None = None
         dir=str(run_dir),
         mode=log_cfg.wandb_mode,
         config=config,
-        settings=wandb.Settings(silent=not log_cfg.wandb_console),
+        settings=wandb.Settings(silent=not (log_cfg.verbose or verbose())),
     )
     return wandb
 
@@ -102,6 +107,7 @@ def open_wandb(log_cfg: LoggingConfig, run_dir: Path, config: dict | None = None
 def open_tensorboard(run_dir: Path, step: int):
     """A SummaryWriter on <run>/tb/. Resuming at `step` purges what an interrupted run logged past it, as
     metrics.jsonl drops those rows."""
+    require("tensorboard", "tensorboard", "logging.tensorboard=true")
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(str(run_dir / "tb"), purge_step=step + 1 if step else None)

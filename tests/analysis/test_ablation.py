@@ -8,7 +8,7 @@ import torch
 from moe_lm.analysis.ablation import ablation_study, document_losses, route_around
 from moe_lm.model import Transformer
 from moe_lm.routing.recorder import RoutingRecorder
-from tests.tiny import replace_moe, tiny_model_cfg
+from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
 
 def docs(n=12, seed=0):
@@ -66,7 +66,7 @@ def test_ablate_experts_cli_writes_the_table_the_json_and_the_figure(tiny_data, 
     from pathlib import Path
 
     from moe_lm.train import loop
-    from tests.conftest import tiny_train_cfg
+    from tests.helpers.runs import tiny_train_cfg
 
     loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
     root = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
 from moe_lm.routing.recorder import RoutingRecorder
-from tests.conftest import WORDS, make_text
+from tests.helpers.runs import WORDS, make_text
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = dict(
@@ -142,7 +142,7 @@ def test_analyze_routing_cli_on_the_checkpoint(checkpoint, tmp_path):
     out = tmp_path / "report"
     cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), "--hf", str(path)]
     cmd += ["--data", str(tmp_path / "mmlu_like.parquet"), "--text-field", "question", "--domain-field", "subject"]
-    cmd += ["--out", str(out), "--tokens", "the", "--min-count", "3", "--max-tokens", "20000", "--seq-len", "64"]
+    cmd += ["--out", str(out), "--chart-tokens", "the", "--min-count", "3", "--max-tokens", "20000", "--seq-len", "64"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "trace" / "meta.json").read_text())

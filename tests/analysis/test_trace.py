@@ -17,8 +17,9 @@ from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
-from tests.tiny import replace_moe, tiny_model_cfg
+from tests.helpers.commands import analyze
+from tests.helpers.runs import tiny_train_cfg
+from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,14 +80,6 @@ def test_trace_streams_to_disk_without_holding_rows(tmp_path):
     assert trace.meta["tokens_per_s"] > 0
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, tiny_data):
-    run = tmp_path_factory.mktemp("analysis") / "run"
-    cfg = tiny_train_cfg(tiny_data, run, max_steps=4, ckpt_interval=2, eval_interval=2)
-    loop.train(cfg)
-    return run
-
-
 def test_training_evaluation_logs_headline_routing_metrics(tiny_run):
     rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     ev = [r for r in rows if r["kind"] == "eval"][-1]
@@ -95,27 +88,16 @@ def test_training_evaluation_logs_headline_routing_metrics(tiny_run):
     assert 0 <= ev["same_first/layer_1"] <= ev["topk_overlap/layer_1"] <= 1
 
 
-def run_analysis(*args):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, tmp_path):
     out = tmp_path / "report"
-    run_analysis(
+    analyze(
         "--run",
         tiny_run,
         "--out",
         out,
         "--compare",
         f"{tiny_run}:step_00000002",
-        "--tokens",
+        "--chart-tokens",
         "he",
         "on",
         "--min-count",
@@ -153,7 +135,7 @@ def test_analyze_routing_on_the_users_own_files(tiny_run, tmp_path):
     (data / "poetry" / "a.txt").write_text("the stars tracked the onion galaxy " * 30)
     (data / "notes.jsonl").write_text(json.dumps({"text": "bond yield rose " * 40, "domain": "money"}) + "\n")
     out = tmp_path / "report"
-    run_analysis("--run", tiny_run, "--data", data / "poetry", data / "notes.jsonl", "--out", out, "--no-init-baseline")
+    analyze("--run", tiny_run, "--data", data / "poetry", data / "notes.jsonl", "--out", out, "--no-init-baseline")
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["trace"]["domains"]) == {"poetry", "money"}
 
@@ -171,10 +153,10 @@ def test_analysis_is_logged_to_the_runs_wandb_when_asked(tiny_data, tmp_path):
     wandb_dir = next((tmp_path / "run" / "wandb").glob("offline-run-*"))
     before = sum(f.stat().st_size for f in wandb_dir.glob("*.wandb"))
     listing = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run" / "wandb").rglob("*"))
-    run_analysis("--run", tmp_path / "run", "--out", tmp_path / "plain", "--no-init-baseline")
+    analyze("--run", tmp_path / "run", "--out", tmp_path / "plain", "--no-init-baseline")
     # not asked: the training run's wandb folder is left as it was
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run" / "wandb").rglob("*")) == listing
-    run_analysis("--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline", "--wandb")
+    analyze("--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline", "--wandb")
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     # the figures went to the same wandb run id (a resumed offline run), with image files
     assert all(r.name.endswith((tmp_path / "run" / "wandb_id").read_text()) for r in runs)

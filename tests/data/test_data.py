@@ -14,7 +14,7 @@ from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import is_validation, load_split, prepare_data
 from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import load_data_tokenizer
-from tests.conftest import WORDS, write_folder_corpus
+from tests.helpers.runs import WORDS, write_folder_corpus
 
 
 def read_all(source):
@@ -168,7 +168,7 @@ def test_vocab_too_large_for_the_data_is_a_clear_error(tmp_path):
 
 
 def test_missing_prepared_data_is_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="prepare_data.py"):
+    with pytest.raises(DataError, match="moe-lm prepare"):
         load_split(tmp_path, "train")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +14,15 @@ from moe_lm.data.batches import eval_windows
 from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.sources import iter_source
-from tests.conftest import write_folder_corpus
+from tests.helpers.commands import script
+from tests.helpers.runs import write_folder_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def prepare_cli(tmp_path, *overrides) -> subprocess.CompletedProcess:
     """launch/prepare_data.py with the tiny preset and these overrides (vocab 300, as the test corpus needs)."""
-    cmd = [sys.executable, str(ROOT / "launch" / "prepare_data.py"), "--config", str(ROOT / "configs" / "tiny.yaml")]
-    return subprocess.run(
-        [*cmd, "model.vocab_size=300", *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    return script("prepare_data.py", "--config", "tiny", "model.vocab_size=300", *overrides, cwd=tmp_path)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:

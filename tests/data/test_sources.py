@@ -17,7 +17,7 @@ from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import load_split, prepare_data, sources_fingerprint
 from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenizer import load_data_tokenizer
-from tests.conftest import WORDS, make_text
+from tests.helpers.runs import WORDS, make_text
 
 ROWS = [{"text": make_text(domain, i), "domain": domain} for domain in WORDS for i in range(5)]
 

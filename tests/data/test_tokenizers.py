@@ -9,30 +9,14 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_lm.config import DataConfig
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.interop.hf_tokenizer import export_tokenizer
-from tests.conftest import WORDS, write_folder_corpus
-
-TEXT = [" ".join(words) for words in WORDS.values()] * 40 + ["def f(x):\n\treturn  x + 1\n"] * 40
-
-
-def bpe_json(folder: Path, specials: list[str], vocab: int = 280) -> Path:
-    """A byte-level BPE tokenizer.json trained with `tokenizers` (GPT-2 style)."""
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(TEXT, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
+from tests.helpers.runs import write_folder_corpus
+from tests.helpers.tokenizers import TEXT, bpe_json, prepare_with
 
 
 def spm_model(folder: Path) -> Path:
@@ -42,12 +26,6 @@ def spm_model(folder: Path) -> Path:
         input=str(folder / "text.txt"), model_prefix=str(folder / "m"), vocab_size=60, minloglevel=2
     )
     return folder / "m.model"
-
-
-def prepare_with(tmp_path, tokenizer: str, vocab_size: int = 300) -> Path:
-    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
-    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "data"), val_fraction=0.2, tokenizer=tokenizer)
-    return prepare_data(cfg, vocab_size=vocab_size, log=lambda s: None)
 
 
 def assert_documents_round_trip(out: Path, start_id: int, lossless: bool = True) -> None:
@@ -168,7 +146,7 @@ def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path
     import sys
 
     from moe_lm.train import loop
-    from tests.conftest import tiny_train_cfg
+    from tests.helpers.runs import tiny_train_cfg
 
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
     data = DataConfig(
@@ -186,7 +164,7 @@ def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout
 
-    text = cli("generate.py", "--run", str(tmp_path / "run"), "--prompt", "the bond", "--max-tokens", "8")
+    text = cli("generate.py", "--run", str(tmp_path / "run"), "--prompt", "the bond", "--max-new-tokens", "8")
     assert text.startswith("the bond") and len(text) > len("the bond")
     cli("export_hf.py", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")

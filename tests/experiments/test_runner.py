@@ -18,7 +18,7 @@ from moe_lm.experiments.final_eval import document_windows, evaluate_run
 from moe_lm.experiments.report import write_report
 from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
-from tests.conftest import tiny_train_cfg
+from tests.helpers.runs import tiny_train_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,7 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path):
 
     from moe_lm.train import loop
     from moe_lm.train.objective import IGNORE, objective_for
-    from tests.conftest import with_train
+    from tests.helpers.runs import with_train
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = with_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="bidirectional")),

@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from moe_lm.config import MTPConfig
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
+from tests.helpers.commands import script
+from tests.helpers.runs import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(script: str, *args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "launch" / script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+cli = script
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +29,7 @@ def mtp_run(tmp_path_factory, tiny_data):
 
 
 def test_speculative_generation_cli_equals_plain_greedy(mtp_run):
-    args = ("--run", mtp_run, "--prompt", "the bond", "--max-tokens", "20", "--temperature", "0")
+    args = ("--run", mtp_run, "--prompt", "the bond", "--max-new-tokens", "20", "--temperature", "0")
     plain, spec = cli("generate.py", *args), cli("generate.py", *args, "--speculative", "mtp")
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr[-2000:] + spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and spec.stdout.startswith("the bond")

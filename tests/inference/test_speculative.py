@@ -17,7 +17,7 @@ from moe_lm.inference.speculative import _Drafter, accept_or_resample, speculati
 from moe_lm.model import Transformer
 from moe_lm.model.attention import KVCache
 from moe_lm.train.objective import next_token_losses, total_loss
-from tests.tiny import tiny_model_cfg
+from tests.helpers.tiny import tiny_model_cfg
 
 
 def markov_model(depth: int, vocab: int = 97, steps: int = 150, attention: str = "mla", seed: int = 0) -> Transformer:

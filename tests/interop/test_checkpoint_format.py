@@ -12,7 +12,7 @@ import torch
 
 from moe_lm.checkpoint.format import RunRef, load_model, parse_run
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
+from tests.helpers.runs import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 

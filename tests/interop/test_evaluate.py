@@ -4,9 +4,7 @@ the ids training fed the model; its accuracies equal those computed here from tr
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +17,16 @@ transformers = pytest.importorskip("transformers")
 
 from moe_lm.data.tokenizer import load_data_tokenizer  # noqa: E402
 from moe_lm.train import loop  # noqa: E402
-from tests.conftest import WORDS, tiny_train_cfg  # noqa: E402
+from tests.helpers.commands import clean_env, script  # noqa: E402
+from tests.helpers.runs import WORDS, tiny_train_cfg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TASK = "tiny_next_word"
 
 
-def cli(script: str, *args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["HF_DATASETS_OFFLINE"] = env["HF_HUB_OFFLINE"] = "1"  # why: the test must not reach for the hub
-    cmd = [sys.executable, str(ROOT / "launch" / script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+def cli(name: str, *args) -> subprocess.CompletedProcess:
+    # why offline: the test must not reach for the hub
+    return script(name, *args, env=clean_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}), cwd=ROOT)
 
 
 def next_word_items(encode, max_tokens: int, n_per_domain: int = 10, seed: int = 0) -> list[dict]:
@@ -193,8 +190,8 @@ def test_a_gpt2_style_export_is_scored_after_eos(tmp_path):
     from moe_lm.interop.hf_tokenizer import export_tokenizer
     from moe_lm.interop.lm_eval import harness_lm
     from moe_lm.model import Transformer
-    from tests.data.test_tokenizers import bpe_json, prepare_with
-    from tests.tiny import tiny_model_cfg
+    from tests.helpers.tiny import tiny_model_cfg
+    from tests.helpers.tokenizers import bpe_json, prepare_with
 
     raw = bpe_json(tmp_path / "raw", ["<|endoftext|>"])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(raw), eos_token="<|endoftext|>")

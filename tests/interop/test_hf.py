@@ -13,17 +13,8 @@ import moe_lm.experiments.variants  # noqa: F401  (registers the research varian
 from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
 from moe_lm.model import Transformer, build_model
-from tests.tiny import replace_moe, tiny_model_cfg
-
-
-def random_model(attention: str, **moe) -> Transformer:
-    model = Transformer(replace_moe(tiny_model_cfg(attention), **moe)).eval()
-    with torch.no_grad():
-        for router in model.routers():  # non-zero, partly negative biases that change routing
-            router.e_score_correction_bias.normal_(0.0, 0.05)
-        for norm in (m for n, m in model.named_modules() if n.endswith("norm")):
-            norm.weight.uniform_(0.5, 1.5)  # non-trivial norm weights, so a mis-mapped norm shows
-    return model
+from tests.helpers.hf import native_deepseek_config, random_model
+from tests.helpers.tiny import tiny_model_cfg
 
 
 def logits(model, tokens):
@@ -92,33 +83,6 @@ def test_import_of_an_export_is_the_identity(tmp_path, attention):
     back = import_hf(tmp_path).state_dict()
     for key, value in model.state_dict().items():
         assert torch.equal(back[key], value), key
-
-
-def native_deepseek_config(**overrides):
-    """A tiny transformers DeepseekV3Config with DeepSeek's interleaved RoPE and group-limited routing."""
-    base = dict(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        first_k_dense_replace=1,
-        rope_interleave=True,
-        max_position_embeddings=64,
-    )
-    return transformers.DeepseekV3Config(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 16])
@@ -215,7 +179,7 @@ def test_export_cli_from_a_training_run(tiny_data, tmp_path):
 
     from moe_lm.checkpoint.format import load_model
     from moe_lm.train import loop
-    from tests.conftest import tiny_train_cfg
+    from tests.helpers.runs import tiny_train_cfg
 
     loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
     root = Path(__file__).resolve().parents[2]

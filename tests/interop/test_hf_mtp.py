@@ -17,7 +17,7 @@ from transformers.masking_utils import create_causal_mask
 from moe_lm.config import MTPConfig
 from moe_lm.interop.hf import export_hf, import_hf
 from moe_lm.model import Transformer
-from tests.interop.test_hf import native_deepseek_config, random_model
+from tests.helpers.hf import native_deepseek_config, random_model
 
 
 def mtp_model(attention: str, depth: int) -> Transformer:

@@ -18,7 +18,7 @@ from moe_lm.model.block import Block
 from moe_lm.train.balance import balance_step
 from moe_lm.train.objective import next_token_losses, total_loss
 from moe_lm.train.schedule import mtp_weight_at
-from tests.tiny import replace_moe, tiny_model_cfg
+from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
 
 def with_mtp(cfg, depth: int, **kw):

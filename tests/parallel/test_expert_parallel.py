@@ -13,9 +13,9 @@ from moe_lm.checkpoint.format import load_model
 from moe_lm.config import dump_config
 from moe_lm.interop.hf import export_hf
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
-from tests.distributed import launch
-from tests.parallel.dist_reshard import fixed_tokens
+from tests.helpers.distributed import launch
+from tests.helpers.runs import tiny_train_cfg
+from tests.workers.dist_reshard import fixed_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def ep_check(tmp_path, n: int, ep: int, zero: int, mtp: int) -> dict:
     out = tmp_path / "ep.json"
-    launch("tests/parallel/dist_ep.py", "--ep", str(ep), "--zero", str(zero), "--mtp", str(mtp), "--out", str(out), n=n)
+    launch("tests/workers/dist_ep.py", "--ep", str(ep), "--zero", str(zero), "--mtp", str(mtp), "--out", str(out), n=n)
     return json.loads(out.read_text())
 
 
@@ -67,7 +67,7 @@ def test_loss_trajectory_does_not_depend_on_ep_size(tiny_data, tmp_path, zero):
 
 def reshard_logits(tmp_path, run, n: int, ep: int) -> torch.Tensor:
     out = tmp_path / f"logits_ep{ep}.pt"
-    launch("tests/parallel/dist_reshard.py", "--run", str(run), "--ep", str(ep), "--out", str(out), n=n)
+    launch("tests/workers/dist_reshard.py", "--run", str(run), "--ep", str(ep), "--out", str(out), n=n)
     return torch.load(out)
 
 

@@ -19,9 +19,10 @@ from moe_lm.checkpoint.format import ckpt_root, latest_tag
 from moe_lm.config import dump_config
 from moe_lm.parallel.deepspeed_setup import Peer, init_distributed
 from moe_lm.train.stop import PeerLost, WatchPeers
-from tests.conftest import tiny_train_cfg
-from tests.distributed import DEEPSPEED, free_port
-from tests.train.test_faults import ROOT, rows, train_cli
+from tests.helpers.commands import ROOT
+from tests.helpers.commands import train_process as train_cli
+from tests.helpers.distributed import DEEPSPEED, free_port
+from tests.helpers.runs import rows, tiny_train_cfg
 
 GLOO_CLOSED = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [{addr}]:41234. This is "

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from moe_lm.config import dump_config
-from tests.conftest import tiny_train_cfg
-from tests.distributed import launch
+from tests.helpers.distributed import launch
+from tests.helpers.runs import tiny_train_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 2])
 def test_bias_update_uses_global_counts_and_stays_identical(tmp_path, zero):
     out = tmp_path / "result.json"
-    launch("tests/train/dist_balance.py", "--zero", str(zero), "--out", str(out))
+    launch("tests/workers/dist_balance.py", "--zero", str(zero), "--out", str(out))
     assert json.loads(out.read_text()) == {"ok": True, "world": 2, "checks": 3, "zero": zero}
 
 

@@ -29,20 +29,10 @@ from moe_lm.data.prepare import prepare_data
 from moe_lm.errors import RunError
 from moe_lm.train import loop, run_folder
 from moe_lm.train.flops import Throughput
-from tests.conftest import VOCAB, tiny_train_cfg, with_train, write_folder_corpus
+from tests.helpers.commands import train_process
+from tests.helpers.runs import VOCAB, rows, tiny_train_cfg, with_train, write_folder_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def rows(run_dir, kind="train"):
-    return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
-def train_cli(cfg_file: Path, *overrides: str) -> subprocess.Popen:
-    """`python launch/train.py` in a process of its own (not the process group in-process tests started)."""
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(cfg_file), *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 # ---- 2. never silently restart a run ---------------------------------------------------------------------------
@@ -175,7 +165,7 @@ def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data
 def test_a_run_that_ends_unhealthy_exits_non_zero_naming_the_last_good_checkpoint(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, max_bad_steps=10)
     dump_config(cfg, tmp_path / "cfg.yaml")
-    proc = train_cli(tmp_path / "cfg.yaml", "model.init_std=1e30")  # every gradient overflows: all steps skipped
+    proc = train_process(tmp_path / "cfg.yaml", "model.init_std=1e30")  # every gradient overflows: all steps skipped
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, out[-2000:]
     assert "error: the run ended with an unhealthy model; the last good checkpoint is none" in err, err[-2000:]
@@ -269,7 +259,7 @@ def test_generate_rejects_top_p_zero_with_a_clear_message():
 def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path, sig):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
     dump_config(cfg, tmp_path / "cfg.yaml")
-    proc = train_cli(tmp_path / "cfg.yaml")
+    proc = train_process(tmp_path / "cfg.yaml")
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
@@ -281,7 +271,7 @@ def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     tag = latest_tag(tmp_path / "run")
     step = int(tag.split("_")[1])
     assert step >= 3 and [r["step"] for r in rows(tmp_path / "run")] == list(range(1, step + 1))
-    proc = train_cli(tmp_path / "cfg.yaml", f"train.max_steps={step + 2}")
+    proc = train_process(tmp_path / "cfg.yaml", f"train.max_steps={step + 2}")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / tag} at step {step}" in out
@@ -290,7 +280,7 @@ def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp
 @pytest.mark.slow
 def test_sigterm_to_a_two_rank_deepspeed_job_saves_on_every_rank(tiny_data, tmp_path):
     """What a scheduler does: SIGTERM to every process of the job (launcher and ranks)."""
-    from tests.distributed import DEEPSPEED, free_port
+    from tests.helpers.distributed import DEEPSPEED, free_port
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
     dump_config(cfg, tmp_path / "cfg.yaml")
@@ -356,7 +346,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tin
 
 
 def test_a_failed_distributed_run_leaves_no_shared_memory_buffers(tiny_data, tmp_path):
-    from tests.distributed import DEEPSPEED, free_port
+    from tests.helpers.distributed import DEEPSPEED, free_port
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))  # fails after init

@@ -18,7 +18,7 @@ from moe_lm.data.batches import eval_windows
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
 from moe_lm.train import loop
-from tests.conftest import VOCAB, tiny_train_cfg
+from tests.helpers.runs import VOCAB, tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +118,7 @@ def test_init_from_errors_and_resume_ignores_it(tiny_data, tmp_path, capsys):
 @pytest.mark.slow
 def test_the_used_by_command_prepares_the_default_corpus_on_a_fresh_clone(tmp_path):
     """`deepspeed launch/train.py --config configs/tiny.yaml` with no prepared data: rank 0 prepares it."""
-    from tests.distributed import DEEPSPEED, free_port
+    from tests.helpers.distributed import DEEPSPEED, free_port
 
     overrides = [
         f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}", "data.max_mb_per_domain=0.3",
@@ -137,5 +137,5 @@ def test_the_used_by_command_prepares_the_default_corpus_on_a_fresh_clone(tmp_pa
 def test_user_sources_without_prepared_data_name_the_prepare_command(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, out_dir=str(tmp_path / "unprepared")))
-    with pytest.raises(DataError, match="no prepared data in .*unprepared: run `python launch/prepare_data.py"):
+    with pytest.raises(DataError, match="no prepared data in .*unprepared: run `moe-lm prepare"):
         loop.train(cfg)

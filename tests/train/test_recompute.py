@@ -16,8 +16,8 @@ from moe_lm.config import MTPConfig
 from moe_lm.model import Transformer
 from moe_lm.train import loop
 from moe_lm.train.recompute import apply_activation_checkpointing
-from tests.conftest import tiny_train_cfg, with_train
-from tests.tiny import tiny_model_cfg
+from tests.helpers.runs import tiny_train_cfg, with_train
+from tests.helpers.tiny import tiny_model_cfg
 
 
 def step(model, tokens):

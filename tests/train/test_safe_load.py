@@ -8,8 +8,6 @@ import dataclasses
 import json
 import os
 import random
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -21,7 +19,8 @@ from moe_lm.checkpoint.format import COMPLETE, complete_record
 from moe_lm.config import ConfigError
 from moe_lm.errors import RunError
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg, with_train
+from tests.helpers.commands import script
+from tests.helpers.runs import tiny_train_cfg, with_train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,10 +41,7 @@ def plant(path: Path, marker: Path) -> None:
     (path.parent / COMPLETE).write_text(json.dumps(complete_record(path.parent)))
 
 
-def cli(script: str, *args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    cmd = [sys.executable, str(ROOT / "launch" / script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+cli = script
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +57,7 @@ def attacked(tmp_path_factory, tiny_data):
 
 @pytest.mark.parametrize(
     "script, extra",
-    [("export_hf.py", ["--out", "{tmp}/hf"]), ("generate.py", ["--max-tokens", "3"]),
+    [("export_hf.py", ["--out", "{tmp}/hf"]), ("generate.py", ["--max-new-tokens", "3"]),
      ("analyze_routing.py", ["--out", "{tmp}/analysis", "--no-init-baseline"])],
 )  # fmt: skip
 def test_the_scripts_refuse_a_planted_pickle_and_run_none_of_it(attacked, script, extra, tmp_path):

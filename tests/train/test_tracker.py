@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
+from tests.helpers.runs import tiny_train_cfg
 
 
 def with_logging(cfg, **changes):
@@ -56,7 +56,7 @@ def test_wandb_banners_stay_off_the_console_unless_asked(tiny_data, tmp_path, ca
     loop.train(cfg)
     quiet = capfd.readouterr()
     loop.train(with_logging(tiny_train_cfg(tiny_data, tmp_path / "loud", max_steps=1), wandb_mode="offline",
-                            wandb_console=True))  # fmt: skip
+                            verbose=True))  # fmt: skip
     loud = capfd.readouterr()
     banner = "wandb: Run data is saved locally"
     assert banner not in quiet.out + quiet.err and banner in loud.out + loud.err

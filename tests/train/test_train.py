@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,9 @@ from moe_lm.checkpoint.format import COMPLETE, latest_tag
 from moe_lm.config import MTPConfig, load_config
 from moe_lm.train import loop, objective
 from moe_lm.train.schedule import lr_at
-from tests.conftest import tiny_train_cfg, with_train
+from tests.helpers.runs import rows, tiny_train_cfg, with_train
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def rows(run_dir, kind="train"):
-    return [r for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def test_run_folder_holds_config_metrics_and_checkpoints(tiny_data, tmp_path):

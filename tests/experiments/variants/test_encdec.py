@@ -14,8 +14,8 @@ from moe_lm.experiments.variants.encdec import EncoderDecoder
 from moe_lm.experiments.variants.objectives import PrefixLM
 from moe_lm.model import build_model, count_params
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
-from tests.tiny import tiny_model_cfg
+from tests.helpers.runs import tiny_train_cfg
+from tests.helpers.tiny import tiny_model_cfg
 
 
 def encdec_cfg(**fields):

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from moe_lm.inference.generate import fit_prompt
 from moe_lm.train import loop
-from tests.conftest import tiny_train_cfg
+from tests.helpers.commands import script
+from tests.helpers.runs import tiny_train_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def cli(script: str, *args, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "launch" / script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+cli = script
 
 
 def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -52,7 +50,7 @@ def test_export_refuses_overrides_it_would_ignore(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [(["--temperature", "-1"], "--temperature must be >= 0"), (["--temperature", "nan"], "--temperature must be"),
-     (["--top-k", "-1"], "--top-k must be >= 0"), (["--max-tokens", "0"], "--max-tokens must be at least 1")],
+     (["--top-k", "-1"], "--top-k must be >= 0"), (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1")],
 )  # fmt: skip
 def test_generate_refuses_meaningless_sampling_settings(flags, message):
     refused(cli("generate.py", "--run", "runs/none", *flags), message)
@@ -66,10 +64,10 @@ def test_fit_prompt_keeps_the_start_token_and_the_newest_tokens():
 
 
 def test_a_prompt_longer_than_the_context_is_cut_with_a_warning(run):
-    proc = cli("generate.py", "--run", run, "--prompt", "stir the onions " * 200, "--max-tokens", "5")
+    proc = cli("generate.py", "--run", run, "--prompt", "stir the onions " * 200, "--max-new-tokens", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "warning: the prompt has" in proc.stderr and "model.max_seq_len=" in proc.stderr
-    refused(cli("generate.py", "--run", run, "--max-tokens", "5000"), "leaves no room for a prompt")
+    refused(cli("generate.py", "--run", run, "--max-new-tokens", "5000"), "leaves no room for a prompt")
 
 
 def test_a_damaged_or_missing_tokenizer_is_named(run, tmp_path):
@@ -89,7 +87,7 @@ def test_a_damaged_or_missing_tokenizer_is_named(run, tmp_path):
     with pytest.raises(DataError, match=f"{data / 'tokenizer.model'} is not a readable sentencepiece model.*prepare"):
         load_data_tokenizer(data)
     (data / "tokenizer.model").unlink()
-    with pytest.raises(DataError, match=f"no tokenizer in {data}.*prepare_data.py"):
+    with pytest.raises(DataError, match=f"no tokenizer in {data}.*moe-lm prepare"):
         load_data_tokenizer(data)
 
 

@@ -1,9 +1,9 @@
-"""The benchmarks' command line: `<what>` picks a module of this package, whose `add_arguments(parser)` declares its
-flags and `run(args)` does the work. Only the chosen module is imported (a child process of `loss` starts once per
-measurement; `--help` stays quick).
+"""The benchmarks' command line (`moe-lm bench`): `<what>` picks a module of moe_lm/bench, whose
+`add_arguments(parser)` declares its flags and `run(args)` does the work. Only the chosen module is imported (a
+child process of `loss` starts once per measurement; `--help` stays quick).
 
-    python -m moe_lm.bench moe --tokens 1024 --reps 3
-    main(["moe", "--tokens", "1024"])          # the same, from a console entry point or a launch/ wrapper
+    moe-lm bench moe --tokens 1024 --reps 3
+    main(["moe", "--tokens", "1024"])          # the same, from a launch/ wrapper
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from moe_lm.cli import run
+from moe_lm.cli import HelpFormatter, run
 
 # <what> -> the one line `--help` lists it with
 BENCHMARKS = {
@@ -27,18 +27,10 @@ BENCHMARKS = {
 }
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Descriptions kept as written (their usage examples), each flag's default shown after its help unless it is
-    None (such flags say in their help what stands in for them)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def parser(chosen: str | None = None) -> argparse.ArgumentParser:
+def parser(chosen: str | None = None, prog: str = "python -m moe_lm.bench") -> argparse.ArgumentParser:
     """The parser of every benchmark's name; only `chosen`'s flags are declared (its module is imported)."""
     ap = argparse.ArgumentParser(
-        prog="python -m moe_lm.bench",
+        prog=prog,
         description="Benchmarks: every variant is measured once per round, round after round, so that machine noise "
         "hits all alike; medians and ratios are printed. `--debug` shows the traceback of an error.",
     )
@@ -52,7 +44,7 @@ def parser(chosen: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m moe_lm.bench") -> None:
     """Parse `argv` (default: the command line) and run the benchmark it names; a user error ends the process with
     one `error:` line and exit code 2 (moe_lm.cli.run)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,5 +52,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv.remove("--debug")
         os.environ["MOE_LM_DEBUG"] = "1"
     chosen = argv[0] if argv and argv[0] in BENCHMARKS else None
-    args = parser(chosen).parse_args(argv)
+    args = parser(chosen, prog).parse_args(argv)
     run(lambda: importlib.import_module(f"moe_lm.bench.{args.what}").run(args))

@@ -1,6 +1,6 @@
 """Load a run's checkpoint at another expert-parallel size (weights only) and write the logits on fixed tokens.
 
-deepspeed --num_gpus N tests/parallel/dist_reshard.py --run RUN --ep EP --out logits.pt
+deepspeed --num_gpus N tests/workers/dist_reshard.py --run RUN --ep EP --out logits.pt
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moe_lm.config import load_config
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel
-from tests.distributed import run_worker
+from tests.helpers.distributed import run_worker
 
 
 def fixed_tokens(vocab: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from moe_lm.config import load_config
 from moe_lm.model import Experts, Transformer
 from moe_lm.model import experts as experts_module
 from moe_lm.ops import megablocks as mb
-from tests.model.test_experts import routed_batch, run
+from tests.helpers.experts import routed_batch, run
 
 
 class StandInOps:
@@ -134,7 +134,7 @@ def test_offline_loading_of_a_megablocks_run_uses_grouped(tiny_data, tmp_path):
     """A run trained with megablocks on a GPU can be analysed and exported on a CPU: the weights are the same."""
     from moe_lm.checkpoint.format import latest_tag, load_model
     from moe_lm.train import loop
-    from tests.conftest import tiny_train_cfg
+    from tests.helpers.runs import tiny_train_cfg
 
     loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1))
     _, model, tag = load_model(tmp_path / "run")
@@ -184,7 +184,7 @@ def test_cuda_kernels_equal_loop_in_bf16(impl):
 def test_cuda_training_step_with_megablocks_equals_loop():
     """GPU only: a whole model's loss and an AdamW step agree between MegaBlocks' kernels and the loop, bf16."""
     _gpu_backend_or_skip()
-    from tests.tiny import replace_moe, tiny_model_cfg
+    from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
     losses = {}
     for impl in ("loop", "megablocks"):

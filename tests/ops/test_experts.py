@@ -20,31 +20,7 @@ from moe_lm.ops import cpu_kernels as ck
 from moe_lm.ops.cpu_kernels import load_cpu_kernels
 from moe_lm.ops.grouped import grouped_mm
 from moe_lm.ops.segment_mlp import SegmentMLP, SegmentMLPKernel
-
-
-def routed_batch(T, E, K, unused=(), dtype=torch.float64):
-    allowed = torch.tensor([e for e in range(E) if e not in unused])
-    idx = torch.stack([allowed[torch.randperm(len(allowed))[:K]] for _ in range(T)])
-    x = torch.randn(T, 16, dtype=dtype, requires_grad=True)
-    w = torch.rand(T, K, dtype=dtype, requires_grad=True)
-    return x, idx, w
-
-
-def with_impl(experts: Experts, impl: str) -> Experts:
-    """The same experts (same weights, dtype and device) on another path."""
-    E, two_i, D = experts.gate_up_proj.shape
-    twin = Experts(E, D, two_i // 2, impl).to(experts.gate_up_proj)
-    twin.load_state_dict(experts.state_dict())
-    return twin
-
-
-def run(experts, impl, x, idx, w, grad):
-    """Outputs and gradients (y, dx, dw, d_gate_up, d_down) of `experts`' weights on the `impl` path."""
-    experts = with_impl(experts, impl)
-    x.grad = w.grad = None
-    y = experts(x, idx, w)
-    y.backward(grad)
-    return [y.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+from tests.helpers.experts import routed_batch, run, with_impl
 
 
 @pytest.mark.parametrize("E, K", [(4, 1), (8, 2), (16, 5)])
@@ -252,7 +228,7 @@ def test_kernel_avx2_build_equals_reference():
         """
         import torch
         from moe_lm.ops.cpu_kernels import load_cpu_kernels
-        from tests.model.test_experts import kernel_vs_loop
+        from tests.ops.test_experts import kernel_vs_loop
         from tests.model.test_router import kernel_topk_vs_torch
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
         assert load_cpu_kernels().__name__ == "moe_lm_cpu_kernels_avx2"
@@ -275,7 +251,7 @@ def test_moe_layer_with_shared_experts_equals_loop_reference(n_shared, threads):
     weights, input) equal the loop path in float64."""
     kernel()
     from moe_lm.model import MoE
-    from tests.tiny import tiny_model_cfg
+    from tests.helpers.tiny import tiny_model_cfg
 
     moe = dict(n_group=1, topk_group=1, num_experts_per_tok=2, routed_scaling_factor=1.0, moe_inter_dim=12)
     cfg = tiny_model_cfg(dim=24, moe={**moe, "n_shared_experts": n_shared})

@@ -18,8 +18,8 @@ from moe_lm.config import Config, LoggingConfig, MLAConfig, ParallelConfig, Trai
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine
 from moe_lm.train.balance import balance_step
-from tests.distributed import run_worker
-from tests.tiny import tiny_model_cfg
+from tests.helpers.distributed import run_worker
+from tests.helpers.tiny import tiny_model_cfg
 
 
 def main(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """Running test scripts under the real `deepspeed` launcher (CPU processes, gloo), from both sides.
 
-launch("tests/train/dist_balance.py", "--out", path, n=2)      # in a pytest test: start N ranks, check exit 0
+launch("tests/workers/dist_balance.py", "--out", path, n=2)      # in a pytest test: start N ranks, check exit 0
 args = worker_args(ap)                                          # in the script: parse, join the process group
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from moe_lm.parallel.deepspeed_setup import init_distributed, remove_shm_buffers, shutdown_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 

@@ -1,0 +1,109 @@
+"""The command line: `moe-lm <command>` (main.py) and the launch/ scripts, one module per command here, each with
+`add_arguments(parser)`, `run(args)` and `main(argv)`. What every command shares with its user: flags of one
+meaning (options.py), output folders checked before any work, and a user error as one line on stderr with exit
+code 2 (argparse's code for bad usage); `--debug` (or MOE_LM_DEBUG=1) shows the traceback.
+
+Importing this package registers the research variants (moe_lm/experiments/variants), so that every command knows
+their config names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import moe_lm.experiments.variants  # noqa: F401
+from moe_lm.console import quiet_deepspeed, set_verbose
+from moe_lm.errors import ConfigError, DataError, RunError, UserError
+
+quiet_deepspeed()  # why at the front door: transformers imports deepspeed too, when it is installed
+
+USAGE = 2  # exit code of a user error, as argparse uses for bad arguments
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that carry a message for the user rather than a bug report."""
+    # why FileNotFoundError/ValueError/KeyError: the project's loaders raise them with messages naming the file
+    return (UserError, ConfigError, DataError, RunError, FileNotFoundError, ValueError, KeyError)
+
+
+def debugging() -> bool:
+    return "--debug" in sys.argv or os.environ.get("MOE_LM_DEBUG", "") not in ("", "0")
+
+
+def run(main: Callable[[], None]) -> None:
+    """Call a command's work; a user error ends it with `error: ...` on stderr and exit code 2."""
+    if "--debug" in sys.argv:
+        sys.argv.remove("--debug")
+        os.environ["MOE_LM_DEBUG"] = "1"
+    try:
+        main()
+    except user_errors() as e:
+        if debugging():
+            raise
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e  # why: KeyError's str() adds quotes
+        print(f"error: {message} (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(USAGE)
+
+
+def fail(message: str) -> None:
+    """End the command on a user error: `error: message` on stderr, exit code 2 (with --debug: raised, so that the
+    traceback shows what was being handled)."""
+    if debugging():
+        raise UserError(message)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(USAGE)
+
+
+def output_dir(path: str | Path, flag: str = "--out") -> Path:
+    """`path` created (with its parents) and checked writable, before anything slow runs."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_check"):
+            pass
+    except FileExistsError:
+        raise UserError(f"{flag} {out}: exists and is not a folder; give a folder path") from None
+    except OSError as e:
+        raise UserError(f"{flag} {out}: cannot write there ({e.strerror}); give a writable folder") from None
+    return out
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions kept as written (their usage examples), each flag's default shown after its help unless it is
+    None or False (such flags say in their help what stands in for them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def command_parser(command: ModuleType, ap: argparse.ArgumentParser | None = None, prog: str | None = None):
+    """`ap` (or a new parser named `prog`) with a command module's flags, its docstring as the description, and
+    --verbose/--debug."""
+    if ap is None:
+        ap = argparse.ArgumentParser(prog=prog)
+    ap.description, ap.formatter_class = command.__doc__, HelpFormatter
+    command.add_arguments(ap)
+    ap.add_argument("--verbose", action="store_true", help="show DeepSpeed's INFO lines and wandb's banners")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error (also MOE_LM_DEBUG=1)")
+    return ap
+
+
+def start(command: ModuleType, args: argparse.Namespace) -> None:
+    """Run a parsed command: --verbose and --debug first, then its `run(args)` under the one-line error rule."""
+    if args.debug:
+        os.environ["MOE_LM_DEBUG"] = "1"
+    set_verbose(args.verbose)
+    run(lambda: command.run(args))
+
+
+def main_of(command: ModuleType, prog: str, argv: Sequence[str] | None = None) -> None:
+    """What a launch/ script (and `python -m moe_lm.cli.<command>`) runs: parse argv, then `start`."""
+    start(command, command_parser(command, prog=prog).parse_args(argv))

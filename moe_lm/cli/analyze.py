@@ -1,0 +1,68 @@
+"""Analyse routing: record which expert every token chose and draw the figures MoE papers report, with baselines.
+
+    moe-lm analyze --run runs/tiny --out runs/tiny/analysis
+    moe-lm analyze --run runs/tiny --data my_corpus/ --out analysis_mine --chart-tokens . , the what
+    moe-lm analyze --run runs/tiny --compare runs/tiny:step_00000250 --out analysis       # + router saturation
+    moe-lm analyze --hf path/to/DeepSeek-V2-Lite --data corpus/ --out analysis_v2lite     # a released model
+
+--run: a moe-lm run (default data: its validation split, documents with their domains); --hf: a transformers MoE
+checkpoint (DeepseekV3/V2, Glm4Moe, Qwen2Moe/Qwen3Moe, OlmoE, Mixtral) with its own tokenizer, in --dtype on
+--device. --data takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the
+subject's tokenizer. Writes into --out: trace/ (the recorded routing), trace_init/ (the same tokens through the
+untrained model: baseline N1), figures/*.png, routing.html, metrics.json and metrics.csv; with --wandb, logs the
+figures to the run's own wandb run too. The token budget (--max-tokens) is spread equally over the domains.
+The same as `python launch/analyze_routing.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from moe_lm.checkpoint.format import parse_run
+from moe_lm.cli import main_of, output_dir
+from moe_lm.cli.options import add_out
+from moe_lm.cli.subject import add_subject, check_subject
+from moe_lm.errors import UserError, require
+
+CHART_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add_subject(ap)
+    add_out(ap, "the report folder (created)")
+    ap.add_argument(
+        "--compare", type=parse_run, metavar="RUN[:TAG]",
+        help="another checkpoint routed on the same tokens: router saturation",
+    )  # fmt: skip
+    ap.add_argument("--chart-tokens", nargs="*", default=CHART_TOKENS, metavar="TOKEN",
+                    help="tokens whose routing across layers is charted")  # fmt: skip
+    ap.add_argument("--max-tokens", type=int, default=200_000, help="tokens recorded, spread equally over the domains")
+    ap.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass")
+    ap.add_argument("--min-count", type=int, default=20, help="minimum occurrences for vocabulary specialisation")
+    ap.add_argument("--no-init-baseline", action="store_true", help="skip the untrained-model baseline (N1)")
+    ap.add_argument(
+        "--layers", nargs="*", type=int, metavar="LAYER", help="MoE layers to draw and tabulate (default: all up to "
+        "8 MoE layers, else the first, middle and last; the metrics cover every layer)",
+    )  # fmt: skip
+    ap.add_argument("--wandb", action="store_true", help="also log the figures to the run's own wandb run")
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    output_dir(args.out)  # why first: a bad --out should fail before any model is loaded
+    check_subject(args)
+    require("matplotlib", "analysis", "moe-lm analyze (its figures)")
+    from moe_lm.analysis.routing_workflow import analyze_routing
+
+    analyze_routing(args)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    main_of(sys.modules[__name__], prog, argv)
+
+
+if __name__ == "__main__":
+    main(prog="python -m moe_lm.cli.analyze")

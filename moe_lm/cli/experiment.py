@@ -1,0 +1,95 @@
+"""Run an experiment: every arm x seed (cached), the whole-validation-split evaluation, report.md with a verdict.
+
+    moe-lm experiment --list                        # the definitions shipped with the package
+    moe-lm experiment moe-dense                     # its arms x 3 seeds, then runs/exp/reports/moe-dense/report.md
+    moe-lm experiment balance --seeds 5 --steps 1000
+    moe-lm experiment moe-dense --preset gpu        # the definition's GPU-sized variant
+    moe-lm experiment my_experiment.yaml            # your own definition (see docs/experiments.md)
+
+Runs go one at a time (single-process training runs), each in <runs>/<config hash>, so finished runs are skipped and
+identical arms are shared between experiments. The report goes to <runs>/reports/NAME (--out). The same as
+`python launch/experiment.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from moe_lm.cli import main_of
+from moe_lm.cli.options import add_out
+from moe_lm.errors import require
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("name", nargs="?", help="an experiment shipped with the package (--list), or a definition file")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the definition's)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default: the definition's)")
+    ap.add_argument("--preset", default=None, help="a named variant of the definition, e.g. gpu")
+    ap.add_argument("--extended", action="store_true", help="also run the definition's extended arms")
+    ap.add_argument("--runs", default="runs/exp", metavar="DIR", help="where runs are cached")
+    add_out(ap, "the report folder (default: <runs>/reports/<name>)", required=False)
+    ap.add_argument("--boot", type=int, default=2000, help="bootstrap draws")
+    ap.add_argument("--list", action="store_true", help="list the defined experiments")
+
+
+def run(args: argparse.Namespace) -> None:
+    from moe_lm.experiments.spec import load_experiment
+
+    if args.list or not args.name:
+        list_experiments()
+        return
+    exp = load_experiment(args.name, args.preset, args.extended)
+    require("matplotlib", "analysis", "moe-lm experiment (its report's figures)")
+    if args.seeds is not None:
+        exp = dataclasses.replace(exp, seeds=args.seeds)
+    if args.steps is not None:
+        exp = dataclasses.replace(exp, steps=args.steps)
+    out = Path(args.out or Path(args.runs) / "reports" / (exp.name + (f"-{args.preset}" if args.preset else "")))
+    print(f"{exp.name}: {exp.claim}\n{len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps; runs in {args.runs}")
+    t0 = time.perf_counter()
+    results = run_and_report(exp, Path(args.runs), out, args.boot)
+    print(f"verdict: {results['verdict']}")
+    for c in results.get("checks", []):
+        print(f"  {c['name']}: {c['verdict']} ({c['why']})")
+    for c in results.get("comparisons", []):
+        lo, hi = c["t_interval"]
+        judged = c["verdict"] if c["role"] == "claim" else "context, not judged"
+        print(f"  {c['name']} ({c['metric']}): {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) -> {judged}")
+    print(f"report: {out / 'report.md'} ({time.perf_counter() - t0:.0f} s)")
+
+
+def run_and_report(exp, runs_root: Path, out: Path, boot: int) -> dict:
+    """Train and evaluate the runs an experiment needs, then write its report (or its probe's)."""
+    from moe_lm.experiments.rank_probe import run_rank_probe
+    from moe_lm.experiments.report import write_report
+    from moe_lm.experiments.runner import run_experiment
+
+    if exp.probe:  # the runs it probes are another experiment's arms (trained here if not cached)
+        runs = run_experiment(dataclasses.replace(exp, arms={a: exp.arms[a] for a in exp.probe_arms}, measures=[]),
+                              runs_root)  # fmt: skip
+        return {"rank": run_rank_probe}[exp.probe](exp, runs, out)
+    return write_report(exp, run_experiment(exp, runs_root), out, boot)
+
+
+def list_experiments() -> None:
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
+
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        exp = load_experiment(str(path))
+        what = f"{len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps"
+        if exp.probe:
+            what = f"a probe of {exp.arms_from}'s {', '.join(exp.probe_arms)}"
+        print(f"{exp.name:10s} {what}: {exp.claim}")
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    main_of(sys.modules[__name__], prog, argv)
+
+
+if __name__ == "__main__":
+    main(prog="python -m moe_lm.cli.experiment")

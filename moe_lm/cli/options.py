@@ -1,0 +1,58 @@
+"""Flags with one meaning in every command.
+
+--config NAME|PATH   a preset shipped in the package (`tiny`, `gpu_1b`, ...; `moe-lm config --list`) or a YAML file
+KEY=VALUE ...        dotted overrides of the config (`optim.lr=1e-3 model.moe.n_routed_experts=16`)
+--print-config       print the resolved config (YAML) and exit
+--run RUN[:TAG]      a run folder to read (its newest complete checkpoint, or checkpoint TAG)
+--out DIR            the folder the command writes (created; checked writable before anything slow)
+--verbose, --debug   the libraries' INFO lines and banners; the traceback of an error
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from moe_lm.checkpoint.format import parse_run
+from moe_lm.config import Config, config_to_dict, config_warnings, load_config, preset_path
+
+DEFAULT_PRESET = "tiny"
+CONFIG = "NAME|FILE"
+
+
+def add_config(ap: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET, out: str | None = None) -> None:
+    """--config, the overrides and --print-config; with `out` (a dotted key) also --out as a short hand for it."""
+    ap.add_argument("--config", default=default, metavar=CONFIG, help="a preset (moe-lm config --list) or a YAML file")
+    if out:
+        add_out(ap, f"the folder to write (sets {out})", required=False)
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. optim.lr=1e-3")
+    ap.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
+    ap.set_defaults(out_key=out)
+
+
+def load(args: argparse.Namespace) -> Config:
+    """The config the flags name: preset or file, overrides, --out; with --print-config it is printed and the
+    command ends here."""
+    overrides = list(args.overrides)
+    if getattr(args, "out_key", None) and args.out:
+        overrides.append(f"{args.out_key}={args.out}")
+    cfg = load_config(preset_path(args.config), overrides)
+    if args.print_config:
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        for warning in config_warnings(cfg):
+            print(f"# {warning}")
+        sys.exit(0)
+    return cfg
+
+
+def add_run(ap, required: bool = True, group=None) -> None:
+    (group or ap).add_argument(
+        "--run", type=parse_run, required=required, metavar="RUN[:TAG]",
+        help="a run folder (its newest complete checkpoint), or RUN:TAG for checkpoint TAG",
+    )  # fmt: skip
+
+
+def add_out(ap, help: str, required: bool = True, default: str | None = None) -> None:
+    ap.add_argument("--out", required=required, default=default, metavar="DIR", help=help)

@@ -1,0 +1,36 @@
+"""The flags that name what the analytics study (a run, or a transformers MoE checkpoint) and on which documents;
+`moe-lm analyze` and `moe-lm ablate` take them."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+from pathlib import Path
+
+from moe_lm.analysis.hf_routing import SUPPORTED
+from moe_lm.cli.options import add_run
+from moe_lm.errors import UserError
+
+
+def add_subject(ap: argparse.ArgumentParser) -> None:
+    what = ap.add_mutually_exclusive_group(required=True)
+    add_run(ap, required=False, group=what)
+    what.add_argument("--hf", metavar="DIR", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
+    ap.add_argument(
+        "--data", nargs="*", metavar="SOURCE", help="sources as in data.sources: files, folders, parquet, hf:NAME "
+        "(default with --run: its validation split)",
+    )  # fmt: skip
+    ap.add_argument("--text-field", default="text", help="the column (or .jsonl key) with the text")
+    ap.add_argument("--domain-field", default="domain", help="the column naming the domain (absent: source name)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
+    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
+    ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
+
+
+def check_subject(args: argparse.Namespace) -> None:
+    """The subject flags' combinations argparse cannot check itself."""
+    if args.hf and not args.data:
+        raise UserError("--hf needs --data (the documents to run it on)")
+    missing = [p for p in args.data or [] if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
+    if missing:
+        raise UserError(f"--data: not found: {', '.join(missing)}")

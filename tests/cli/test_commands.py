@@ -1,0 +1,144 @@
+"""The `moe-lm` command: every job is a sub-command, every option has help text and one meaning across commands,
+presets resolve from the package wherever it runs, --print-config prints the resolved config, and the launch/
+scripts are thin entry points to the same commands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_lm.cli import command_parser
+from moe_lm.cli.main import COMMANDS, parser
+from moe_lm.config import config_to_dict, load_config
+from tests.helpers.commands import moe_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    return {
+        name: command_parser(importlib.import_module(f"moe_lm.cli.{module}"), prog=f"moe-lm {name}")
+        for name, (module, _) in COMMANDS.items()
+        if module
+    }
+
+
+def options(ap: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in ap._actions if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
+
+
+def test_the_top_level_help_lists_every_job():
+    out = moe_lm("--help")
+    assert out.returncode == 0
+    for job in ("prepare", "train", "generate", "export", "eval", "analyze", "ablate", "experiment", "bench",
+                "estimate", "config"):  # fmt: skip
+        assert f"    {job}" in out.stdout, job
+
+
+def test_every_option_has_help_text_and_shows_its_default():
+    for name, ap in command_parsers().items():
+        for action in options(ap):
+            assert action.help, f"moe-lm {name}: {action.option_strings or action.dest} has no help text"
+        text = ap.format_help()
+        for action in options(ap):
+            if action.default not in (None, False, [], argparse.SUPPRESS) and action.option_strings:
+                assert f"(default: {action.default})" in " ".join(text.split()), (name, action.dest)
+
+
+def test_a_flag_means_one_thing_in_every_command():
+    """The same flag name takes the same kind of value (metavar, nargs, action) wherever it appears."""
+    seen: dict[str, tuple] = {}
+    for name, ap in command_parsers().items():
+        for action in options(ap):
+            for flag in action.option_strings:
+                kind = (action.metavar, action.nargs, type(action).__name__)
+                if flag in seen:
+                    assert seen[flag][1] == kind, f"{flag}: {seen[flag][0]} and moe-lm {name} differ: {kind}"
+                else:
+                    seen[flag] = (f"moe-lm {name}", kind)
+
+
+def test_every_command_and_launch_script_answers_help():
+    for name in COMMANDS:
+        out = moe_lm(name, "--help")
+        assert out.returncode == 0 and "usage: moe-lm" in out.stdout, (name, out.stderr[-500:])
+    for script in sorted((ROOT / "launch").glob("*.py")):
+        out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "usage:" in out.stdout, (script.name, out.stderr[-500:])
+
+
+def test_launch_scripts_are_thin_entry_points():
+    for script in sorted((ROOT / "launch").glob("*.py")):
+        if script.name == "serve_check.py":  # its vLLM half runs in vLLM's own venv, without moe-lm
+            continue
+        code = [line for line in script.read_text().split('"""')[-1].splitlines() if line.strip()]
+        assert len(code) <= 4, f"{script.name}: {len(code)} lines of code; the work belongs in moe_lm/cli"
+
+
+def test_presets_resolve_from_the_package_in_any_working_directory(tmp_path):
+    out = moe_lm("config", "--config", "tiny_gqa", "model.dim=64", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg == config_to_dict(load_config(ROOT / "configs" / "tiny_gqa.yaml", ["model.dim=64"]))
+    bad = moe_lm("train", "--config", "tiniest", cwd=tmp_path)
+    assert bad.returncode == 2 and "no preset of that name (presets: deepseek_v3_16b," in bad.stderr
+    listed = moe_lm("config", "--list").stdout
+    assert "tiny " in listed and "gpu_1b " in listed
+
+
+def test_print_config_prints_the_resolved_config_and_warns_of_a_warmup_longer_than_the_run(tmp_path):
+    out = moe_lm("train", "--config", "tiny", "--out", tmp_path / "run", "train.max_steps=20", "--print-config")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    want = load_config(ROOT / "configs" / "tiny.yaml", ["train.max_steps=20", f"train.out_dir={tmp_path / 'run'}"])
+    assert printed == config_to_dict(want)
+    assert "# warning: optim.warmup_steps=50 >= train.max_steps=20: the run ends while warming up" in out.stdout
+    assert not (tmp_path / "run").exists()  # nothing ran
+
+
+def test_the_config_reference_is_current():
+    from moe_lm.config_docs import reference
+
+    assert (ROOT / "docs" / "config.md").read_text() == reference(), "run: moe-lm config --reference > docs/config.md"
+
+
+def test_the_reference_lists_every_key():
+    from moe_lm.config import Config
+    from moe_lm.config_docs import reference
+
+    text = reference()
+    flat = pd_flat(config_to_dict(Config()))
+    missing = [k for k in flat if f"`{k}`" not in text]
+    assert not missing, missing
+
+
+def pd_flat(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys += pd_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return keys
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "moe", "--help"]])
+def test_bench_is_a_command(argv):
+    out = moe_lm(*argv)
+    assert out.returncode == 0 and "moe-lm bench" in out.stdout
+
+
+def test_parser_declares_only_the_chosen_command():
+    ap = parser("generate")
+    assert ap.parse_args(["generate", "--run", "runs/x"]).max_new_tokens == 120
+
+
+def test_every_key_has_a_meaning_in_the_reference():
+    from moe_lm.config_docs import reference
+
+    rows = [line for line in reference().splitlines() if line.startswith("| `")]
+    empty = [row.split("|")[1].strip() for row in rows if not row.rstrip(" |").split("|")[-1].strip()]
+    assert rows and not empty, f"keys without a comment above their field in moe_lm/config.py: {empty}"
