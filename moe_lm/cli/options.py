@@ -1,6 +1,6 @@
 """Flags with one meaning in every command.
 
---config NAME|PATH   a preset shipped in the package (`tiny`, `gpu_1b`, ...; `moe-lm config --list`) or a YAML file
+--config NAME|FILE   a preset shipped in the package (`tiny`, `gpu_1b`, ...; `moe-lm config --list`) or a YAML file
 KEY=VALUE ...        dotted overrides of the config (`optim.lr=1e-3 model.moe.n_routed_experts=16`)
 --print-config       print the resolved config (YAML) and exit
 --run RUN[:TAG]      a run folder to read (its newest complete checkpoint, or checkpoint TAG)
