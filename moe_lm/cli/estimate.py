@@ -1,12 +1,17 @@
-"""Estimate memory per GPU of a training config: weights, gradients, optimizer state, activations, logits, buckets.
+"""Plan a training layout on paper: memory per GPU, and what expert parallelism sends within and across nodes.
 
-    moe-lm estimate --config gpu_1b --world 1
-    moe-lm estimate --config deepseek_v3_16b --world 8
-    moe-lm estimate --config deepseek_v3_671b --world 256 parallel.ep_size=64 performance.activation_checkpointing=full
+    moe-lm estimate --config gpu_1b
+    moe-lm estimate --config deepseek_v3_16b --nodes 2 --gpus-per-node 8 parallel.ep_size=16
+    moe-lm estimate --config deepseek_v3_671b --nodes 8 --gpus-per-node 8 --intra-gbs 160 --inter-gbs 50
+    moe-lm estimate --config tiny --gpus-per-node 2 parallel.ep_size=2 --trace runs/tiny/analysis/trace
 
-The accounting (moe_lm/train/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
-activations counted per token and block from the model's own tensors. An estimate: compare it with a measured
-peak (peak_mem_gib in every train row on CUDA). The same as `python launch/estimate_memory.py`.
+Memory (moe_lm/train/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
+activations counted per token and block from the model's own tensors; compare it with a measured peak
+(peak_mem_gib in every train row on CUDA). Communication (moe_lm/parallel/comm_plan.py): the dispatcher's bytes
+per GPU and step, within the node and across nodes, expected under uniform routing with and without the group
+limit (and for a recorded routing trace), the time they take at the given bandwidths, the compute time at the
+given MFU, and their ratio: how much of the all-to-all must hide behind compute. The same as
+`python launch/estimate_memory.py`.
 """
 
 from __future__ import annotations
@@ -17,34 +22,125 @@ from collections.abc import Sequence
 
 from moe_lm.cli import main_of
 from moe_lm.cli.options import add_config, load
-from moe_lm.config import require_ep_divides
 from moe_lm.errors import UserError
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_config(ap)
-    ap.add_argument("--world", type=int, default=1, help="GPUs in all (data-parallel ranks)")
+    ap.add_argument("--nodes", type=int, default=1, help="machines in the job")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per machine (default: --world / --nodes)")
+    ap.add_argument("--world", type=int, default=None, help="GPUs in all (default: nodes x GPUs per node, or 1)")
+    ap.add_argument("--intra-gbs", type=float, default=450.0, help="GB/s per GPU inside a node (H100 NVLink)")
+    ap.add_argument("--inter-gbs", type=float, default=50.0, help="GB/s per GPU across nodes (one 400 Gb/s NIC)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s of one GPU (H100)")
+    ap.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation the compute time assumes")
+    ap.add_argument("--dispatch-bytes", type=int, default=None,
+                    help="bytes per element of dispatched rows (default: the training dtype's; 1 for FP8)")  # fmt: skip
+    ap.add_argument("--trace", default=None, help="a routing trace folder (moe-lm analyze): plan for its routing")
+    ap.add_argument("--redundant", type=int, default=None,
+                    help="extra expert slots for the placement from --trace (default: one per EP rank)")  # fmt: skip
+
+
+def layout_of(args, ep_size: int):
+    from moe_lm.parallel.comm_plan import Layout
+
+    nodes, gpn, world = args.nodes, args.gpus_per_node, args.world
+    if nodes < 1 or (gpn is not None and gpn < 1) or (world is not None and world < 1):
+        raise UserError("--nodes, --gpus-per-node and --world must be >= 1")
+    if gpn is None:
+        world = world or nodes
+        if world % nodes:
+            raise UserError(f"--world {world} is not a multiple of --nodes {nodes}")
+        gpn = world // nodes
+    if world is not None and world != nodes * gpn:
+        raise UserError(f"--world {world} != --nodes {nodes} x --gpus-per-node {gpn}")
+    return Layout(nodes, gpn, ep_size)
 
 
 def run(args: argparse.Namespace) -> None:
     cfg = load(args)
-    if args.world < 1:
-        raise UserError(f"--world must be >= 1, got {args.world}")
-    require_ep_divides(cfg.parallel.ep_size, cfg.model.moe.n_routed_experts, args.world)
+    layout = layout_of(args, cfg.parallel.ep_size)
+    try:
+        layout.check(cfg.model.moe.n_routed_experts)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print_memory(args.config, cfg, layout.world)
+    if cfg.parallel.ep_size > 1:
+        print_communication(args, cfg, layout)
+
+
+def print_memory(name: str, cfg, world: int) -> None:
     from moe_lm.model import count_params
     from moe_lm.train.memory import GB, estimate
 
-    n, m, t = count_params(cfg.model), estimate(cfg, args.world), cfg.train
+    n, m, t = count_params(cfg.model), estimate(cfg, world), cfg.train
     recompute = cfg.performance.activation_checkpointing
     print(
-        f"{args.config}: {n.total / 1e9:.3f} B parameters ({n.active / 1e9:.3f} B active)"
+        f"{name}: {n.total / 1e9:.3f} B parameters ({n.active / 1e9:.3f} B active)"
         + (f" + MTP {n.mtp_total / 1e9:.3f} B" if n.mtp_total else "")
-        + f"; bf16 training, world {args.world}, ZeRO-{cfg.parallel.zero_stage}, ep_size {cfg.parallel.ep_size}, "
+        + f"; bf16 training, world {world}, ZeRO-{cfg.parallel.zero_stage}, ep_size {cfg.parallel.ep_size}, "
         f"micro-batch {t.micro_batch_size} x {t.seq_len}, activation checkpointing {recompute}"
     )
-    for name in ("weights", "gradients", "optimizer", "activations", "logits", "buckets"):
-        print(f"  {name:12s} {getattr(m, name) / GB:8.2f} GiB")
+    for part in ("weights", "gradients", "optimizer", "activations", "logits", "buckets"):
+        print(f"  {part:12s} {getattr(m, part) / GB:8.2f} GiB")
     print(f"  {'total':12s} {m.total / GB:8.2f} GiB per GPU")
+
+
+def print_communication(args, cfg, layout) -> None:
+    from moe_lm.model import train_flops_per_token
+    from moe_lm.parallel.comm_plan import Links, trace_plan, uniform_step
+
+    links = Links(args.intra_gbs, args.inter_gbs, args.peak_tflops, args.mfu)
+    elem = 4 if cfg.parallel.dtype == "fp32" else 2
+    out_elem = args.dispatch_bytes or elem
+    steps = [uniform_step(cfg, layout, limited=False, dispatch_elem=out_elem, combine_elem=elem)]
+    if cfg.model.moe.n_group > 1:
+        steps.append(uniform_step(cfg, layout, limited=True, dispatch_elem=out_elem, combine_elem=elem))
+    load = None
+    if args.trace:
+        from moe_lm.analysis.trace import Trace
+
+        redundant = layout.ep_size if args.redundant is None else args.redundant
+        try:
+            step, load = trace_plan(Trace(args.trace), cfg, layout, redundant, out_elem, elem)
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(str(e)) from None
+        steps.append(step)
+    t, m = cfg.train, cfg.model
+    tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps
+    compute = train_flops_per_token(m, t.seq_len) * tokens / (links.peak_tflops * 1e12 * links.mfu)
+    print(
+        f"expert-parallel all-to-all per GPU and step ({layout.nodes} node(s) x {layout.gpus_per_node} GPUs, "
+        f"EP {layout.ep_size} over {len(set(layout.ep_nodes()))} node(s); {tokens} tokens, forward + backward"
+        f"{' + recompute' if cfg.performance.activation_checkpointing != 'none' else ''}; "
+        f"{links.intra_gbs:g} GB/s in a node, {links.inter_gbs:g} GB/s across):"
+    )
+    print(f"  {'routing':34s} {'pairs/token self+intra+inter':>29s} {'nodes/token':>12s} {'remote':>6s} "
+          f"{'dispatch in/out GB':>19s} {'combine in/out GB':>18s} {'a2a ms':>8s} {'a2a/compute':>11s}")  # fmt: skip
+    for s in steps:
+        p = s.pairs
+        print(
+            f"  {s.label:34s} {p['self']:9.2f} +{p['intra']:6.2f} +{p['inter']:6.2f}  "
+            f"{s.nodes_per_token:6.2f} ({s.max_nodes}) {s.remote_nodes:6.2f} "
+            f"{s.dispatch['intra'] / 1e9:9.2f}/{s.dispatch['inter'] / 1e9:<9.2f}"
+            f"{s.combine['intra'] / 1e9:8.2f}/{s.combine['inter'] / 1e9:<9.2f}"
+            f"{s.seconds(links) * 1e3:8.1f} {s.seconds(links) / compute:11.2f}"
+        )
+    print(
+        "  pairs: a token's trips to distinct ranks (to its own, same node, other nodes); nodes/token: expected (most);"
+        "\n  remote: other nodes reached, the cross-node rows of a dispatcher that crosses once per node (DeepEP)"
+    )
+    print(
+        f"  compute: {train_flops_per_token(m, t.seq_len) / 1e9:.2f} GFLOP per token x {tokens} tokens at "
+        f"{links.mfu:.0%} of {links.peak_tflops:g} TFLOP/s = {compute * 1e3:.1f} ms"
+    )
+    if load is not None:
+        print(
+            f"  expert load of the trace, max / mean over the {layout.ep_size} EP ranks (mean over layers, worst): "
+            f"contiguous {sum(load.contiguous) / len(load.contiguous):.2f}, {max(load.contiguous):.2f}; "
+            f"placed with {load.redundant} redundant slots (EPLB-like) "
+            f"{sum(load.placed) / len(load.placed):.2f}, {max(load.placed):.2f}"
+        )
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

@@ -10,6 +10,9 @@ Per MoE layer call:
    (autograd-aware for rows and weights). No capacity, no padding, nothing dropped.
 3. The receiving rank runs its local experts over all received slots and sums each row's weighted outputs.
 4. The reverse exchange returns one row per pair, added back to its token.
+
+Bytes are counted per destination as the planner counts them (moe_lm/parallel/comm_plan.py): to this rank itself
+(a copy), to another rank of the same node, or to another node, so node-limited routing's saving can be read off.
 """
 
 from __future__ import annotations
@@ -18,17 +21,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
+from moe_lm.parallel.comm_plan import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
+
 
 class AllToAllDispatcher:
-    def __init__(self, group, ep_size: int, num_local_experts: int) -> None:
+    def __init__(self, group, ep_size: int, num_local_experts: int, nodes: list[int] | None = None) -> None:
+        """`nodes`: the node of each rank of the expert-parallel group (default: all on one node)."""
         self.group = group
         self.ep_size = ep_size
         self.num_local = num_local_experts
+        me = dist.get_rank(group=group)
+        nodes = nodes or [0] * ep_size
+        self.kind_of_rank = [pair_kind(me, r, nodes) for r in range(ep_size)]
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Counters since the last reset: bytes this rank sent, and the slots it sent and computed."""
+        """Counters since the last reset (forward passes): bytes this rank sent (in all, and by destination:
+        bytes_self / bytes_intra / bytes_inter), and the pairs and slots it sent and computed."""
         self.stats = {"bytes_sent": 0, "pairs_sent": 0, "slots_sent": 0, "slots_computed": 0, "rows_received": 0}
+        self.stats.update({f"bytes_{kind}": 0 for kind in KINDS})
 
     def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor, shell) -> torch.Tensor:
         T, K = idx_TK.shape
@@ -61,12 +72,15 @@ class AllToAllDispatcher:
         slots_sent = int(on_rank_PK.sum())
         if slots_sent != T * K:  # every token-slot is in exactly one pair
             raise RuntimeError(f"expert-parallel dispatch lost token-slots: {slots_sent} sent of {T * K}")
-        elem = x_TD.element_size()
         s = self.stats
         s["pairs_sent"] += len(token_P)
         s["slots_sent"] += slots_sent
         s["slots_computed"] += len(row_N)
         s["rows_received"] += Q
         # rows + weights + expert ids out, and the combined rows back (the backward pass sends as much again)
-        s["bytes_sent"] += len(token_P) * (x_TD.shape[1] * elem + K * (elem + 8)) + Q * x_TD.shape[1] * elem
+        D, elem = x_TD.shape[1], x_TD.element_size()
+        for r, kind in enumerate(self.kind_of_rank):
+            sent = send[r] * dispatch_row_bytes(D, K, elem) + recv[r] * combine_row_bytes(D, elem)
+            s[f"bytes_{kind}"] += sent
+            s["bytes_sent"] += sent
         return x_TD.new_zeros(x_TD.shape).index_add(0, token_P, y_PD)

@@ -19,6 +19,9 @@ same files without DeepSpeed) present them per expert and stack them back on loa
 
 from __future__ import annotations
 
+import os
+import socket
+
 import torch
 import torch.distributed as dist
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
@@ -78,6 +81,7 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
     group = ensure_groups(ep_size)
     ep_rank = dist.get_rank(group=group)
     n_local = E // ep_size
+    nodes = ep_nodes(group) if ep_size > 1 else [0]
     for moe in model.moe_layers():
         full: Experts = moe.experts
         local = full  # ep_size 1: every expert is local, nothing to copy (a 1 B preset's experts are GBs)
@@ -87,9 +91,27 @@ def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
                 keep = slice(ep_rank * n_local, (ep_rank + 1) * n_local)
                 local.gate_up_proj.copy_(full.gate_up_proj[keep])
                 local.down_proj.copy_(full.down_proj[keep])
-        moe.parallelize(ExpertShell(local, E, ep_size), AllToAllDispatcher(group, ep_size, n_local) if ep_size > 1
-                        else local_dispatch)  # fmt: skip
+        dispatch = AllToAllDispatcher(group, ep_size, n_local, nodes) if ep_size > 1 else local_dispatch
+        moe.parallelize(ExpertShell(local, E, ep_size), dispatch)
     return model
+
+
+def node_index() -> int | str:
+    """This process's node: the launcher's node rank (DeepSpeed's CROSS_RANK, torchrun's GROUP_RANK, SLURM's
+    SLURM_NODEID), else the host name. why the launcher's first: two launchers on one machine (a 2-node job tried
+    on one host) share a host name but are two nodes."""
+    for var in ("CROSS_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return socket.gethostname()
+
+
+def ep_nodes(group) -> list[int]:
+    """The node of each rank of the expert-parallel `group`, numbered 0.. in order of first appearance."""
+    found: list = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(found, node_index(), group=group)
+    order = list(dict.fromkeys(found))
+    return [order.index(n) for n in found]
 
 
 def dispatchers(model: Transformer) -> list[AllToAllDispatcher]:

@@ -44,11 +44,15 @@ def evaluate(
     pairs = np.zeros((len(layers), 3))  # [layer, (adjacent pairs, same first choice, overlapping top-k)]
     with RoutingRecorder(model) as recorder:
         for d, windows in enumerate(evalsets.values()):
-            # every rank runs the same number of forward passes (expert parallelism needs all ranks in each one)
-            mine = windows[rank::world][: len(windows) // world] if len(windows) >= world else windows[:0]
+            # every rank runs the same number of forward passes (expert parallelism needs all ranks in each one).
+            # Fewer windows than ranks: every rank runs them all and rank 0 alone counts them.
+            few = len(windows) < world
+            mine = windows if few else windows[rank::world][: len(windows) // world]
             for chunk in mine.split(micro):
                 recorder.last.clear()
                 out, labels = objective.run(engine, chunk.to(dev), mtp=depth > 0)
+                if few and rank > 0:
+                    continue
                 nll, n, per_depth = loss_sums(out, labels)
                 loss[d] += nll, n
                 mtp_loss += np.array(per_depth).reshape(depth, 2)

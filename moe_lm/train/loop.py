@@ -223,6 +223,7 @@ def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: 
     row = {"kind": "train", **row, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
     if dispatchers(model):
         row["a2a_bytes_per_rank"] = sum(d.stats["bytes_sent"] for d in dispatchers(model))
+        row["a2a_inter_node_bytes_per_rank"] = sum(d.stats["bytes_inter"] for d in dispatchers(model))
     dev = next(model.parameters()).device
     if dev.type == "cuda":  # the high-water mark of this rank's allocator since the start
         row["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30

@@ -1,4 +1,5 @@
-"""Expert parallelism on CPU with gloo under the real `deepspeed` launcher (2 and 4 processes)."""
+"""Expert parallelism on CPU with gloo under the real `deepspeed` launcher: 2, 4 and 8 processes, and two nodes
+started the way a cluster without ssh starts them (two launchers on this one machine)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from moe_lm.checkpoint.format import load_model
+from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import dump_config
 from moe_lm.interop.hf import export_hf
+from moe_lm.parallel.comm_plan import KINDS, trace_pairs
 from moe_lm.train import loop
 from tests.helpers.distributed import launch
 from tests.helpers.runs import tiny_train_cfg
@@ -21,29 +24,78 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def ep_check(tmp_path, n: int, ep: int, zero: int, mtp: int) -> dict:
+ALL_CASES = "zero1,zero2,zero2-mtp2,zero2-starve"
+DIM, K, FP32 = 32, 3, 4  # the worker's model: dim 32, 3 experts per token, fp32 rows
+
+
+def ep_check(tmp_path, n: int, ep: int, cases: str, nodes: int = 1) -> dict:
     out = tmp_path / "ep.json"
-    launch("tests/workers/dist_ep.py", "--ep", str(ep), "--zero", str(zero), "--mtp", str(mtp), "--out", str(out), n=n)
+    launch("tests/workers/dist_ep.py", "--ep", str(ep), "--cases", cases, "--out", str(out), n=n, nodes=nodes)
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("n, ep, zero, mtp", [(2, 2, 1, 0), (2, 2, 2, 0), (4, 2, 2, 0), (2, 2, 2, 2)])
-def test_expert_parallel_step_matches_single_process(tmp_path, n, ep, zero, mtp):
-    """One step at EP 2 equals a single process on the global batch (with MTP depth 2: the MTP blocks' experts are
-    sharded too, and the MTP loss is in the reference)."""
-    r = ep_check(tmp_path, n, ep, zero, mtp)
-    assert r["world"] == n
-    assert r["logits"] < 1e-5, r
-    assert r["grad_norm_rel"] < 1e-5, r  # clipping is exact: the global norm, experts counted once
-    assert r["params"] < 1e-5, r
-    for slots_sent, slots_computed, pairs_sent in r["stats"]:
-        assert slots_computed == slots_sent  # every token-slot was computed once, none dropped
-        assert pairs_sent < slots_sent  # tokens with several experts on one rank were sent there once
+def check_case(r: dict, ep: int, nodes: list[int], starved: bool) -> None:
+    """One case of dist_ep: equal to the single process, every slot computed once, and the dispatcher's bytes
+    per destination kind equal to the planner's for the same routing."""
+    assert r["logits"] < 1e-5, r["logits"]
+    assert r["grad_norm_rel"] < 1e-5, r["grad_norm_rel"]  # clipping is exact: the global norm, experts counted once
+    assert r["params"] < 1e-5, r["params"]
+    ranks = r["ranks"]
+    for group in range(len(ranks) // ep):  # each expert-parallel group: ranks [g ep, (g+1) ep)
+        members = ranks[group * ep : (group + 1) * ep]
+        for layer in range(len(members[0]["stats"])):
+            stats = [m["stats"][layer] for m in members]
+            # every token-slot sent in the group was computed once, none dropped
+            assert sum(s["slots_computed"] for s in stats) == sum(s["slots_sent"] for s in stats)
+            for s in stats:
+                # a token with several experts on one rank goes there once (one expert per rank: pairs = slots)
+                assert s["pairs_sent"] <= s["slots_sent"] and (ep == 8 or s["pairs_sent"] < s["slots_sent"])
+            if starved:
+                assert stats[-1]["rows_received"] == 0  # the last rank received nothing, and the step still matched
+            planned = trace_pairs([np.array(m["routing"][layer]) for m in members], n_experts=8)
+            dispatch, combine = planned.bytes_by_kind(DIM, K, FP32, nodes)
+            for rank, s in enumerate(stats):
+                measured = [s[f"bytes_{kind}"] for kind in KINDS]
+                assert measured == (dispatch[rank] + combine[rank]).tolist()
+                assert s["slots_computed"] == planned.slots[rank]
 
 
-def train_rows(run_dir):
+@pytest.mark.parametrize("n, ep, cases", [(2, 2, ALL_CASES), (4, 2, "zero2"), (4, 4, ALL_CASES), (8, 8, ALL_CASES)])
+def test_expert_parallel_steps_match_single_process(tmp_path, n, ep, cases):
+    """Two steps at EP 2, 4 and 8 (one expert per rank), with DP 2 x EP 2, equal a single process on the global
+    batch: with ZeRO-1 and -2, with MTP depth 2 (the MTP blocks' experts are sharded too, and the MTP loss is in the
+    reference), and with a rank that receives no token at all."""
+    r = ep_check(tmp_path, n, ep, cases)
+    assert r["world"] == n and r["nodes"] == [0] * ep
+    for case in cases.split(","):
+        check_case(r[case], ep, r["nodes"], starved="starve" in case)
+
+
+def test_two_nodes_expert_parallel_and_node_limited_routing(tmp_path):
+    """Two launchers with --no_ssh --node_rank 0|1 and a two-host hostfile form a 2-node job; EP 4 spans both nodes
+    (experts 0-3 on node 0, 4-7 on node 1) and equals the single process. With n_group 2 = nodes and topk_group 1,
+    every token's experts lie on one node, and the dispatcher's cross-node bytes fall accordingly."""
+    r = ep_check(tmp_path, 2, 4, "zero2-groups1x1,zero2-groups2x1", nodes=2)
+    assert r["world"] == 4 and r["nodes"] == [0, 0, 1, 1]
+    inter = {}
+    for case in ("zero2-groups1x1", "zero2-groups2x1"):
+        check_case(r[case], 4, r["nodes"], starved=False)
+        inter[case] = sum(s["bytes_inter"] for rank in r[case]["ranks"] for s in rank["stats"])
+        nodes_per_token = [len({e // 4 for e in token}) for rank in r[case]["ranks"] for layer in rank["routing"]
+                           for token in layer]  # fmt: skip
+        assert max(nodes_per_token) == (1 if case.endswith("2x1") else 2)
+    # without the limit a token whose experts are on both nodes crosses for sure; with it, only when its one node is
+    # the other one
+    assert 0 < inter["zero2-groups2x1"] < 0.8 * inter["zero2-groups1x1"], inter
+
+
+def train_rows(run_dir, kind: str = "train"):
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "train"]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def eval_rows(run_dir):
+    return train_rows(run_dir, kind="eval")
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -65,6 +117,30 @@ def test_loss_trajectory_does_not_depend_on_ep_size(tiny_data, tmp_path, zero):
     assert all(r["a2a_bytes_per_rank"] > 0 for r in b)
 
 
+def test_two_node_training_equals_one_process(tiny_data, tmp_path):
+    """`launch/train.py` as a 2-node job (2 launchers x 2 ranks, EP 4 across the nodes) gives the losses of one
+    process on the same global batch, logs cross-node bytes, and saves a complete checkpoint. Its evaluation (2
+    windows per domain: fewer than the 4 ranks, so every rank runs them all and one counts them) gives the single
+    process's too."""
+    base = tiny_train_cfg(
+        tiny_data, tmp_path / "one", max_steps=4, micro_batch_size=2, grad_accum_steps=4, ckpt_interval=4,
+        eval_interval=4,
+    )  # fmt: skip
+    loop.train(base)
+    two_train = dataclasses.replace(base.train, grad_accum_steps=1, out_dir=str(tmp_path / "two"))
+    two = dataclasses.replace(base, train=two_train)
+    dump_config(two, tmp_path / "two.yaml")
+    launch("launch/train.py", "--config", str(tmp_path / "two.yaml"), "parallel.ep_size=4", n=2, nodes=2)
+    a, b = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), (ra["step"], ra["loss"], rb["loss"])
+    assert all(0 < r["a2a_inter_node_bytes_per_rank"] < r["a2a_bytes_per_rank"] for r in b)
+    (ea,), (eb,) = (eval_rows(tmp_path / run) for run in ("one", "two"))
+    assert eb["loss"] == pytest.approx(ea["loss"], rel=1e-5) and eb.keys() == ea.keys()
+    assert latest_tag(tmp_path / "two") == "step_00000004"
+
+
 def reshard_logits(tmp_path, run, n: int, ep: int) -> torch.Tensor:
     out = tmp_path / f"logits_ep{ep}.pt"
     launch("tests/workers/dist_reshard.py", "--run", str(run), "--ep", str(ep), "--out", str(out), n=n)
@@ -77,15 +153,18 @@ def offline_logits(run) -> tuple[torch.Tensor, object]:
         return model(fixed_tokens(cfg.model.vocab_size)).logits, model
 
 
-@pytest.mark.parametrize("saved_ep, load_ep", [(2, 1), (1, 2)])
-def test_checkpoint_reshards_between_ep_sizes(tiny_data, tmp_path, saved_ep, load_ep):
+@pytest.mark.parametrize("saved_ep, load_eps", [(2, (1,)), (1, (2, 8)), (8, (2, 1))])
+def test_checkpoint_reshards_between_ep_sizes(tiny_data, tmp_path, saved_ep, load_eps):
+    """A checkpoint saved at one ep_size loads at another (EP 2 -> 1, 1 -> 2 and 8, 8 -> 2 and 1): the same logits
+    as the plain model assembled from its per-expert files."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, grad_accum_steps=1, ckpt_interval=3)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=saved_ep))
     dump_config(cfg, tmp_path / "cfg.yaml")
-    launch("launch/train.py", "--config", str(tmp_path / "cfg.yaml"), n=2)
+    launch("launch/train.py", "--config", str(tmp_path / "cfg.yaml"), n=max(saved_ep, 2))
     expected, model = offline_logits(tmp_path / "run")  # the plain model assembled from per-expert files
-    got = reshard_logits(tmp_path, tmp_path / "run", n=load_ep if load_ep > 1 else 1, ep=load_ep)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for load_ep in load_eps:
+        got = reshard_logits(tmp_path, tmp_path / "run", n=load_ep, ep=load_ep)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # and the HF export of that checkpoint gives the same logits
     import transformers
 

@@ -1,0 +1,155 @@
+"""The communication planner on paper: its expectations against sampled routing, node-limited routing with the real
+router, the EPLB-like placement, and `moe-lm estimate` with a routing trace. (Its byte counts against the
+dispatcher's measured ones: tests/parallel/test_expert_parallel.py.)"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from moe_lm.analysis.trace import TraceWriter
+from moe_lm.cli import estimate
+from moe_lm.config import MoEConfig
+from moe_lm.model.router import Router
+from moe_lm.parallel.comm_plan import (
+    KINDS,
+    Layout,
+    contiguous_placement,
+    max_nodes_per_token,
+    pair_kind,
+    place_experts,
+    split_by_rank,
+    trace_pairs,
+    uniform_nodes_per_token,
+    uniform_pairs,
+)
+
+
+def sample_uniform(rng, E: int, K: int, G: int, M: int, n: int) -> np.ndarray:
+    """Uniform group-limited routing written plainly: M groups uniformly, then K experts uniformly among theirs."""
+    size = E // G
+    out = np.empty((n, K), np.int64)
+    for t in range(n):
+        groups = rng.choice(G, M, replace=False)
+        eligible = (groups[:, None] * size + np.arange(size)).ravel()
+        out[t] = rng.choice(eligible, K, replace=False)
+    return out
+
+
+def count_pairs(idx_per_rank: list[np.ndarray], n_experts: int, nodes: list[int]) -> dict[str, float]:
+    """Pairs per token by kind, one token at a time (the planner's vectorised count written out)."""
+    R, total = len(nodes), dict.fromkeys(KINDS, 0)
+    for s, idx in enumerate(idx_per_rank):
+        for token in idx:
+            for r in {int(e) // (n_experts // R) for e in token}:
+                total[pair_kind(s, r, nodes)] += 1
+    n = sum(len(i) for i in idx_per_rank)
+    return {k: v / n for k, v in total.items()}
+
+
+@pytest.mark.parametrize(
+    "E, K, G, M, nodes, gpn, ep",
+    [(8, 3, 4, 2, 2, 2, 4), (64, 6, 8, 4, 2, 8, 16), (256, 8, 8, 4, 8, 8, 64), (64, 6, 1, 1, 2, 4, 8)],
+)
+def test_uniform_expectations_match_sampled_routing(E, K, G, M, nodes, gpn, ep):
+    """The exact combinatorics agree with 6000 sampled tokens, counted one by one, within 4 standard errors."""
+    layout = Layout(nodes, gpn, ep)
+    ep_nodes = layout.ep_nodes()
+    rng = np.random.default_rng(0)
+    idx = sample_uniform(rng, E, K, G, M, 6000)
+    per_rank = [idx[r::ep] for r in range(ep)]
+    sampled = count_pairs(per_rank, E, ep_nodes)
+    assert trace_pairs(per_rank, E).pairs_per_token(ep_nodes) == pytest.approx(sampled, abs=1e-12)
+    expected = uniform_pairs(E, K, G, M, ep_nodes)
+    for kind in KINDS:
+        assert sampled[kind] == pytest.approx(expected[kind], abs=4 * np.sqrt(K / 6000) + 1e-9), kind
+    node_of = np.repeat(ep_nodes, E // ep)
+    spread = np.array([len(set(node_of[t])) for t in idx])
+    assert spread.mean() == pytest.approx(uniform_nodes_per_token(E, K, G, M, ep_nodes), abs=4 * spread.std() / 77)
+    assert spread.max() <= max_nodes_per_token(E, K, G, M, ep_nodes)
+
+
+def route(moe: MoEConfig, n: int, dim: int = 16) -> np.ndarray:
+    torch.manual_seed(0)
+    router = Router(dim, moe, init_std=1.0)
+    router.e_score_correction_bias.uniform_(-0.5, 0.5)  # the selection bias takes part in the group choice
+    with torch.no_grad():
+        return router(torch.randn(n, dim)).topk_idx.numpy()
+
+
+@pytest.mark.parametrize("n_group, topk_group, bound", [(8, 3, 3), (4, 2, 2), (4, 1, 1), (1, 1, 4), (2, 1, 2)])
+def test_node_limited_routing_bounds_the_nodes_a_token_reaches(n_group, topk_group, bound):
+    """64 experts over EP 16 on 4 nodes of 4 GPUs (16 experts per node). With groups inside nodes (8 or 4 groups), the
+    router's group limit bounds every token to topk_group nodes; without a limit tokens reach all 4, and one group
+    of 32 experts straddles two nodes. 20,000 tokens through the real router (its CPU kernel)."""
+    moe = MoEConfig(n_routed_experts=64, num_experts_per_tok=6, n_group=n_group, topk_group=topk_group)
+    nodes = Layout(4, 4, 16).ep_nodes()
+    assert max_nodes_per_token(64, 6, n_group, topk_group, nodes) == bound
+    idx = route(moe, 20_000)
+    reached = np.array([len({int(e) // 16 for e in token}) for token in idx])
+    assert reached.max() == bound
+
+
+def test_placement_evens_a_skewed_load():
+    """Zipf-skewed expert loads: the hierarchical placement (groups whole on nodes, replicas inside) and the global
+    one both lower the hottest rank's load over the mean, every rank holds as many experts, every expert is
+    somewhere, and the hierarchical one keeps each group on one node."""
+    E, layout, n_group = 64, Layout(2, 8, 16), 8
+    load = 1000.0 / np.arange(1, E + 1) ** 1.1
+    np.random.default_rng(1).shuffle(load)
+    before = contiguous_placement(load, 16)
+    assert before.imbalance > 2.0
+    for groups in (n_group, 1):  # 8 groups on 2 nodes: hierarchical; 1 group: global
+        placed = place_experts(load, layout, groups, redundant=16)
+        assert placed.imbalance < 1.25 < before.imbalance
+        assert [len(r) for r in placed.rank_experts] == [5] * 16
+        assert sorted(set(sum(placed.rank_experts, []))) == list(range(E))
+        assert placed.rank_load.sum() == pytest.approx(load.sum())
+    placed = place_experts(load, layout, n_group, redundant=16)
+    node_of_rank = layout.ep_nodes()
+    for g in range(n_group):
+        hosts = {node_of_rank[r] for r, held in enumerate(placed.rank_experts) for e in held if e // 8 == g}
+        assert len(hosts) == 1, (g, hosts)
+    with pytest.raises(ValueError, match="multiple of ep_size"):
+        place_experts(load, layout, n_group, redundant=3)
+
+
+def test_trace_tokens_are_dealt_to_ranks_by_sequence():
+    idx = np.arange(24).reshape(12, 2)
+    a, b = split_by_rank(idx, ep_size=2, seq_len=3)
+    assert a.tolist() == idx[[0, 1, 2, 6, 7, 8]].tolist() and b.tolist() == idx[[3, 4, 5, 9, 10, 11]].tolist()
+    with pytest.raises(ValueError, match="fewer than one"):
+        split_by_rank(idx, ep_size=8, seq_len=3)
+
+
+def write_trace(folder, idx: np.ndarray, n_experts: int):
+    writer = TraceWriter(folder, [1, 2], n_experts, idx.shape[1], ["d"], {"kind": "test"})
+    zeros, weights = np.zeros(len(idx)), np.zeros(idx.shape)
+    writer.append(zeros, zeros, np.arange(len(idx)), zeros, {1: idx, 2: idx}, {1: weights, 2: weights})
+    return writer.close()
+
+
+def test_estimate_plans_from_a_routing_trace(tmp_path, capsys):
+    """`moe-lm estimate --trace`: the trace's pairs per token (what the dispatcher would send for those tokens), the
+    expert load per rank, and a placement that evens it; a trace of another model is refused by name."""
+    rng = np.random.default_rng(0)
+    hot = rng.choice(8, size=(4096, 2), p=[0.4, 0.2, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])
+    hot[:, 1] = np.where(hot[:, 1] == hot[:, 0], (hot[:, 0] + 1) % 8, hot[:, 1])  # two distinct experts
+    trace = write_trace(tmp_path / "trace", hot, 8)
+    argv = ["--config", "tiny", "--gpus-per-node", "2", "--nodes", "2", "parallel.ep_size=4", "train.seq_len=64"]
+    estimate.main([*argv, "--trace", str(trace.folder), "--redundant", "4"])
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.strip().startswith("trace trace"))
+    nodes = Layout(2, 2, 4).ep_nodes()
+    expected = trace_pairs(split_by_rank(hot, 4, 64), 8).pairs_per_token(nodes)
+    assert [f"{expected[k]:.2f}" for k in KINDS] == re.findall(r"\d+\.\d+", line)[:3]
+    load = next(row for row in out.splitlines() if "expert load of the trace" in row)
+    contiguous, placed = (float(part.split()[-2].rstrip(",")) for part in load.split(";"))
+    assert placed < contiguous
+    other = write_trace(tmp_path / "other", hot % 4, 4)
+    with pytest.raises(SystemExit):
+        estimate.main([*argv, "--trace", str(other.folder)])
+    assert f"the trace {other.folder} routes to 2 of 4 experts but the config to 2 of 8" in capsys.readouterr().err
