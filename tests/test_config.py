@@ -105,17 +105,6 @@ def test_bad_keys_and_types_name_the_dotted_path(override, key):
         (["model.attention=gqa", "model.gqa.n_kv_heads=3"], "model.gqa.n_kv_heads"),
         (["model.mla.qk_rope_head_dim=7"], "model.mla.qk_rope_head_dim"),
         (["performance.loss_chunk=-1"], "performance.loss_chunk"),
-        (
-            [
-                "model.arch=encdec",
-                "model.attention=gqa",
-                "model.n_enc_layers=2",
-                "objective.name=prefix_lm",
-                "objective.prefix_len=8",
-                "performance.loss_chunk=64",
-            ],
-            "performance.loss_chunk",
-        ),  # fmt: skip
     ],
 )
 def test_cross_field_rules(overrides, key):

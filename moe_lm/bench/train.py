@@ -3,6 +3,9 @@
     python -m moe_lm.bench train --config configs/tiny.yaml --arms model.mtp.depth=0 model.mtp.depth=1
     python -m moe_lm.bench train --config configs/tiny.yaml --arms "" "performance.activation_checkpointing=full" \
         "performance.compile=true" --rounds 12
+    python -m moe_lm.bench train --config tiny --peers             # ours vs HF DeepseekV3ForCausalLM vs dense
+    python -m moe_lm.bench train --config tiny --peers model.dim=512 model.n_heads=8 model.vocab_size=32768 \
+        model.moe.moe_inter_dim=256 model.moe.num_experts_per_tok=3 model.inter_dim=1024
 
 Each arm is one set of dotted overrides (space-separated inside one argument; "" = the config as it is). Every arm's
 model is built from the same seed and trained on the same random token batches (micro_batch_size x seq_len, the
@@ -10,7 +13,8 @@ config's) with the same objective as `moe-lm train` (main CE + lambda/D * MTP CE
 update; activation checkpointing, compile and the chunked loss as configured), one optimizer step (torch AdamW) per
 timing, in one process. The arms take turns round by round, so that a shared machine's noise hits all of them
 alike; medians and ratios to the first arm are printed. DeepSpeed's per-step bookkeeping is the same for every arm
-and is left out.
+and is left out. Overrides after the flags apply to every arm. `--peers` times the whole step against HF's
+`DeepseekV3ForCausalLM` and our dense model of equal active FLOPs (moe_lm/bench/peers.py).
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import argparse
 
 import torch
 
+from moe_lm.bench.peers import HFArm, dense_twin, summary
 from moe_lm.bench.timing import Stat, markdown_table, time_interleaved
 from moe_lm.config import Config, load_config, preset_path
 from moe_lm.errors import UserError
-from moe_lm.model import build_model, train_flops_per_token
+from moe_lm.model import build_model, loss_chunk, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import param_groups
 from moe_lm.train.balance import balance_step
 from moe_lm.train.objective import next_token_losses, total_loss
@@ -34,12 +39,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--arms",
         nargs="+",
-        required=True,
+        default=None,
         help='overrides per arm, e.g. "model.mtp.depth=1" ("": the config as it is); ratios are to the first',
     )
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="arms: ours eager and compiled, HF DeepseekV3ForCausalLM (eager, grouped_mm experts), dense twin",
+    )
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every arm")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds of one step per arm")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before them")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def adamw(params, o) -> torch.optim.AdamW:
+    """The optimizer of every arm, ours and HF's: torch's fused AdamW (one kernel for all parameters; what
+    transformers' Trainer picks by default, adamw_torch_fused). why not the per-tensor loop: the trainer's DeepSpeed
+    ZeRO steps a few flat buffers, where a loop over 260 small tensors would add overhead the real step lacks."""
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 
 class Arm:
@@ -52,11 +70,11 @@ class Arm:
         model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
         self.model = apply_compile(model, cfg.performance.compile)
         o = cfg.optim
-        self.opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2))
+        self.opt = adamw(param_groups(self.model, o.weight_decay), o)
         self.depth = cfg.model.mtp.depth
 
     def step(self, batch: torch.Tensor) -> None:
-        chunk = self.cfg.performance.loss_chunk
+        chunk = loss_chunk(self.cfg)
         out = self.model(batch[:, :-1], mtp=self.depth > 0, logits=not chunk)
         ce, mtp = next_token_losses(out, batch[:, 1:], self.model.lm_head.weight, chunk)
         total_loss(ce, mtp, self.cfg.model.mtp.loss_weight, out.aux_loss).backward()
@@ -74,9 +92,10 @@ class Arm:
         return self.cfg.train.micro_batch_size * self.cfg.train.seq_len
 
 
-def build_arms(config: str, specs: list[str]) -> list[Arm]:
-    """One arm per override spec; arms that would not see the same batches are refused."""
-    arms = [Arm(spec or "(config)", load_config(preset_path(config), spec.split())) for spec in specs]
+def build_arms(config: str, specs: list[str], common: list[str] = ()) -> list[Arm]:
+    """One arm per override spec (after the common overrides); arms that would not see the same batches are
+    refused."""
+    arms = [Arm(spec or "(config)", load_config(preset_path(config), [*common, *spec.split()])) for spec in specs]
     shapes = {(a.cfg.train.micro_batch_size, a.cfg.train.seq_len, a.cfg.model.vocab_size) for a in arms}
     if len(shapes) > 1:
         raise UserError(
@@ -117,10 +136,27 @@ def run(args: argparse.Namespace) -> None:
         raise UserError("--rounds must be >= 1, --warmup and --threads >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    arms = build_arms(args.config, args.arms)
+    if bool(args.arms) == args.peers:
+        raise UserError("give --arms or --peers (one of them)")
+    arms = peer_arms(args.config, args.overrides) if args.peers else build_arms(args.config, args.arms, args.overrides)
     t = arms[0].cfg.train
     print(
         f"{len(arms)} arms, {args.rounds} rounds (+{args.warmup} warm-up) of one optimizer step on "
         f"{t.micro_batch_size} x {t.seq_len} tokens, {torch.get_num_threads()} threads"
     )
-    print(table(arms, time_arms(arms, args.rounds, args.warmup)))
+    stats = time_arms(arms, args.rounds, args.warmup)
+    print(table(arms, stats))
+    if args.peers:
+        print(summary([a.name for a in arms], [s.median for s in stats]))
+
+
+def peer_arms(config: str, common: list[str]) -> list:
+    """Ours (eager, compiled), HF on the same weights (eager, grouped_mm experts), and the dense twin."""
+    ours, compiled = build_arms(config, ["", "performance.compile=true"], common)
+    ours.name, compiled.name = "ours", "ours compiled"
+    (dense,) = build_arms(config, [" ".join(dense_twin(ours.cfg))], common)
+    dense.name = "dense (equal active FLOPs)"
+    hf = [HFArm(f"HF {impl}", ours.cfg, ours.model, impl) for impl in ("eager", "grouped_mm")]
+    for arm in hf:
+        arm.opt = adamw(arm.model.parameters(), ours.cfg.optim)
+    return [ours, compiled, *hf, dense]

@@ -5,6 +5,7 @@ from moe_lm.model.architectures import (
     count_params,
     decode_flops_per_token,
     initial_model,
+    loss_chunk,
     reads_prefix,
     train_flops_per_token,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "count_params",
     "decode_flops_per_token",
     "initial_model",
+    "loss_chunk",
     "reads_prefix",
     "train_flops_per_token",
     "update_biases",

@@ -29,6 +29,8 @@ class Architecture:
     decode_flops: Callable[[ModelConfig, int, int], float]
     # forward needs the prefix length (an encoder reads the prefix)
     reads_prefix: bool = False
+    # forward can return the last hidden states instead of logits, for the chunked loss (performance.loss_chunk)
+    chunked_loss: bool = True
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -52,6 +54,12 @@ def initial_model(cfg: ModelConfig, seed: int) -> nn.Module:
     baselines and untrained twins of the analytics and experiments."""
     torch.manual_seed(seed)
     return build_model(cfg)
+
+
+def loss_chunk(cfg: Config) -> int:
+    """performance.loss_chunk where the architecture has the chunked loss, else 0 (the plain loss, which is exact:
+    the chunk changes memory and time only)."""
+    return cfg.performance.loss_chunk if ARCHITECTURES[cfg.model.arch].chunked_loss else 0
 
 
 def count_params(cfg: ModelConfig) -> ParamCount:

@@ -141,7 +141,7 @@ class MLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
         else:
             q = self.q_proj(x_BSD)
-        q_nope, q_rot = q.view(B, S, H, -1).transpose(1, 2).split([self.nope, self.rope], dim=-1)
+        q_nope, q_rot = q.view(B, S, H, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, C]
         # why one rotary key for all heads: it is what lets MLA cache only (latent, k_rot) per token.
@@ -149,11 +149,18 @@ class MLA(nn.Module):
         if cache is not None:
             latent, k_rot = cache.extend(self.layer_id, latent, k_rot)
         L = latent.shape[1]
-        kv = self.kv_b_proj(latent).view(B, L, H, -1).transpose(1, 2)
+        kv = self.kv_b_proj(latent).view(B, L, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(B, H, L, self.rope)), dim=-1)
-        out = _sdpa(q, k, v, mask, self.scale)
+        # why the padding: the fused SDPA kernels (flash on CPU, FlashAttention/cuDNN on GPU) need one head dim for
+        # q, k and v; with MLA's v_head_dim != qk_nope + qk_rope PyTorch falls back to its unfused maths (bmm,
+        # softmax, masking: 1.5x slower at the tiny preset's shapes). Zero columns change no dot product (the scale
+        # is explicit) and give zero output columns, sliced off: the same result, fused. Not for one decoded token
+        # (S = 1): there neither path wins at every cache length (docs/benchmarks.md), and decoding stays as it was.
+        width = max(self.nope + self.rope, self.v_dim) if S > 1 else 0
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
+        out = _sdpa(q, k, v, mask, self.scale)[..., : self.v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
 

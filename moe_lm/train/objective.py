@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.config import Config, register_choice
-from moe_lm.model import ModelOutput
+from moe_lm.model import ModelOutput, loss_chunk
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy  # IGNORE: a position with no label
 
 
@@ -55,7 +55,7 @@ class NextToken:
 
 NEXT_TOKEN = NextToken()
 
-OBJECTIVES: dict[str, Callable[[Config], Objective]] = {"lm": lambda cfg: NextToken(cfg.performance.loss_chunk)}
+OBJECTIVES: dict[str, Callable[[Config], Objective]] = {"lm": lambda cfg: NextToken(loss_chunk(cfg))}
 
 
 def register_objective(

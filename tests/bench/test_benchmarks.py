@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from moe_lm.bench.train import peer_arms
 from moe_lm.cli.bench import BENCHMARKS, main
 from moe_lm.config import MTPConfig
 from moe_lm.train import loop
@@ -44,6 +46,25 @@ def test_train():
     out = bench("train", "--arms", small, f"{small} model.mtp.depth=1", "--rounds", 1, "--warmup", 0)
     assert f"| arm | median ms/step (min-max) | tokens/s | model GFLOP/step | time vs {small} |" in out
     assert f"\n| {small} model.mtp.depth=1 | " in out
+
+
+def test_train_against_peers():
+    """`--peers`: ours eager and compiled, HF DeepseekV3ForCausalLM with both expert implementations, the dense
+    twin, and the ratios line; the HF arms hold our weights (their logits are ours) and the dense twin has the
+    active FLOPs of ours."""
+    small = ["train.micro_batch_size=2", "train.seq_len=32"]
+    out = bench("train", "--peers", "--rounds", 1, "--warmup", 0, *small)
+    for arm in ("ours", "ours compiled", "HF eager", "HF grouped_mm", "dense (equal active FLOPs)"):
+        assert f"\n| {arm} | " in out
+    assert "ours eager / HF best " in out and "ours eager / dense eager " in out
+    arms = peer_arms("tiny", small)
+    batch = torch.randint(0, 4096, (2, 32))
+    with torch.no_grad():
+        ours = arms[0].model(batch).logits
+        for hf in arms[2:4]:
+            torch.testing.assert_close(hf.model(input_ids=batch).logits, ours, atol=1e-4, rtol=1e-4)
+    flops = [a.gflops_per_step() for a in arms]
+    assert flops[4] == pytest.approx(flops[0], rel=0.01)  # the dense twin: same active matmul FLOPs
 
 
 @pytest.fixture(scope="module")

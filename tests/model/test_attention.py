@@ -37,3 +37,43 @@ def kv_cache_decoding_matches_full_forward(cfg) -> None:
     steps += [model(tokens[:, i : i + 1], cache=cache).logits for i in range(P, 16)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.length == 16
+
+
+def test_mla_takes_the_fused_attention_kernel_with_the_same_result():
+    """MLA's v_head_dim (8) differs from its query/key head dim (8 + 4): V is padded so that SDPA takes its fused
+    flash kernel, not the unfused maths, and the output equals attention written out (softmax(q k^T s + causal) v)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_lm.model.attention import MLA, rope_cos_sin
+
+    torch.manual_seed(0)
+    cfg = tiny_model_cfg()
+    attn = MLA(cfg).eval()
+    B, S = 2, 10
+    x = torch.randn(B, S, cfg.dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, attn.rope, 2).float() / attn.rope))
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(S), torch.float32)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = attn(x, cos, sin, None)
+    names = {e.key for e in prof.key_averages()}
+    assert any("flash_attention" in n for n in names), sorted(n for n in names if "attention" in n)
+    captured = {}
+
+    def keep_inputs(q, k, v, mask, scale, enable_gqa=False):
+        captured.update(q=q[..., : attn.nope + attn.rope], k=k[..., : attn.nope + attn.rope], v=v[..., : attn.v_dim])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    import moe_lm.model.attention as module
+
+    original = module._sdpa
+    module._sdpa = keep_inputs
+    try:
+        with torch.no_grad():
+            attn(x, cos, sin, None)
+    finally:
+        module._sdpa = original
+    q, k, v = captured["q"], captured["k"], captured["v"]
+    scores = q @ k.transpose(-1, -2) * attn.scale + torch.full((S, S), float("-inf")).triu(1)
+    written_out = scores.softmax(-1) @ v
+    expected = attn.o_proj(written_out.transpose(1, 2).reshape(B, S, -1))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

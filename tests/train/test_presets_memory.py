@@ -60,7 +60,8 @@ def test_chunked_loss_estimate_holds_one_chunk_of_logits():
     """With performance.loss_chunk the logits term stops growing with the micro-batch's tokens x vocab (only dL/dh
     does)."""
     gpu = ROOT / "configs" / "gpu_1b.yaml"
-    plain = [estimate(load_config(gpu, [f"train.micro_batch_size={b}"]), 1).logits for b in (4, 8)]
+    plain = [estimate(load_config(gpu, [f"train.micro_batch_size={b}", "performance.loss_chunk=0"]), 1).logits
+             for b in (4, 8)]  # fmt: skip
     chunked = [estimate(load_config(gpu, [f"train.micro_batch_size={b}", "performance.loss_chunk=4096"]), 1).logits
                for b in (4, 8)]  # fmt: skip
     assert plain[1] == pytest.approx(2 * plain[0])

@@ -185,13 +185,13 @@ def _rule(cfg: Config) -> None:
     elif cfg.objective.name != "prefix_lm":
         key, why = "model.arch", "= encdec needs objective.name=prefix_lm (the encoder reads the prefix, the decoder "
         "predicts the rest)"
-    elif cfg.performance.loss_chunk:
-        key, why = "performance.loss_chunk", "must be 0 for model.arch=encdec (its chunked loss is not implemented; "
-        "the plain loss is exact)"
     if why:
         raise ConfigError(f"{key} {why}")
 
 
 def register() -> None:
-    arch = Architecture(EncoderDecoder, encdec_params, encdec_train_flops, encdec_decode_flops, reads_prefix=True)
+    # chunked_loss=False: the encoder-decoder always computes its logits (the plain loss, whatever loss_chunk says)
+    arch = Architecture(
+        EncoderDecoder, encdec_params, encdec_train_flops, encdec_decode_flops, reads_prefix=True, chunked_loss=False
+    )
     register_architecture("encdec", arch, _rule)

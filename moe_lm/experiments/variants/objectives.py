@@ -20,7 +20,7 @@ import torch
 
 from moe_lm.config import Config, ConfigError
 from moe_lm.experiments.variants.masks import MLM_MASKS
-from moe_lm.model import ModelOutput, reads_prefix
+from moe_lm.model import ModelOutput, loss_chunk, reads_prefix
 from moe_lm.train.objective import IGNORE, register_objective
 
 # why 0: sentencepiece's <unk>, which a byte-fallback tokenizer never emits, so it can stand for [MASK] without
@@ -39,7 +39,7 @@ class PrefixLM:
 
     @classmethod
     def of(cls, cfg: Config) -> PrefixLM:
-        return cls(cfg.objective.prefix_len, reads_prefix(cfg.model), cfg.performance.loss_chunk)
+        return cls(cfg.objective.prefix_len, reads_prefix(cfg.model), loss_chunk(cfg))
 
     def run(
         self, model, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True
@@ -64,7 +64,7 @@ class MLM:
 
     @classmethod
     def of(cls, cfg: Config) -> MLM:
-        return cls(cfg.objective.mlm_prob, cfg.model.vocab_size, cfg.seed, cfg.performance.loss_chunk)
+        return cls(cfg.objective.mlm_prob, cfg.model.vocab_size, cfg.seed, loss_chunk(cfg))
 
     def run(
         self, model, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True

@@ -14,6 +14,7 @@ from moe_lm.experiments.variants.encdec import EncoderDecoder
 from moe_lm.experiments.variants.objectives import PrefixLM
 from moe_lm.model import build_model, count_params
 from moe_lm.train import loop
+from moe_lm.train.objective import objective_for
 from tests.helpers.runs import tiny_train_cfg
 from tests.helpers.tiny import tiny_model_cfg
 
@@ -64,6 +65,16 @@ def test_encdec_config_rules():
                                           "objective.prefix_len=64"])  # fmt: skip
     with pytest.raises(ValueError, match="prefix_len"):
         build_model(encdec_cfg())(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_the_encoder_decoder_trains_with_the_plain_loss_whatever_the_loss_chunk():
+    """The chunked loss needs a forward without logits, which the encoder-decoder lacks: its objective takes the
+    plain loss (the same loss) at the default chunk, where the decoder-only model takes the chunk."""
+    overrides = ["model.arch=encdec", "model.n_enc_layers=2", "objective.name=prefix_lm", "objective.prefix_len=64"]
+    encdec = load_config("configs/tiny_gqa.yaml", overrides)
+    decoder = load_config("configs/tiny_gqa.yaml", overrides[2:])
+    assert encdec.performance.loss_chunk == decoder.performance.loss_chunk == 1024
+    assert (objective_for(encdec).loss_chunk, objective_for(decoder).loss_chunk) == (0, 1024)
 
 
 def test_an_encdec_run_trains_and_loads(tiny_data, tmp_path):
