@@ -14,11 +14,13 @@
 #              HF eager and grouped_mm, a dense MLP of equal active FLOPs) at the GPU shapes
 #   bench_loss python -m moe_lm.bench loss --device cuda --dtype bfloat16: the head's loss on gpu_1b's 8 x 2048 tokens,
 #              plain vs chunked (performance.loss_chunk): peak memory and time
+#   bench_train python -m moe_lm.bench train --peers --config gpu_1b --device cuda --dtype bfloat16: the whole step,
+#              ours (eager, compiled) vs HF DeepseekV3ForCausalLM (eager, grouped_mm experts) vs the dense twin
 #   train      `deepspeed --num_gpus 1 launch/train.py --config gpu_1b` for $STEPS steps (default 120)
 #              on the default corpus (prepared here if data/gpu is absent), no checkpoint
 #   summary    tokens/s, MFU, peak memory (against `moe-lm estimate`'s), losses, from metrics.jsonl
 set -u
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   --out) OUT=${2:?--out needs a folder} ;;
@@ -77,6 +79,7 @@ step tests 600 $PY -m pytest -q -m gpu tests -p no:cacheprovider
 wait  # the MegaBlocks build, if any, before the benchmark that times it
 step bench_moe 600 $PY -m moe_lm.bench moe --device cuda --dtype bfloat16 --reps 20
 step bench_loss 300 $PY -m moe_lm.bench loss --device cuda --dtype bfloat16 --tokens 16384 --chunks 0 2048 4096 --rounds 2 --iters 5
+step bench_train 900 $PY -m moe_lm.bench train --peers --config gpu_1b --device cuda --dtype bfloat16 --rounds 5 --warmup 2
 DATA=data/gpu
 [ -f "$DATA/meta.json" ] || step prepare 600 $PY launch/prepare_data.py --config gpu_1b --workers 8
 DS=$(command -v deepspeed || echo "$SITE/bin/deepspeed")

@@ -24,7 +24,7 @@ import argparse
 import torch
 
 from moe_lm.bench.peers import HFArm, dense_twin, summary
-from moe_lm.bench.timing import Stat, markdown_table, time_interleaved
+from moe_lm.bench.timing import Stat, markdown_table, no_sync, time_interleaved
 from moe_lm.config import Config, load_config, preset_path
 from moe_lm.errors import UserError
 from moe_lm.model import build_model, loss_chunk, train_flops_per_token
@@ -51,6 +51,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds of one step per arm")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before them")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="torch device of every arm (cuda: synchronised timings)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
 
 
 def adamw(params, o) -> torch.optim.AdamW:
@@ -63,10 +65,10 @@ def adamw(params, o) -> torch.optim.AdamW:
 class Arm:
     """One config's model and optimizer, stepped the way `moe-lm train` steps them (without DeepSpeed)."""
 
-    def __init__(self, name: str, cfg: Config) -> None:
+    def __init__(self, name: str, cfg: Config, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.name, self.cfg = name, cfg
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model).train()
+        model = build_model(cfg.model).to(device=device, dtype=dtype).train()
         model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
         self.model = apply_compile(model, cfg.performance.compile)
         o = cfg.optim
@@ -92,10 +94,13 @@ class Arm:
         return self.cfg.train.micro_batch_size * self.cfg.train.seq_len
 
 
-def build_arms(config: str, specs: list[str], common: list[str] = ()) -> list[Arm]:
+def build_arms(config: str, specs: list[str], common: list[str] = (), device: str = "cpu", dtype=torch.float32):
     """One arm per override spec (after the common overrides); arms that would not see the same batches are
     refused."""
-    arms = [Arm(spec or "(config)", load_config(preset_path(config), [*common, *spec.split()])) for spec in specs]
+    arms = [
+        Arm(spec or "(config)", load_config(preset_path(config), [*common, *spec.split()]), device, dtype)
+        for spec in specs
+    ]
     shapes = {(a.cfg.train.micro_batch_size, a.cfg.train.seq_len, a.cfg.model.vocab_size) for a in arms}
     if len(shapes) > 1:
         raise UserError(
@@ -104,7 +109,7 @@ def build_arms(config: str, specs: list[str], common: list[str] = ()) -> list[Ar
     return arms
 
 
-def time_arms(arms: list[Arm], rounds: int, warmup: int) -> list[Stat]:
+def time_arms(arms: list[Arm], rounds: int, warmup: int, device: str = "cpu") -> list[Stat]:
     """Seconds per optimizer step of each arm (ratios to the first); every round draws one batch that all arms
     step on."""
     t, vocab = arms[0].cfg.train, arms[0].cfg.model.vocab_size
@@ -113,11 +118,12 @@ def time_arms(arms: list[Arm], rounds: int, warmup: int) -> list[Stat]:
 
     def draw(r: int) -> None:
         nonlocal batch
-        batch = torch.randint(0, vocab, (t.micro_batch_size, t.seq_len + 1), generator=gen)
+        batch = torch.randint(0, vocab, (t.micro_batch_size, t.seq_len + 1), generator=gen).to(device)
 
     # keyed by position: two arms may carry the same overrides (an A/A run shows the noise)
     steps = {str(i): (lambda arm=arm: arm.step(batch)) for i, arm in enumerate(arms)}
-    stats = time_interleaved(steps, rounds, warmup, before_round=draw)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else no_sync
+    stats = time_interleaved(steps, rounds, warmup, before_round=draw, sync=sync)
     return [stats[str(i)] for i in range(len(arms))]
 
 
@@ -138,25 +144,30 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if bool(args.arms) == args.peers:
         raise UserError("give --arms or --peers (one of them)")
-    arms = peer_arms(args.config, args.overrides) if args.peers else build_arms(args.config, args.arms, args.overrides)
+    place = (args.device, getattr(torch, args.dtype))
+    if args.peers:
+        arms = peer_arms(args.config, args.overrides, *place)
+    else:
+        arms = build_arms(args.config, args.arms, args.overrides, *place)
     t = arms[0].cfg.train
     print(
         f"{len(arms)} arms, {args.rounds} rounds (+{args.warmup} warm-up) of one optimizer step on "
         f"{t.micro_batch_size} x {t.seq_len} tokens, {torch.get_num_threads()} threads"
     )
-    stats = time_arms(arms, args.rounds, args.warmup)
+    stats = time_arms(arms, args.rounds, args.warmup, args.device)
     print(table(arms, stats))
     if args.peers:
         print(summary([a.name for a in arms], [s.median for s in stats]))
 
 
-def peer_arms(config: str, common: list[str]) -> list:
+def peer_arms(config: str, common: list[str], device: str = "cpu", dtype=torch.float32) -> list:
     """Ours (eager, compiled), HF on the same weights (eager, grouped_mm experts), and the dense twin."""
-    ours, compiled = build_arms(config, ["", "performance.compile=true"], common)
+    ours, compiled = build_arms(config, ["", "performance.compile=true"], common, device, dtype)
     ours.name, compiled.name = "ours", "ours compiled"
-    (dense,) = build_arms(config, [" ".join(dense_twin(ours.cfg))], common)
+    (dense,) = build_arms(config, [" ".join(dense_twin(ours.cfg))], common, device, dtype)
     dense.name = "dense (equal active FLOPs)"
     hf = [HFArm(f"HF {impl}", ours.cfg, ours.model, impl) for impl in ("eager", "grouped_mm")]
     for arm in hf:
+        arm.model.to(device=device, dtype=dtype)
         arm.opt = adamw(arm.model.parameters(), ours.cfg.optim)
     return [ours, compiled, *hf, dense]
