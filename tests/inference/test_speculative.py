@@ -47,7 +47,9 @@ def markov_model(depth: int, vocab: int = 97, steps: int = 150, attention: str =
 
 @pytest.fixture(scope="module")
 def trained():
-    return {depth: markov_model(depth) for depth in (1, 3)}  # ~3 s each
+    # seed 1: depth 1's greedy drafts are rejected now and then (seed 0's all agree with the main model since the
+    # attention took its fused kernel), so the roll-back after a rejection is exercised
+    return {depth: markov_model(depth, seed=1) for depth in (1, 3)}  # ~3 s each
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -69,7 +71,16 @@ def test_draft_caches_roll_back_to_what_a_fresh_pass_computes(trained, depth):
     last position of the tokens so far followed by d_1 .. d_{k-1}); a stale cache entry after a rejection would
     change drafts, not the output. Replayed here without caches, the proposed and accepted counts are the same."""
     model = trained[depth]
-    prompt, budget = [7, 38, 96, 5, 28], 50
+    totals = [0, 0]  # accepted, proposed over the prompts: some drafts of each kind, so both paths were replayed
+    for prompt in ([7, 38, 96, 5, 28], [1, 2, 3], [50, 60]):
+        accepted, proposed = replay_greedy_drafts(model, prompt, 50, depth)
+        totals = [totals[0] + sum(accepted), totals[1] + sum(proposed)]
+    assert 0 < totals[0] < totals[1]
+
+
+def replay_greedy_drafts(model, prompt: list[int], budget: int, depth: int) -> tuple[list[int], list[int]]:
+    """Speculative greedy decoding's accepted and proposed counts per depth, checked against a replay without
+    caches."""
     plain = generate(model, prompt, budget, Sampling(temperature=0), seed=0)
     _, stats = speculative_generate(model, prompt, budget, Sampling(temperature=0), seed=0)
     n, proposed, accepted = 1, [0] * depth, [0] * depth  # n: tokens of `plain` known so far
@@ -88,7 +99,7 @@ def test_draft_caches_roll_back_to_what_a_fresh_pass_computes(trained, depth):
             kept += 1
         n += kept + 1
     assert (stats.proposed, stats.accepted) == (proposed, accepted)
-    assert 0 < sum(accepted) < sum(proposed)
+    return accepted, proposed
 
 
 def test_drafter_state_after_a_rejection_equals_a_fresh_pass(trained):
@@ -160,7 +171,8 @@ def test_sampled_speculative_decoding_has_the_main_models_distribution():
     """The first two of three tokens after a prompt on an 8-token vocabulary (x2 is drafted by MTP and accepted or
     resampled): their empirical joint distribution under speculative sampling (temperature 1.5, top-k 6) matches the
     main model's exact p(x1) p(x2 | x1), computed by enumeration."""
-    model = markov_model(1, vocab=8, steps=60)
+    # seed 2: a model whose MTP drafts are rejected often enough (~5 %) for the resampling path to weigh in the test
+    model = markov_model(1, vocab=8, steps=60, seed=2)
     sampling = Sampling(temperature=1.5, top_k=6, top_p=1.0)
     prompt = [3, 2]
     with torch.no_grad():
@@ -180,7 +192,7 @@ def test_sampled_speculative_decoding_has_the_main_models_distribution():
     chi2 = (((counts - expected) ** 2)[cells] / expected[cells]).sum()
     assert counts[~cells].sum() <= 5 * max(1, expected[~cells].sum())
     assert chi2 < 100, chi2  # ~ chi-square with < 48 degrees of freedom: P(> 100) < 1e-5
-    assert 0.05 < accepted / n < 0.95  # the rule was exercised both ways
+    assert 0.05 < accepted / n < 0.97  # the rule was exercised both ways (at least 90 drafts resampled)
 
 
 def test_kv_cache_truncate_then_extend_matches_a_fresh_cache(trained):

@@ -116,22 +116,30 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkey
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
 
 
-def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_path, monkeypatch):
-    real_ce = objective.F.cross_entropy
+@pytest.mark.parametrize("loss_chunk", [0, 1024])
+def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_path, monkeypatch, loss_chunk):
+    """A NaN planted in the training loss (the plain F.cross_entropy, or the chunked linear_cross_entropy, the
+    default) skips that step; max_bad_steps in a row stop the run."""
     bad_steps = set()
     state = {"calls": 0}
 
-    def ce(logits, target, *a, **k):
-        out = real_ce(logits, target, *a, **k)
-        if logits.requires_grad:  # training micro-batches only
-            state["calls"] += 1
-            if (state["calls"] - 1) // 2 + 1 in bad_steps:  # 2 micro-batches per step
-                out = out * float("nan")
-        return out
+    def poisoned(real, hidden_arg):
+        def loss(*a, **k):
+            out = real(*a, **k)
+            if a[hidden_arg].requires_grad:  # training micro-batches only
+                state["calls"] += 1
+                if (state["calls"] - 1) // 2 + 1 in bad_steps:  # 2 micro-batches per step
+                    out = out * float("nan")
+            return out
 
-    monkeypatch.setattr(objective.F, "cross_entropy", ce)
+        return loss
+
+    if loss_chunk:
+        monkeypatch.setattr(objective, "linear_cross_entropy", poisoned(objective.linear_cross_entropy, 0))
+    else:
+        monkeypatch.setattr(objective.F, "cross_entropy", poisoned(objective.F.cross_entropy, 0))
     bad_steps.update({3})
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "one_bad", max_steps=5)
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "one_bad", max_steps=5, loss_chunk=loss_chunk)
     loop.train(cfg)
     r = rows(tmp_path / "one_bad")
     assert [x["skipped"] for x in r] == [False, False, True, False, False]
@@ -139,7 +147,7 @@ def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_pat
 
     state["calls"] = 0
     bad_steps.update(range(1, 100))
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "all_bad", max_steps=20, max_bad_steps=3)
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "all_bad", max_steps=20, max_bad_steps=3, loss_chunk=loss_chunk)
     with pytest.raises(RuntimeError, match="3 consecutive steps had a non-finite loss"):
         loop.train(cfg)
 
