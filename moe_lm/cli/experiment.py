@@ -2,13 +2,14 @@
 
     moe-lm experiment --list                        # the definitions shipped with the package
     moe-lm experiment moe-dense                     # its arms x 3 seeds, then runs/exp/reports/moe-dense/report.md
-    moe-lm experiment balance --seeds 5 --steps 1000
+    moe-lm experiment balance --seeds 5 --steps 1000  # exploratory: other seeds/steps than declared, no verdict
     moe-lm experiment moe-dense --preset gpu        # the definition's GPU-sized variant
+    moe-lm experiment moe-dense --long              # its declared long design: 1000 steps, 5 seeds
     moe-lm experiment my_experiment.yaml            # your own definition (see docs/experiments.md)
 
-Runs go one at a time (single-process training runs), each in <runs>/<config hash>, so finished runs are skipped and
-identical arms are shared between experiments. The report goes to <runs>/reports/NAME (--out). The same as
-`python launch/experiment.py`.
+Runs go one at a time (single-process training runs), each in <runs>/<key> (the whole config, the data's
+fingerprint, the code's version), so finished runs are skipped and identical arms are shared between experiments.
+The report goes to <runs>/reports/NAME (--out). The same as `python launch/experiment.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from moe_lm.cli import main_of
 from moe_lm.cli.options import add_out
-from moe_lm.errors import require
+from moe_lm.errors import UserError, require
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the definition's)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default: the definition's)")
     ap.add_argument("--preset", default=None, help="a named variant of the definition, e.g. gpu")
+    ap.add_argument("--long", action="store_true", help="the definition's declared long design (--preset long)")
     ap.add_argument("--extended", action="store_true", help="also run the definition's extended arms")
     ap.add_argument("--runs", default="runs/exp", metavar="DIR", help="where runs are cached")
     add_out(ap, "the report folder (default: <runs>/reports/<name>)", required=False)
@@ -43,12 +45,20 @@ def run(args: argparse.Namespace) -> None:
     if args.list or not args.name:
         list_experiments()
         return
+    if args.long:
+        if args.preset not in (None, "long"):
+            raise UserError(f"--long is --preset long; it cannot go with --preset {args.preset}")
+        args.preset = "long"
     exp = load_experiment(args.name, args.preset, args.extended)
     require("matplotlib", "analysis", "moe-lm experiment (its report's figures)")
-    if args.seeds is not None:
+    deviations = [exp.exploratory] if exp.exploratory else []
+    if args.seeds is not None and args.seeds != exp.seeds:
+        deviations.append(f"--seeds {args.seeds} where the definition has {exp.seeds}")
         exp = dataclasses.replace(exp, seeds=args.seeds)
-    if args.steps is not None:
+    if args.steps is not None and args.steps != exp.steps:
+        deviations.append(f"--steps {args.steps} where the definition has {exp.steps}")
         exp = dataclasses.replace(exp, steps=args.steps)
+    exp = dataclasses.replace(exp, exploratory="; ".join(deviations))
     out = Path(args.out or Path(args.runs) / "reports" / (exp.name + (f"-{args.preset}" if args.preset else "")))
     print(f"{exp.name}: {exp.claim}\n{len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps; runs in {args.runs}")
     t0 = time.perf_counter()

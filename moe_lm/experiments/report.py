@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.analysis import metrics as M
+from moe_lm.errors import RunError
 from moe_lm.experiments import stats
 from moe_lm.experiments.final_eval import ARRAYS, domain_jsd_of
 from moe_lm.experiments.runner import Run
@@ -25,6 +26,8 @@ RULES = {
     "not_lower": "supported if the interval lies above -margin (no gain for a larger than the margin); contradicted "
     "if it lies below -margin",
     "not_higher": "supported if the interval lies below +margin; contradicted if it lies above +margin",
+    "equivalent": "supported if the 90 % t-interval lies inside +/- margin (two one-sided tests at 5 %); "
+    "contradicted if the 95 % interval lies wholly outside it",
 }
 
 
@@ -62,20 +65,27 @@ class ArmData:
 def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:
     """Seed-paired deltas, their t-interval, a hierarchical bootstrap (seeds, then documents within domains) and the
     verdict; per domain too for the loss."""
-    n = min(len(a.runs), len(b.runs))
-    deltas = [a.metric(c.metric, s) - b.metric(c.metric, s) for s in range(n)]
+    seeds, deltas = stats.paired_deltas(
+        {r.seed: a.metric(c.metric, i) for i, r in enumerate(a.runs)},
+        {r.seed: b.metric(c.metric, i) for i, r in enumerate(b.runs)},
+        c.name,
+    )
+    n = len(seeds)
     mean, lo, hi = stats.t_interval(deltas)
     verdict, why = stats.verdict(deltas, lo, hi, c.expect, c.margin)
+    base = float(np.mean([b.metric(c.metric, i) for i in range(n)]))
     out = {"name": c.name, "a": c.a, "b": c.b, "metric": c.metric, "expect": c.expect, "margin": c.margin,
-           "role": c.role, "deltas": deltas, "mean": mean, "t_interval": [lo, hi], "verdict": verdict,
-           "why": why}  # fmt: skip
+           "role": c.role, "seeds": seeds, "deltas": deltas, "mean": mean, "t_interval": [lo, hi],
+           "relative_percent": 100 * mean / base if base else None, "verdict": verdict, "why": why,
+           "underpowered": "underpowered" in why}  # fmt: skip
     domain = a.arrays[0]["domain"]
     if c.metric not in PER_RUN and n > 0:
 
         def metric(arm, s, docs, which=c.metric):
             return (a, b)[arm].metric(which, s, docs)
 
-        out["bootstrap"] = list(stats.hierarchical_bootstrap(metric, n, domain, n_boot))
+        # labelled: never beside a verdict (3-5 seeds resampled give about their min-max)
+        out["seed_document_bootstrap"] = list(stats.hierarchical_bootstrap(metric, n, domain, n_boot))
     if c.metric == "loss":
         out["by_domain"] = {}
         for d in np.unique(domain):
@@ -86,7 +96,13 @@ def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:
     return out
 
 
-def overall(comparisons: list[dict]) -> str:
+def overall(comparisons: list[dict], exploratory: str = "") -> str:
+    """The experiment's verdict: none for an exploratory run; "premise not met" when a premise is not supported
+    (the claim is then not judged); otherwise supported if every claim is, contradicted if any is."""
+    if exploratory:
+        return "exploratory (no verdict)"
+    if any(c["verdict"] != "supported" for c in comparisons if c["role"] == "premise"):
+        return "premise not met"
     verdicts = [c["verdict"] for c in comparisons if c["role"] == "claim"]
     if verdicts and all(v == "supported" for v in verdicts):
         return "supported"
@@ -113,7 +129,26 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
     return rows
 
 
+def common_inputs(runs: list[Run]) -> dict:
+    """The data fingerprint and code version every run was evaluated with; runs that differ are refused."""
+    seen = {}
+    for r in runs:
+        inputs = r.result.get("inputs", {})
+        seen.setdefault((inputs.get("data_fingerprint"), inputs.get("code_version")), []).append(r)
+    if len(seen) > 1 or None in next(iter(seen)):
+        groups = "; ".join(
+            f"data {data}, code {code}: " + ", ".join(f"{r.arm}/{r.seed} ({r.folder})" for r in rs)
+            for (data, code), rs in seen.items()
+        )
+        raise RunError(
+            f"these runs were trained or evaluated on different data or code, and cannot be compared: {groups}. "
+            "Run the experiment again (it trains what is missing for the current inputs)"
+        )
+    return runs[0].result["inputs"]
+
+
 def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000) -> dict:
+    inputs = common_inputs(runs)
     out.mkdir(parents=True, exist_ok=True)
     by_arm = {arm: ArmData([r for r in runs if r.arm == arm]) for arm in exp.arms}
     by_arm = {arm: data for arm, data in by_arm.items() if data.runs}
@@ -123,8 +158,9 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
     domains = sorted({k[5:] for r in runs for k in r.result if k.startswith("loss/")})
     results = {
         "experiment": exp.name, "claim": exp.claim, "source": exp.source, "steps": exp.steps, "seeds": exp.seeds,
-        "score_from": exp.score_from, "verdict": overall(comparisons), "arms": arm_table(exp, by_arm),
-        "comparisons": comparisons, "domains": domains,
+        "score_from": exp.score_from, "verdict": overall(comparisons, exp.exploratory),
+        "exploratory": exp.exploratory, "arms": arm_table(exp, by_arm),
+        "comparisons": comparisons, "domains": domains, "inputs": inputs,
         "runs": [{"arm": r.arm, "seed": r.seed, "folder": str(r.folder), **r.result} for r in runs],
     }  # fmt: skip
     figures = draw(exp, by_arm, comparisons, domains, out / "figures")
@@ -152,9 +188,12 @@ def _summary_lines(exp: Experiment, results: dict, by_arm: dict[str, ArmData]) -
         "",
         f"**Source.** {exp.source}",
         "",
-        f"**Verdict: {results['verdict']}** (supported if every comparison below is supported; contradicted if any "
-        "is contradicted; otherwise inconclusive).",
+        f"**Verdict: {results['verdict']}** (supported if every judged comparison below is supported; contradicted if "
+        "any is contradicted; premise not met if a premise is not supported; otherwise inconclusive).",
     ]
+    if results.get("exploratory"):
+        lines += ["", f"**Exploratory**: {results['exploratory']}. The rules were fixed for the definition's design; "
+                  "this run deviates from it, so no comparison is judged."]  # fmt: skip
     if exp.verdict:
         lines += ["", exp.verdict.strip()]
     return lines + [
@@ -236,19 +275,24 @@ def _attention_rank_lines(by_arm: dict[str, ArmData]) -> list[str]:
 
 def _comparison_lines(results: dict) -> list[str]:
     """Every comparison's prediction, per-seed deltas, intervals and verdict, and the loss deltas per domain."""
-    lines = ["", "## Comparisons (delta = a - b; 95 % intervals)", ""]
-    lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | bootstrap | verdict |"]
+    lines = ["", "## Comparisons (delta = a - b, paired by seed; 95 % t-intervals)", ""]
+    lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | relative | verdict |"]
     lines.append("|---|---|---|---|---|---|---|")
+    exploratory = results.get("exploratory")
     for c in results["comparisons"]:
-        pred = c["expect"].replace("_", " ") + (f" (margin {c['margin']})" if c["expect"].startswith("not") else "")
-        seeds = ", ".join(f"{d:+.4f}" for d in c["deltas"])
+        pred = c["expect"].replace("_", " ") + (f" (margin {c['margin']})" if c["margin"] else "")
+        seeds = ", ".join(f"{d:+.4f} ({s})" for s, d in zip(c["seeds"], c["deltas"], strict=True))
         lo, hi = c["t_interval"]
-        boot = f"({c['bootstrap'][0]:+.4f}, {c['bootstrap'][1]:+.4f})" if "bootstrap" in c else "-"
-        judged = f"**{c['verdict']}**: {c['why']}" if c["role"] == "claim" else "context (not judged)"
-        pred = f"a {pred}" if c["role"] == "claim" else "-"
+        rel = f"{c['relative_percent']:+.2f} %" if c.get("relative_percent") is not None else "-"
+        if c["role"] == "context":
+            judged, pred = "context (not judged)", "-"
+        elif exploratory:
+            judged, pred = f"exploratory, not judged ({c['why']})", f"a {pred}"
+        else:
+            judged, pred = f"{'premise: ' if c['role'] == 'premise' else ''}**{c['verdict']}**: {c['why']}", f"a {pred}"
         lines.append(
             f"| {c['name']} | {c['metric']} | {pred} | {seeds} | {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) | "
-            f"{boot} | {judged} |"
+            f"{rel} | {judged} |"
         )
     doms = results["domains"]
     for c in (c for c in results["comparisons"] if "by_domain" in c):

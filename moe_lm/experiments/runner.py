@@ -1,10 +1,13 @@
-"""Running an experiment's arms x seeds: one single-process training run at a time, each cached by its config.
+"""Running an experiment's arms x seeds: one single-process training run at a time, each cached by what determines
+its result.
 
-A run's folder is `<runs>/<hash>`, the hash of its resolved config (every key but train.out_dir), so a finished run
-is never trained twice and identical arms of different experiments share their runs. A run is finished when its
-final evaluation (final_eval.json) matches what the experiment asks for (the scored positions, its measures); a
-run whose training was interrupted resumes from its last checkpoint (the training loop's own resume). Training
-runs as a subprocess of the real training command (`python -m moe_lm.cli.train`, its log in <run>/train.log).
+A run's folder is `<runs>/<key>`, the hash of its whole resolved config (every key but train.out_dir), the data's
+content fingerprint and the code's version (moe_lm/experiments/provenance.py): a finished run is never trained
+twice, identical arms of different experiments share their runs, and another corpus, a changed default or a new
+version of the code is another run. A run is finished when its final evaluation (final_eval.json) matches what the
+experiment asks for (the scored positions, its measures); a run whose training was interrupted resumes from its
+last checkpoint (the training loop's own resume). Training runs as a subprocess of the real training command
+(`python -m moe_lm.cli.train`, its log in <run>/train.log).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from pathlib import Path
 
 from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
+from moe_lm.data.prepare import prepare_data
 from moe_lm.errors import RunError
 from moe_lm.experiments.final_eval import RESULT, evaluate_run
+from moe_lm.experiments.provenance import code_version, data_fingerprint
 from moe_lm.experiments.spec import Experiment
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -41,30 +46,33 @@ class Run:
 
 
 def resolve_run(exp: Experiment, arm: str, seed: int, runs_root: Path) -> Run:
-    """The arm's config at `seed` (experiment overrides, then the arm's, then seed and steps) and its folder."""
+    """The arm's config at `seed` (experiment overrides, then the arm's, then seed and steps) and its folder (its
+    data prepared first if it is the embedded corpus: the key needs the data's fingerprint)."""
     overrides = [*exp.overrides, *exp.arms[arm], f"seed={seed}", f"train.max_steps={exp.steps}"]
     cfg = load_config(exp.config, overrides)
-    folder = Path(runs_root) / config_hash(cfg)
+    folder = Path(runs_root) / run_key(cfg, inputs_of(cfg))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(folder)))
     return Run(arm, seed, cfg, folder)
 
 
-def config_hash(cfg: Config) -> str:
-    """12 hex digits identifying everything that determines a run's result (not where it is written): the settings
-    that differ from the defaults, so that a key added later (with a default) keeps the old runs' hashes."""
-    changed = {k: v for k, v in _flat(config_to_dict(cfg)).items() if _DEFAULTS.get(k, object()) != v}
-    changed.pop("train.out_dir", None)
-    return hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:12]
+def inputs_of(cfg: Config) -> dict:
+    """{data_fingerprint, code_version} of a run of `cfg`."""
+    data = Path(cfg.data.out_dir)
+    if cfg.data.sources == ["default"] and not (data / "meta.json").is_file():
+        prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed, log=lambda line: None)
+    try:
+        fingerprint = data_fingerprint(data)
+    except FileNotFoundError as e:
+        raise RunError(str(e)) from None
+    return {"data_fingerprint": fingerprint, "code_version": code_version()}
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-_DEFAULTS = _flat(config_to_dict(Config()))
+def run_key(cfg: Config, inputs: dict) -> str:
+    """12 hex digits identifying everything that determines a run's result (not where it is written): the whole
+    resolved config, the data's content and the code's version."""
+    settings = config_to_dict(cfg)
+    settings["train"].pop("out_dir", None)
+    return hashlib.sha256(json.dumps({"config": settings, **inputs}, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def is_done(run: Run, exp: Experiment) -> bool:
@@ -72,6 +80,8 @@ def is_done(run: Run, exp: Experiment) -> bool:
     if not path.is_file():
         return False
     result = json.loads(path.read_text())
+    if result.get("inputs", {}).get("code_version") != code_version():  # evaluated by other code: evaluate again
+        return False
     if "routing" in exp.measures:  # routing measured, with both baselines
         layers = result.get("routing", {}).values()
         if not layers or not all("domain_jsd_init" in layer for layer in layers):

@@ -18,8 +18,12 @@
           - {a: moe, b: dense-total, metric: loss, expect: not_lower, margin: 0.02}
         presets:              named variants (--preset gpu): keys replace the top-level ones
 
-`expect` is fixed before anything runs: lower / higher (a below / above b), not_lower / not_higher (a does not beat
-b by more than `margin`, e.g. "bidirectional attention brings no gain"). See stats.verdict for the rule.
+`expect` is fixed before anything runs: lower / higher (a below / above b; no margin), not_lower / not_higher (a does
+not beat b by more than `margin`, e.g. "bidirectional attention brings no gain"), equivalent (|a - b| < `margin`,
+two one-sided tests); the three "no effect" claims need a margin > 0. See stats.verdict for the rule. `role`:
+claim (judged), premise (judged; if not supported, the verdict is "premise not met"), context (not judged).
+A preset resizes the experiment but cannot change its comparisons, claim or arm names; a run with other seeds,
+steps or --extended arms than the definition is exploratory: reported, never judged.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ import yaml
 from moe_lm.config import ConfigError
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"  # shipped with the package
-EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher")
+EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher", "equivalent")
+NEEDS_MARGIN = ("not_lower", "not_higher", "equivalent")  # "no effect" claims: the largest effect that is none
+ROLES = ("claim", "premise", "context")
+PRESET_MAY_NOT_SET = ("comparisons", "extended_arms", "claim", "verdict")  # what is judged is the definition's
 # each metric beyond the loss and the measure that records it
 MEASURED_BY = {"maxvio_global": "routing", "domain_jsd": "routing", "jsd_over_shuffled": "routing",
                "erank": "attention_rank"}  # fmt: skip
@@ -46,9 +53,11 @@ class Comparison:
     b: str
     metric: str = "loss"
     expect: str = "lower"
-    margin: float = 0.0  # for not_lower / not_higher: the largest effect that still counts as "no gain"
+    margin: float = 0.0  # for not_lower / not_higher / equivalent: the largest effect that still counts as none
     label: str = ""
-    role: str = "claim"  # "claim": part of the verdict; "context": reported with its interval, not judged
+    # "claim": part of the verdict; "premise": what the claim presupposes (not met: the verdict says so, instead
+    # of judging the claim); "context": reported with its interval, not judged
+    role: str = "claim"
 
     @property
     def name(self) -> str:
@@ -76,6 +85,8 @@ class Experiment:
     arms_from: str = ""
     probe_arms: list[str] = field(default_factory=list)
     windows: int = 32
+    # why this run deviates from the definition (--seeds, --steps, --extended): reported, never judged
+    exploratory: str = ""
 
 
 def load_experiment(name_or_path: str, preset: str | None = None, extended: bool = False) -> Experiment:
@@ -99,6 +110,7 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
             raw.setdefault(key, getattr(source, key))
         raw.setdefault("config", str(source.config))
     if preset and preset in presets:
+        _check_preset(path, preset, presets[preset], raw)
         raw.update(presets[preset])
     elif preset and not raw.get("arms_from"):  # a probe takes its source experiment's preset
         raise ConfigError(f"{path}: no preset {preset!r}; defined: {', '.join(presets) or 'none'}")
@@ -115,6 +127,7 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(known | {'arms', 'comparisons'})}")
     exp = Experiment(
+        exploratory="--extended runs arms beyond the definition" if extended and extended_arms else "",
         name=path.stem,
         arms=arms,
         comparisons=[c for c in comparisons if c.a in arms and c.b in arms],
@@ -123,6 +136,16 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
     )
     _check(exp, path, comparisons, set(arms) | set(extended_arms))
     return exp
+
+
+def _check_preset(path: Path, name: str, preset: dict, raw: dict) -> None:
+    """A preset resizes an experiment (its config, steps, overrides, the arms' settings); it cannot change what is
+    judged: the comparisons, the claim, or which arms exist."""
+    touched = sorted(set(preset) & set(PRESET_MAY_NOT_SET))
+    if touched:
+        raise ConfigError(f"{path}: preset {name!r} sets {touched}: a preset may not change what is judged")
+    if "arms" in preset and set(preset["arms"]) != set(raw.get("arms") or {}):
+        raise ConfigError(f"{path}: preset {name!r} must define the same arms as the experiment, with other settings")
 
 
 def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms: set[str]) -> None:
@@ -134,8 +157,15 @@ def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms:
             raise ConfigError(f"{path}: comparison {c.name} names arms {missing} that are not defined")
         if c.expect not in EXPECTATIONS:
             raise ConfigError(f"{path}: comparison {c.name}: expect must be one of {EXPECTATIONS}, got {c.expect!r}")
-        if c.role not in ("claim", "context"):
-            raise ConfigError(f"{path}: comparison {c.name}: role must be claim or context, got {c.role!r}")
+        if c.role not in ROLES:
+            raise ConfigError(f"{path}: comparison {c.name}: role must be one of {ROLES}, got {c.role!r}")
+        if c.expect in NEEDS_MARGIN and not c.margin > 0:
+            raise ConfigError(
+                f"{path}: comparison {c.name}: expect {c.expect} needs a margin > 0, declared before the runs (the "
+                "largest effect that still counts as none)"
+            )
+        if c.expect not in NEEDS_MARGIN and c.margin:
+            raise ConfigError(f"{path}: comparison {c.name}: expect {c.expect} takes no margin (got {c.margin})")
         if c.metric not in METRICS:
             raise ConfigError(f"{path}: comparison {c.name}: metric must be one of {METRICS}, got {c.metric!r}")
         need = MEASURED_BY.get(c.metric)

@@ -12,9 +12,13 @@ import torch.nn.functional as F
 import yaml
 
 from moe_lm.checkpoint.format import load_model
+from moe_lm.cli import experiment
 from moe_lm.config import ConfigError, dump_config
 from moe_lm.data.prepare import load_split
+from moe_lm.errors import RunError
+from moe_lm.experiments import runner
 from moe_lm.experiments.final_eval import document_windows, evaluate_run
+from moe_lm.experiments.provenance import code_version, data_fingerprint
 from moe_lm.experiments.report import write_report
 from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
@@ -47,7 +51,7 @@ def base(tmp_path_factory, tiny_data):
     return folder / "base.yaml"
 
 
-def test_runs_are_cached_shared_and_reported(base, tmp_path):
+def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch):
     runs_root = tmp_path / "runs"
     exp = load_experiment(definition(tmp_path, base, measures=["routing"]))
     runs = run_experiment(exp, runs_root, log=lambda s: None)
@@ -84,6 +88,24 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path):
     assert saved["arms"][1]["active_params"] < saved["arms"][0]["active_params"]  # k1 runs fewer experts
     layer = next(iter(runs[0].result["routing"].values()))
     assert {"maxvio_global", "maxvio_floor", "domain_jsd", "domain_jsd_init", "domain_jsd_shuffled"} <= set(layer)
+    assert c["seeds"] == [0, 1] and "seed_document_bootstrap" in c and "bootstrap" not in c
+
+    # fewer seeds than the definition's (its runs are cached): exploratory, reported but not judged
+    experiment.main([definition(tmp_path, base, measures=["routing"]), "--runs", str(runs_root), "--seeds", "1",
+                     "--out", str(tmp_path / "fewer"), "--boot", "50"])  # fmt: skip
+    fewer = json.loads((tmp_path / "fewer" / "results.json").read_text())
+    assert fewer["verdict"] == "exploratory (no verdict)"
+    assert fewer["exploratory"] == "--seeds 1 where the definition has 2"
+    assert "**Exploratory**: --seeds 1 where the definition has 2" in (tmp_path / "fewer" / "report.md").read_text()
+
+    # pinned inputs: the report names them; other code is another run; runs of different inputs are not compared
+    assert results["inputs"]["data_fingerprint"] == data_fingerprint(runs[0].cfg.data.out_dir)
+    assert results["inputs"]["code_version"] == code_version()
+    monkeypatch.setattr(runner, "code_version", lambda: "0" * 16)
+    assert resolve_run(exp, "k2", 0, runs_root).folder != runs[0].folder
+    runs[1].result = {**runs[1].result, "inputs": {**runs[1].result["inputs"], "data_fingerprint": "elsewhere"}}
+    with pytest.raises(RunError, match=r"different data or code.*data elsewhere.*: k1/0"):
+        write_report(exp, runs, tmp_path / "mixed", n_boot=10)
 
 
 def test_final_evaluation_equals_a_direct_computation(base, tmp_path):
@@ -128,6 +150,27 @@ def test_definition_errors_name_the_problem(base, tmp_path):
         load_experiment(definition(tmp_path, base, measures=["rank"]))
     with pytest.raises(ConfigError, match="no preset 'gpu'"):
         load_experiment(definition(tmp_path, base), preset="gpu")
+    # margins: required (> 0) where the claim is "no effect", refused where it is a direction
+    for expect in ("not_lower", "not_higher", "equivalent"):
+        bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k1", "expect": expect}])
+        with pytest.raises(ConfigError, match=f"expect {expect} needs a margin > 0"):
+            load_experiment(bad)
+    bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k1", "expect": "lower", "margin": 0.01}])
+    with pytest.raises(ConfigError, match="expect lower takes no margin"):
+        load_experiment(bad)
+    # a preset resizes the experiment; it cannot change what is judged
+    judged = {"gpu": {"steps": 9, "comparisons": [{"a": "k1", "b": "k2", "expect": "lower"}]}}
+    with pytest.raises(ConfigError, match=r"preset 'gpu' sets \['comparisons'\]"):
+        load_experiment(definition(tmp_path, base, presets=judged), preset="gpu")
+    renamed = {"gpu": {"arms": {"k2": [], "k3": []}}}
+    with pytest.raises(ConfigError, match="preset 'gpu' must define the same arms"):
+        load_experiment(definition(tmp_path, base, presets=renamed), preset="gpu")
+    resized = {"gpu": {"steps": 9, "arms": {"k2": ["model.dim=64"], "k1": ["model.dim=64"]}}}
+    assert load_experiment(definition(tmp_path, base, presets=resized), preset="gpu").steps == 9
+    # --extended runs arms beyond the definition: exploratory
+    more = definition(tmp_path, base, extended_arms={"k3": ["model.moe.num_experts_per_tok=3"]})
+    assert load_experiment(more).exploratory == ""
+    assert load_experiment(more, extended=True).exploratory == "--extended runs arms beyond the definition"
 
 
 def dataclass_replace(exp, **kw):

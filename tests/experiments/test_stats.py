@@ -12,10 +12,25 @@ from moe_lm.experiments import stats
 
 def test_t_interval_known_values():
     mean, lo, hi = stats.t_interval([1.0, 2.0, 3.0])
-    half = 4.303 * 1.0 / math.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n)
+    half = 4.302652729749464 * 1.0 / math.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n)
     assert (mean, lo, hi) == pytest.approx((2.0, 2.0 - half, 2.0 + half))
     assert stats.t_interval([0.5])[1:] == (-math.inf, math.inf)  # one seed: no interval
-    assert stats.t_quantile(40) == 1.96 and stats.t_quantile(27) == 2.060
+
+
+def test_t_quantiles_are_exact_for_every_df():
+    """Against closed forms (df 1: the Cauchy tan; df 2: (2p - 1) / sqrt(2p(1 - p)); df -> inf: the normal) and
+    scipy's Student t for df 1..200 at both levels the reports use."""
+    from statistics import NormalDist
+
+    from scipy.stats import t
+
+    for p in (0.975, 0.95):
+        assert stats.t_quantile(1, p) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-12)
+        assert stats.t_quantile(2, p) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-10)
+        assert stats.t_quantile(10**6, p) == pytest.approx(NormalDist().inv_cdf(p), rel=1e-5)
+        for df in range(1, 201):
+            assert stats.t_quantile(df, p) == pytest.approx(t.ppf(p, df), rel=1e-9), (df, p)
+    assert stats.t_quantile(40) == pytest.approx(2.0211, abs=1e-4)  # not the normal's 1.96
 
 
 def test_bootstrap_of_a_constant_difference_is_that_constant():
@@ -69,8 +84,48 @@ def test_bootstrap_reflects_seed_to_seed_variation():
         ([-0.05, -0.04, -0.06], "not_lower", 0.01, "contradicted"),  # a clear gain
         ([-0.02, 0.01, -0.03], "not_lower", 0.01, "inconclusive"),
         ([0.05, 0.04, 0.06], "not_higher", 0.01, "contradicted"),
+        ([0.001, -0.001, 0.0005, 0.0002], "equivalent", 0.01, "supported"),  # TOST: inside +/- margin
+        ([0.05, 0.04, 0.06], "equivalent", 0.01, "contradicted"),  # wholly above +margin
+        ([-0.05, -0.04, -0.06], "equivalent", 0.01, "contradicted"),  # two-sided: wholly below -margin too
+        ([0.012, -0.004, 0.02], "equivalent", 0.01, "inconclusive"),
     ],
 )
 def test_verdict_rule(deltas, expect, margin, verdict):
     _, lo, hi = stats.t_interval(deltas)
     assert stats.verdict(deltas, lo, hi, expect, margin)[0] == verdict
+
+
+def test_equivalence_uses_the_90_percent_interval_and_names_an_underpowered_design():
+    """TOST at 5 % each side is the 90 % interval inside the margin band: a case where the 95 % interval reaches past
+    the margin but the 90 % one does not is supported; a margin below the resolution is named underpowered."""
+    deltas = [0.004, -0.002, 0.001, 0.006, -0.001]
+    _, lo95, hi95 = stats.t_interval(deltas)
+    _, lo90, hi90 = stats.t_interval(deltas, level=0.90)
+    margin = (hi90 + hi95) / 2  # between the two upper ends
+    assert hi90 < margin < hi95
+    assert stats.verdict(deltas, lo95, hi95, "equivalent", margin)[0] == "supported"
+    verdict, why = stats.verdict([0.02, -0.03, 0.01], *stats.t_interval([0.02, -0.03, 0.01])[1:], "not_lower", 0.001)
+    assert verdict == "inconclusive" and "underpowered" in why
+
+
+def test_deltas_are_paired_by_seed_id():
+    seeds, deltas = stats.paired_deltas({2: 1.0, 0: 3.0, 1: 2.0}, {0: 1.0, 1: 1.5, 2: 0.0}, "x")
+    assert seeds == [0, 1, 2] and deltas == [2.0, 0.5, 1.0]  # by id, whatever the order the runs came in
+    with pytest.raises(ValueError, match=r"x: seeds \[2\] are in one arm only"):
+        stats.paired_deltas({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.0, 1: 1.0}, "x")
+
+
+def test_overall_verdict_with_premises_and_exploratory_runs():
+    from moe_lm.experiments.report import overall
+
+    def c(role, verdict):
+        return {"role": role, "verdict": verdict}
+
+    assert overall([c("claim", "supported"), c("context", "contradicted")]) == "supported"
+    assert overall([c("claim", "supported"), c("claim", "contradicted")]) == "contradicted"
+    assert overall([c("claim", "supported"), c("claim", "inconclusive")]) == "inconclusive"
+    # a premise not met: the claim is not judged, whatever its own row says
+    assert overall([c("premise", "contradicted"), c("claim", "contradicted")]) == "premise not met"
+    assert overall([c("premise", "inconclusive"), c("claim", "supported")]) == "premise not met"
+    assert overall([c("premise", "supported"), c("claim", "supported")]) == "supported"
+    assert overall([c("claim", "supported")], exploratory="--seeds 2") == "exploratory (no verdict)"

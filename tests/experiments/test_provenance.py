@@ -1,0 +1,49 @@
+"""What an experiment's runs are keyed on beyond the config: the data's content and the code's version."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from moe_lm.data.prepare import prepare_data
+from moe_lm.experiments.provenance import code_version, data_fingerprint
+
+
+def test_the_data_fingerprint_follows_content_and_tokenizer(tiny_data, tmp_path):
+    """The same documents prepared again give the same fingerprint (although the tokenizer file differs in the path
+    it records); one document's content, its split, or one token of a shard give another."""
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_data.out_dir, folder)
+    same = data_fingerprint(tiny_data.out_dir)
+    assert data_fingerprint(folder) == same
+    again = tmp_path / "again"
+    prepare_data(type(tiny_data)(**{**vars(tiny_data), "out_dir": str(again)}), vocab_size=_vocab(tiny_data),
+                 log=lambda s: None)  # fmt: skip
+    assert data_fingerprint(again) == same  # deterministic preparation, same inputs
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["documents"][0]["sha256"] = "0" * 16  # another text under the same name
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert data_fingerprint(folder) != same
+    manifest["documents"][0]["sha256"] = json.loads((again / "manifest.json").read_text())["documents"][0]["sha256"]
+    manifest["documents"][0]["split"] = "val" if manifest["documents"][0]["split"] == "train" else "train"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert data_fingerprint(folder) != same
+
+    shutil.rmtree(folder)
+    shutil.copytree(tiny_data.out_dir, folder)
+    tokens = folder / "val" / "tokens.bin"
+    raw = bytearray(tokens.read_bytes())
+    raw[0] ^= 1  # one token of the validation split
+    tokens.write_bytes(bytes(raw))
+    assert data_fingerprint(folder) != same
+
+
+def test_the_code_version_is_a_stable_hash_of_the_package():
+    assert code_version() == code_version() and len(code_version()) == 16
+
+
+def _vocab(cfg) -> int:
+    from moe_lm.data.prepare import read_meta
+
+    return read_meta(cfg.out_dir)["vocab_size"]
