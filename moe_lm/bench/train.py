@@ -14,7 +14,7 @@ update; activation checkpointing, compile and the chunked loss as configured), o
 timing, in one process. The arms take turns round by round, so that a shared machine's noise hits all of them
 alike; medians and ratios to the first arm are printed. DeepSpeed's per-step bookkeeping is the same for every arm
 and is left out. Overrides after the flags apply to every arm. `--peers` times the whole step against HF's
-`DeepseekV3ForCausalLM` and our dense model of equal active FLOPs (moe_lm/bench/peers.py).
+`DeepseekV3ForCausalLM` and our dense model of equal active FLOPs (moe_lm/bench/arms.py).
 """
 
 from __future__ import annotations
@@ -23,15 +23,10 @@ import argparse
 
 import torch
 
-from moe_lm.bench.peers import HFArm, dense_twin, summary
+from moe_lm.bench.arms import Arm, HFArm, StepArm, dense_twin
 from moe_lm.bench.timing import Stat, markdown_table, no_sync, time_interleaved
-from moe_lm.config import Config, load_config, preset_path
+from moe_lm.config import load_config, preset_path
 from moe_lm.errors import UserError
-from moe_lm.model import build_model, loss_chunk, train_flops_per_token
-from moe_lm.parallel.deepspeed_setup import param_groups
-from moe_lm.train.balance import balance_step
-from moe_lm.train.objective import next_token_losses, total_loss
-from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -55,45 +50,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
 
 
-def adamw(params, o) -> torch.optim.AdamW:
-    """The optimizer of every arm, ours and HF's: torch's fused AdamW (one kernel for all parameters; what
-    transformers' Trainer picks by default, adamw_torch_fused). why not the per-tensor loop: the trainer's DeepSpeed
-    ZeRO steps a few flat buffers, where a loop over 260 small tensors would add overhead the real step lacks."""
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
-
-
-class Arm:
-    """One config's model and optimizer, stepped the way `moe-lm train` steps them (without DeepSpeed)."""
-
-    def __init__(self, name: str, cfg: Config, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        self.name, self.cfg = name, cfg
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model).to(device=device, dtype=dtype).train()
-        model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
-        self.model = apply_compile(model, cfg.performance.compile)
-        o = cfg.optim
-        self.opt = adamw(param_groups(self.model, o.weight_decay), o)
-        self.depth = cfg.model.mtp.depth
-
-    def step(self, batch: torch.Tensor) -> None:
-        chunk = loss_chunk(self.cfg)
-        out = self.model(batch[:, :-1], mtp=self.depth > 0, logits=not chunk)
-        ce, mtp = next_token_losses(out, batch[:, 1:], self.model.lm_head.weight, chunk)
-        total_loss(ce, mtp, self.cfg.model.mtp.loss_weight, out.aux_loss).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        balance_step(self.model, self.cfg.model.moe.bias_update_speed)
-
-    def gflops_per_step(self) -> float:
-        t = self.cfg.train
-        return train_flops_per_token(self.cfg.model, t.seq_len, self.cfg.objective.prefix_len) * self.tokens / 1e9
-
-    @property
-    def tokens(self) -> int:
-        return self.cfg.train.micro_batch_size * self.cfg.train.seq_len
-
-
 def build_arms(config: str, specs: list[str], common: list[str] = (), device: str = "cpu", dtype=torch.float32):
     """One arm per override spec (after the common overrides); arms that would not see the same batches are
     refused."""
@@ -109,7 +65,7 @@ def build_arms(config: str, specs: list[str], common: list[str] = (), device: st
     return arms
 
 
-def time_arms(arms: list[Arm], rounds: int, warmup: int, device: str = "cpu") -> list[Stat]:
+def time_arms(arms: list[StepArm], rounds: int, warmup: int, device: str = "cpu") -> list[Stat]:
     """Seconds per optimizer step of each arm (ratios to the first); every round draws one batch that all arms
     step on."""
     t, vocab = arms[0].cfg.train, arms[0].cfg.model.vocab_size
@@ -127,7 +83,7 @@ def time_arms(arms: list[Arm], rounds: int, warmup: int, device: str = "cpu") ->
     return [stats[str(i)] for i in range(len(arms))]
 
 
-def table(arms: list[Arm], stats: list[Stat]) -> str:
+def table(arms: list[StepArm], stats: list[Stat]) -> str:
     columns = ["arm", "median ms/step (min-max)", "tokens/s", "model GFLOP/step", f"time vs {arms[0].name}"]
     rows = [
         [arm.name, f"{1e3 * s.median:.1f} ({1e3 * s.min:.1f}-{1e3 * s.max:.1f})", f"{arm.tokens / s.median:,.0f}",
@@ -166,8 +122,15 @@ def peer_arms(config: str, common: list[str], device: str = "cpu", dtype=torch.f
     ours.name, compiled.name = "ours", "ours compiled"
     (dense,) = build_arms(config, [" ".join(dense_twin(ours.cfg))], common, device, dtype)
     dense.name = "dense (equal active FLOPs)"
-    hf = [HFArm(f"HF {impl}", ours.cfg, ours.model, impl) for impl in ("eager", "grouped_mm")]
-    for arm in hf:
-        arm.model.to(device=device, dtype=dtype)
-        arm.opt = adamw(arm.model.parameters(), ours.cfg.optim)
+    hf = [HFArm(f"HF {impl}", ours.cfg, ours.model, impl, device, dtype) for impl in ("eager", "grouped_mm")]
     return [ours, compiled, *hf, dense]
+
+
+def summary(names: list[str], medians: list[float]) -> str:
+    """The ratios the README quotes: ours (eager, compiled) over HF's faster implementation and over dense."""
+    t = dict(zip(names, medians, strict=True))
+    hf = min(t["HF eager"], t["HF grouped_mm"])
+    return (
+        f"ours eager / HF best {t['ours'] / hf:.3f}; ours compiled / HF best {t['ours compiled'] / hf:.3f}; "
+        f"ours eager / dense eager {t['ours'] / t['dense (equal active FLOPs)']:.3f}"
+    )
