@@ -82,6 +82,11 @@ gpu-wheels: setup
 	$(BIN)/pip download --no-deps --no-binary :all: --no-build-isolation -d .whl/src megablocks==0.10.0 \
 		stanford-stk==0.7.1 || echo "megablocks sources not downloaded (optional)"
 
+# Maintainers only: rebuild the embedded default corpus from this installation (then pin the printed sha256 in
+# moe_lm/data/default_corpus.py; every loss measured on the old corpus changes).
+corpus: setup
+	$(BIN)/python -m moe_lm.data.build_default_corpus
+
 lint: setup
 	$(BIN)/ruff check moe_lm launch tests
 

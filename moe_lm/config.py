@@ -260,7 +260,7 @@ class DataConfig:
     out_dir: str = "data/default"
     # Share of documents held out for validation (chosen by a hash of the document name, so stable).
     val_fraction: float = 0.1
-    # Cap per domain of the default corpus (MB of text), to keep preparation quick on a laptop.
+    # Cap per domain (MB of text) of the embedded corpus (at most the 2.0 it ships) and of an hf: stream.
     max_mb_per_domain: float = 2.0
     # "train": a sentencepiece tokenizer trained on the training split, of model.vocab_size pieces; or one to keep:
     # a sentencepiece .model, a Hugging Face tokenizer.json, or a folder transformers.AutoTokenizer loads.
@@ -364,9 +364,12 @@ class CadenceConfig:
     ckpt_interval: int = 200
     # Complete checkpoints kept; older ones are deleted once a newer one is complete.
     keep_last: int = 2
+    # > 1: evaluations also log loss_scored, the loss on the labels at window positions >= this one (an experiment's
+    # scored labels, the same for every arm whatever it trains on); 1: not logged.
+    eval_score_from: int = 1
 
     def validate(self, path: str = "cadence") -> None:
-        for name in ("log_interval", "eval_interval", "eval_batches", "keep_last"):
+        for name in ("log_interval", "eval_interval", "eval_batches", "keep_last", "eval_score_from"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "must be positive")
         _require(self.ckpt_interval >= 0, f"{path}.ckpt_interval", "must be >= 0 (0: no checkpoints)")
 

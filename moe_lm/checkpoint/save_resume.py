@@ -101,8 +101,9 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
     return tag
 
 
-def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
-    """Restore the run's latest loadable checkpoint into `engine`: (step, samples consumed); (0, 0) for a new run.
+def resume(engine, cfg: Config, run_dir: Path, log) -> dict:
+    """Restore the run's latest loadable checkpoint into `engine`; returns the state the loop saved with it (step,
+    samples consumed, training seconds), or step and samples 0 for a new run.
 
     A damaged checkpoint (a file missing, truncated, or failing to load) is named and the previous complete one
     is used instead. A run folder with a history but no loadable checkpoint is refused, never restarted over.
@@ -114,7 +115,7 @@ def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
     newest = latest_tag(run_dir, warn=log)
     if newest is None:
         _refuse_restart_over_history(run_dir)
-        return 0, 0
+        return {"step": 0, "samples": 0, "train_seconds": 0.0}
     saved = load_config(ckpt_root(run_dir) / newest / "config.yaml")
     _check_same_experiment(saved, cfg, run_dir, ckpt_root(run_dir) / newest)
     # why weights only on a change: ZeRO's optimizer state is partitioned over the ranks (and expert state over the
@@ -138,7 +139,7 @@ def resume(engine, cfg: Config, run_dir: Path, log) -> tuple[int, int]:
                 problem = f"loading {ckpt_root(run_dir) / tag} failed ({type(e).__name__}: {e})"
             if _everywhere(problem is None):
                 log(f"resumed from {ckpt_root(run_dir) / tag} at step {state['step']}")
-                return state["step"], state["samples"]
+                return state
         log(f"warning: checkpoint {tag} is damaged: {problem or 'on another rank'}; trying the one before it")
     raise RunError(
         f"no checkpoint in {ckpt_root(run_dir)} loads ({', '.join(candidates)} are damaged). Start afresh with "

@@ -1,103 +1,53 @@
-"""The embedded default corpus: five clearly different domains from text every Python installation carries.
+"""The embedded default corpus: five clearly different domains, shipped with the package so that every installation
+trains on the same documents (`embedded/default_corpus.jsonl.xz`, about 1 MB; built once from a Python installation
+by moe_lm/data/build_default_corpus.py, where its domains and sources are described; PSF and open-source licensed
+text, whose license texts are the `license` domain).
 
-    python   the standard library's Python source            (code)
-    c        the CPython C API headers                        (code, another language)
-    docs     the language reference topics of pydoc_data       (English technical prose)
-    readme   installed packages' long descriptions (METADATA)  (Markdown/reST prose)
-    license  license texts of the interpreter and packages     (legal English)
-
-Deterministic for a given installation (this project's own package is left out, so editing our README does not
-change the corpus): files are visited in a fixed order (a hash of their path, so a cap per
-domain samples evenly instead of taking one package's files) until `max_mb_per_domain` is reached.
+The file is pinned by its sha256: a modified or truncated copy is refused, never silently read. Each domain is
+capped at `max_mb_per_domain` megabytes in the shipped order (at most SHIPPED_MB_PER_DOMAIN, what the file holds).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import sysconfig
+import json
+import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_lm.data.documents import Document, ReadReport, read_text
+from moe_lm.data.documents import DataError, Document, ReadReport
 
 DOMAINS = ("python", "c", "docs", "readme", "license")
+EMBEDDED = Path(__file__).with_name("embedded") / "default_corpus.jsonl.xz"
+EMBEDDED_SHA256 = "8aa3980a2b534d8477751461846bba7463b63c16a7ddc0a528fb376d24900669"
+SHIPPED_MB_PER_DOMAIN = 2.0
 
 
 def iter_default_corpus(max_mb_per_domain: float, report: ReadReport) -> Iterator[Document]:
-    budget = int(max_mb_per_domain * 1e6)
-    for domain, docs in (
-        ("python", _stdlib_source(report)),
-        ("c", _c_headers(report)),
-        ("docs", _pydoc_topics()),
-        ("readme", _package_readmes()),
-        ("license", _licenses(report)),
-    ):
-        used = 0
-        for name, text in docs:
-            if used >= budget:
-                break
-            if not text.strip():
-                continue
-            used += len(text.encode("utf-8"))
-            report.documents[domain] += 1
-            yield Document(f"{domain}:{name}", domain, text)
+    if max_mb_per_domain > SHIPPED_MB_PER_DOMAIN:
+        raise DataError(
+            f"data.max_mb_per_domain={max_mb_per_domain}: the embedded corpus ships {SHIPPED_MB_PER_DOMAIN} MB per "
+            "domain at most; lower it, or name more text in data.sources (docs/data.md)"
+        )
+    budget, used = int(max_mb_per_domain * 1e6), {}
+    for doc in shipped_documents():
+        size = len(doc["text"].encode("utf-8"))
+        if used.get(doc["domain"], 0) >= budget:
+            continue
+        used[doc["domain"]] = used.get(doc["domain"], 0) + size
+        report.documents[doc["domain"]] += 1
+        yield Document(f"{doc['domain']}:{doc['name']}", doc["domain"], doc["text"])
 
 
-def _ordered(paths: list[Path], root: Path) -> list[Path]:
-    return sorted(paths, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest())
-
-
-def _stdlib_source(report: ReadReport) -> Iterator[tuple[str, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
-    for p in _ordered(files, root):
-        yield str(p.relative_to(root)), read_text(p, report)
-
-
-def _c_headers(report: ReadReport) -> Iterator[tuple[str, str]]:
-    root = Path(sysconfig.get_paths()["include"])
-    if not root.is_dir():
-        return
-    for p in _ordered(list(root.rglob("*.h")), root):
-        yield str(p.relative_to(root)), read_text(p, report)
-
-
-def _pydoc_topics() -> Iterator[tuple[str, str]]:
-    from pydoc_data.topics import topics
-
-    for name in sorted(topics):
-        yield name, topics[name]
-
-
-# why: our own README (this package's long description) changes with every measurement we record in it.
-EXCLUDED_DISTRIBUTIONS = {"moe-lm"}
-
-
-def _distributions() -> list[importlib.metadata.Distribution]:
-    by_name = {}
-    for dist in importlib.metadata.distributions():
-        name = (dist.metadata.get("Name") or "").lower()
-        if name and name not in by_name and name not in EXCLUDED_DISTRIBUTIONS:
-            by_name[name] = dist
-    return [by_name[n] for n in sorted(by_name, key=lambda n: hashlib.sha1(n.encode()).hexdigest())]
-
-
-def _package_readmes() -> Iterator[tuple[str, str]]:
-    for dist in _distributions():
-        body = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
-        if isinstance(body, str):
-            yield dist.metadata["Name"].lower(), body
-
-
-def _licenses(report: ReadReport) -> Iterator[tuple[str, str]]:
-    stdlib_license = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-    if stdlib_license.is_file():
-        yield "python/LICENSE.txt", read_text(stdlib_license, report)
-    for dist in _distributions():
-        for f in sorted(dist.files or [], key=str):
-            upper = f.name.upper()
-            if ("LICEN" in upper or "COPYING" in upper) and f.suffix.lower() in ("", ".txt", ".md", ".rst"):
-                path = Path(f.locate())
-                if path.is_file():
-                    yield f"{dist.metadata['Name'].lower()}/{f.name}", read_text(path, report)
+def shipped_documents() -> list[dict]:
+    """{domain, name, text} of every shipped document, in the shipped order, after checking the file's hash."""
+    try:
+        data = EMBEDDED.read_bytes()
+    except OSError as e:
+        raise DataError(f"{EMBEDDED}: the embedded corpus is missing ({e}); reinstall moe-lm") from None
+    if hashlib.sha256(data).hexdigest() != EMBEDDED_SHA256:
+        raise DataError(
+            f"{EMBEDDED} is not the pinned embedded corpus (its sha256 differs from EMBEDDED_SHA256): reinstall "
+            "moe-lm, or if you rebuilt it on purpose (make corpus), pin the new hash"
+        )
+    return [json.loads(line) for line in lzma.decompress(data).decode("utf-8").splitlines()]

@@ -29,7 +29,7 @@ from moe_lm.analysis.attention_probe import erank_by_layer
 from moe_lm.checkpoint.format import load_model
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
-from moe_lm.experiments.provenance import code_version, data_fingerprint, git_commit
+from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, git_commit, training_code
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import initial_model, reads_prefix
 from moe_lm.routing.recorder import RoutingRecorder
@@ -71,8 +71,8 @@ def evaluate_run(
     result = summarise(losses.nll, losses.count, domain, shard.domains)
     result.update(checkpoint=tag, score_from=score_from, windows=len(windows))
     # what the numbers depend on beyond the config (the report refuses to mix runs that differ in them)
-    result["inputs"] = {"data_fingerprint": data_fingerprint(cfg.data.out_dir), "code_version": code_version(),
-                        "commit": git_commit()}  # fmt: skip
+    result["inputs"] = {"data_fingerprint": data_fingerprint(cfg.data.out_dir), "training_code": training_code(),
+                        "evaluation_code": evaluation_code(), "commit": git_commit()}  # fmt: skip
     arrays = {**losses.arrays(), "domain": domain}
     if routes is not None and routes.counts is not None:
         arrays["expert_counts"] = routes.counts

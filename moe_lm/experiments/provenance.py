@@ -6,7 +6,13 @@ of different data or code.
 
 - `data_fingerprint(data_dir)`: a hash of every document's name, domain, split and content hash, of the token
   shards, and of the tokenizer's pieces: the same text cut the same way, tokenized the same way.
-- `code_version()`: a hash of the package's source (Python, C++ kernels, presets and experiment definitions).
+- `training_code()`: a hash of the source a training run executes: the training command and every module of the
+  packages it reaches (model, ops, data, train, parallel, checkpoint, routing, the research variants) and the C++
+  kernels. It keys the run's folder, so
+  editing a report, a figure or an experiment's description does not throw away hours of runs, while any change
+  to the model, the data pipeline or the training loop trains again.
+- `evaluation_code()`: the same for the final evaluation (moe_lm/experiments/final_eval.py and what it imports);
+  a run evaluated by other evaluation code is evaluated again (seconds, not a retraining).
 - `git_commit()`: the checkout's commit, for a reader (None outside a git checkout); not part of any key.
 """
 
@@ -16,10 +22,24 @@ import functools
 import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
-SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".yaml")
+# the training command and every package it reaches, walked whole (it imports some of them inside functions)
+TRAINING_ENTRIES = ("moe_lm.cli.train", "moe_lm.train", "moe_lm.model", "moe_lm.ops", "moe_lm.data", "moe_lm.parallel",
+                    "moe_lm.checkpoint", "moe_lm.routing", "moe_lm.experiments.variants")  # fmt: skip
+EVALUATION_ENTRIES = (*TRAINING_ENTRIES, "moe_lm.experiments.final_eval")
+# why a fresh interpreter: the modules this process happens to have imported are not the entry points'
+_IMPORTED = """
+import importlib, json, pkgutil, sys
+for entry in sys.argv[1:]:
+    module = importlib.import_module(entry)
+    for sub in pkgutil.walk_packages(getattr(module, "__path__", []), entry + "."):
+        importlib.import_module(sub.name)
+print(json.dumps(sorted(m.__file__ for n, m in list(sys.modules.items())
+                        if n.split(".")[0] == "moe_lm" and getattr(m, "__file__", None))))
+"""
 
 
 def data_fingerprint(data_dir: str | Path) -> str:
@@ -45,10 +65,23 @@ def data_fingerprint(data_dir: str | Path) -> str:
 
 
 @functools.cache
-def code_version() -> str:
-    """16 hex digits identifying the installed package's source."""
+def training_code() -> str:
+    """16 hex digits identifying the source a training run executes."""
+    return _source_hash(TRAINING_ENTRIES)
+
+
+@functools.cache
+def evaluation_code() -> str:
+    """16 hex digits identifying the source the final evaluation executes."""
+    return _source_hash(EVALUATION_ENTRIES)
+
+
+def _source_hash(entries: tuple[str, ...]) -> str:
+    out = subprocess.run([sys.executable, "-c", _IMPORTED, *entries], capture_output=True, text=True, check=True)
+    files = {Path(f) for f in json.loads(out.stdout)} | set((PACKAGE / "ops").rglob("*.cpp"))
+    files |= set((PACKAGE / "ops").rglob("*.h"))
     h = hashlib.sha256()
-    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+    for path in sorted(files):
         h.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 

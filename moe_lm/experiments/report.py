@@ -130,15 +130,18 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
 
 
 def common_inputs(runs: list[Run]) -> dict:
-    """The data fingerprint and code version every run was evaluated with; runs that differ are refused."""
+    """The data fingerprint and code versions every run was trained and evaluated with; runs that differ are
+    refused."""
     seen = {}
     for r in runs:
         inputs = r.result.get("inputs", {})
-        seen.setdefault((inputs.get("data_fingerprint"), inputs.get("code_version")), []).append(r)
+        key = tuple(inputs.get(k) for k in ("data_fingerprint", "training_code", "evaluation_code"))
+        seen.setdefault(key, []).append(r)
     if len(seen) > 1 or None in next(iter(seen)):
         groups = "; ".join(
-            f"data {data}, code {code}: " + ", ".join(f"{r.arm}/{r.seed} ({r.folder})" for r in rs)
-            for (data, code), rs in seen.items()
+            f"data {data}, training code {train}, evaluation code {evaluation}: "
+            + ", ".join(f"{r.arm}/{r.seed} ({r.folder})" for r in rs)
+            for (data, train, evaluation), rs in seen.items()
         )
         raise RunError(
             f"these runs were trained or evaluated on different data or code, and cannot be compared: {groups}. "

@@ -2,12 +2,13 @@
 its result.
 
 A run's folder is `<runs>/<key>`, the hash of its whole resolved config (every key but train.out_dir), the data's
-content fingerprint and the code's version (moe_lm/experiments/provenance.py): a finished run is never trained
-twice, identical arms of different experiments share their runs, and another corpus, a changed default or a new
-version of the code is another run. A run is finished when its final evaluation (final_eval.json) matches what the
-experiment asks for (the scored positions, its measures); a run whose training was interrupted resumes from its
-last checkpoint (the training loop's own resume). Training runs as a subprocess of the real training command
-(`python -m moe_lm.cli.train`, its log in <run>/train.log).
+content fingerprint and the version of the code that trains (moe_lm/experiments/provenance.py): a finished run is
+never trained twice, identical arms of different experiments share their runs, and another corpus, a changed
+default or a new version of the training code is another run. A run is finished when its final evaluation
+(final_eval.json) matches what the experiment asks for (the scored positions, its measures, the evaluation code);
+a run whose training was interrupted resumes from its last checkpoint (the training loop's own resume). No design
+may pass over its training split more than MAX_EPOCHS times. Training runs as a subprocess of the real training
+command (`python -m moe_lm.cli.train`, its log in <run>/train.log).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from pathlib import Path
 
 from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
-from moe_lm.data.prepare import prepare_data
+from moe_lm.data.prepare import prepare_data, read_meta
 from moe_lm.errors import RunError
 from moe_lm.experiments.final_eval import RESULT, evaluate_run
-from moe_lm.experiments.provenance import code_version, data_fingerprint
+from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
 from moe_lm.experiments.spec import Experiment
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -49,14 +50,17 @@ def resolve_run(exp: Experiment, arm: str, seed: int, runs_root: Path) -> Run:
     """The arm's config at `seed` (experiment overrides, then the arm's, then seed and steps) and its folder (its
     data prepared first if it is the embedded corpus: the key needs the data's fingerprint)."""
     overrides = [*exp.overrides, *exp.arms[arm], f"seed={seed}", f"train.max_steps={exp.steps}"]
+    # every arm's evaluations during training also on the experiment's scored labels (its curves)
+    overrides.append(f"cadence.eval_score_from={exp.score_from}")
     cfg = load_config(exp.config, overrides)
     folder = Path(runs_root) / run_key(cfg, inputs_of(cfg))
+    check_epochs(cfg, exp, arm)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(folder)))
     return Run(arm, seed, cfg, folder)
 
 
 def inputs_of(cfg: Config) -> dict:
-    """{data_fingerprint, code_version} of a run of `cfg`."""
+    """{data_fingerprint, training_code} of a run of `cfg`."""
     data = Path(cfg.data.out_dir)
     if cfg.data.sources == ["default"] and not (data / "meta.json").is_file():
         prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed, log=lambda line: None)
@@ -64,7 +68,31 @@ def inputs_of(cfg: Config) -> dict:
         fingerprint = data_fingerprint(data)
     except FileNotFoundError as e:
         raise RunError(str(e)) from None
-    return {"data_fingerprint": fingerprint, "code_version": code_version()}
+    return {"data_fingerprint": fingerprint, "training_code": training_code()}
+
+
+MAX_EPOCHS = 4.0  # past a few epochs a larger model's loss measures memorisation: the comparison changes meaning
+
+
+def epochs(cfg: Config) -> float:
+    """Passes over the training split that `cfg`'s run makes (its data prepared)."""
+    t = cfg.train
+    return (
+        t.max_steps
+        * t.micro_batch_size
+        * t.grad_accum_steps
+        * t.seq_len
+        / read_meta(cfg.data.out_dir)["tokens"]["train"]
+    )
+
+
+def check_epochs(cfg: Config, exp: Experiment, arm: str) -> None:
+    if epochs(cfg) > MAX_EPOCHS:
+        raise RunError(
+            f"{exp.name}: arm {arm} would make {epochs(cfg):.1f} passes over {cfg.data.out_dir}'s training split "
+            f"(more than {MAX_EPOCHS:.0f}, where overfitting decides the comparison): fewer steps, or more data "
+            "(data.sources)"
+        )
 
 
 def run_key(cfg: Config, inputs: dict) -> str:
@@ -80,7 +108,7 @@ def is_done(run: Run, exp: Experiment) -> bool:
     if not path.is_file():
         return False
     result = json.loads(path.read_text())
-    if result.get("inputs", {}).get("code_version") != code_version():  # evaluated by other code: evaluate again
+    if result.get("inputs", {}).get("evaluation_code") != evaluation_code():  # evaluated by other code: again
         return False
     if "routing" in exp.measures:  # routing measured, with both baselines
         layers = result.get("routing", {}).values()

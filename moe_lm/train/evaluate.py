@@ -2,7 +2,9 @@
 
 `loss` is always the main head's next-token loss on the objective's labels (all tokens, or those after the prefix),
 so runs with and without MTP compare on the same number; the MTP depths' losses are reported beside it
-(`mtp_loss/depth_k`).
+(`mtp_loss/depth_k`). With `score_from` = P > 1, `loss_scored` is the loss on those of the objective's labels at
+window positions >= P: an experiment's arms that train on different labels (every token, or the targets after a
+prefix) are compared on the same ones along training.
 
 The routing numbers come from what the routers chose on those windows, through the same functions the routing
 report uses (moe_lm/routing/stats.py): MaxVio_global, mean pairwise domain JSD (bits), and the shares of
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from moe_lm.model import Transformer
 from moe_lm.routing import stats as M
 from moe_lm.routing.recorder import RoutingRecorder
-from moe_lm.train.objective import NEXT_TOKEN, Objective, loss_sums
+from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, loss_sums
 
 
 @torch.no_grad()
@@ -32,6 +34,7 @@ def evaluate(
     dev,
     doc_start_id: int,
     objective: Objective = NEXT_TOKEN,
+    score_from: int = 1,
 ) -> dict[str, float]:
     """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows;
     `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window."""
@@ -40,6 +43,7 @@ def evaluate(
     layers, E, depth = model.moe_layer_ids(), model.cfg.moe.n_routed_experts, len(model.mtp)
     loss = np.zeros((len(evalsets), 2))  # [domain, (loss sum, tokens)]
     mtp_loss = np.zeros((depth, 2))  # [MTP depth, (loss sum, tokens)]
+    scored = np.zeros(2)  # (loss sum, tokens) on the labels at window positions >= score_from
     counts = np.zeros((len(layers), len(evalsets), E))  # [layer, domain, expert] token-slots
     pairs = np.zeros((len(layers), 3))  # [layer, (adjacent pairs, same first choice, overlapping top-k)]
     with RoutingRecorder(model) as recorder:
@@ -55,6 +59,10 @@ def evaluate(
                     continue
                 nll, n, per_depth = loss_sums(out, labels)
                 loss[d] += nll, n
+                if score_from > 1:
+                    labels = labels.clone()
+                    labels[:, : score_from - 1] = IGNORE  # label j is the token at window position j + 1
+                    scored += loss_sums(out, labels)[:2]
                 mtp_loss += np.array(per_depth).reshape(depth, 2)
                 tokens = chunk[:, :-1].numpy()
                 for i, layer in enumerate(layers):
@@ -68,7 +76,7 @@ def evaluate(
                     doc = _documents(tokens[:, : len(experts) // len(tokens)], doc_start_id)
                     t, same_first, overlap = M.repetition_hits(experts, doc)
                     pairs[i] += len(t), same_first.sum(), overlap.sum()
-    loss, mtp_loss, counts, pairs = (_sum_over_ranks(a, dev) for a in (loss, mtp_loss, counts, pairs))
+    loss, mtp_loss, counts, pairs, scored = (_sum_over_ranks(a, dev) for a in (loss, mtp_loss, counts, pairs, scored))
     engine.train()
     result = {}
     for domain, (loss_sum, n) in zip(evalsets, loss, strict=True):
@@ -77,6 +85,8 @@ def evaluate(
             result[f"ppl/{domain}"] = math.exp(loss_sum / n)
     result["loss"] = loss[:, 0].sum() / max(loss[:, 1].sum(), 1)
     result["ppl"] = math.exp(result["loss"])
+    if score_from > 1:
+        result["loss_scored"] = scored[0] / max(scored[1], 1)
     for k, (loss_sum, n) in enumerate(mtp_loss, start=1):
         result[f"mtp_loss/depth_{k}"] = loss_sum / max(n, 1)
     for i, layer in enumerate(layers):

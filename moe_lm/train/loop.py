@@ -60,6 +60,9 @@ class _Run:
     rank: int
     world: int
     bad_steps: int = 0  # consecutive skipped steps
+    # the optimizer steps' own time, summed since step 0 (not start-up, evaluation or checkpoints): an experiment's
+    # loss against measured training time
+    train_seconds: float = 0.0
 
     @property
     def global_batch(self) -> int:
@@ -91,7 +94,13 @@ def train(cfg: Config) -> dict:
         WatchPeers(everyone, run_dir) as watch,
     ):
         run = _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watch)
-        start_step, sample_base = save_resume.resume(run.engine, cfg, run_dir, tracker.info) if t.resume else (0, 0)
+        state = (
+            save_resume.resume(run.engine, cfg, run_dir, tracker.info)
+            if t.resume
+            else {"step": 0, "samples": 0, "train_seconds": 0.0}
+        )
+        start_step, sample_base = state["step"], state["samples"]
+        run.train_seconds = state.get("train_seconds", math.nan)  # nan: resumed from a checkpoint that lacks it
         watch.done = start_step
         if run.rank == 0:
             dump_config(cfg, run_dir / "config.yaml")
@@ -142,18 +151,21 @@ def _step(run: _Run, step: int, first: int, end_step: int, stop: StopOnSignal) -
     run.watch.done = step + 1
     balance, counts = balance_step(run.model, cfg.model.moe.bias_update_speed, apply=applied)
     step_done, dt = step + 1, time.perf_counter() - t0
+    run.train_seconds += dt
     _count_bad_step(run, applied, losses["loss"], step_done)
     if step_done % c.log_interval == 0 or step_done == end_step:
         row = {"step": step_done, **losses, "lr": lr, "skipped": not applied}
         if cfg.model.mtp.depth:
             row["mtp_weight"] = mtp_weight
-        row = {**row, **run.throughput(dt), "samples": first + run.global_batch, **balance}
+        row = {**row, **run.throughput(dt), "samples": first + run.global_batch, "train_seconds": run.train_seconds}
+        row.update(balance)
         _log_train(run.tracker, run.engine, run.model, row, counts)
     result = run.evaluate(step_done) if step_done % c.eval_interval == 0 or step_done == end_step else None
     signum = stop.requested(device())
     due = c.ckpt_interval > 0 and (step_done % c.ckpt_interval == 0 or step_done == end_step)
     if due or signum:
         state = {"step": step_done, "samples": first + run.global_batch, "global_batch": run.global_batch}
+        state["train_seconds"] = run.train_seconds
         if not _save(run, state) and step_done == end_step:
             good = latest_tag(run.run_dir) or "none (no checkpoint was written)"
             raise RunError(f"the run ended with an unhealthy model; the last good checkpoint is {good}")
@@ -212,7 +224,8 @@ def _micro_batches(run: _Run, first: int):
 
 
 def _evaluate(engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, step: int) -> dict:
-    result = evaluate(engine, model, evalsets, cfg.train.micro_batch_size, dev, doc_start_id, objective_for(cfg))
+    micro, score_from = cfg.train.micro_batch_size, cfg.cadence.eval_score_from
+    result = evaluate(engine, model, evalsets, micro, dev, doc_start_id, objective_for(cfg), score_from)
     tracker.log({"kind": "eval", "step": step, **result})
     tracker.console(_eval_line(result), step)
     return result

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import sysconfig
 
 import numpy as np
 import pytest
 
 from moe_lm.config import DataConfig
+from moe_lm.data import default_corpus
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.default_corpus import DOMAINS, iter_default_corpus
 from moe_lm.data.documents import DataError, ReadReport
@@ -93,6 +96,41 @@ def test_default_corpus_has_distinct_domains_and_is_deterministic():
     assert a == b
     assert len({domain for _, domain, _ in a}) >= 4
     assert {domain for _, domain, _ in a} <= set(DOMAINS)
+
+
+def test_the_default_corpus_is_the_shipped_file_not_this_installation(monkeypatch, tmp_path):
+    """Another installation (no packages, another standard library) reads the same documents: the shipped ones."""
+    full = [(d.name, d.text) for d in iter_default_corpus(2.0, ReadReport())]
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: iter(()))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path), "include": str(tmp_path)})
+    assert [(d.name, d.text) for d in iter_default_corpus(2.0, ReadReport())] == full
+    # each domain is a prefix of the shipped order, cut where the cap is first reached
+    capped = list(iter_default_corpus(0.1, ReadReport()))
+    for domain in DOMAINS:
+        sizes = [len(t.encode()) for n, t in full if n.startswith(domain + ":")]
+        kept = sum(d.domain == domain for d in capped)
+        assert sum(sizes[: kept - 1]) < 0.1e6 and (kept == len(sizes) or sum(sizes[:kept]) >= 0.1e6)
+
+
+def test_a_modified_embedded_corpus_or_a_larger_cap_is_refused(monkeypatch, tmp_path):
+    with pytest.raises(DataError, match="ships 2.0 MB per domain at most"):
+        next(iter_default_corpus(4.0, ReadReport()))
+    copy = tmp_path / "default_corpus.jsonl.xz"
+    copy.write_bytes(default_corpus.EMBEDDED.read_bytes()[:-10])
+    monkeypatch.setattr(default_corpus, "EMBEDDED", copy)
+    with pytest.raises(DataError, match="not the pinned embedded corpus"):
+        next(iter_default_corpus(0.05, ReadReport()))
+    monkeypatch.setattr(default_corpus, "EMBEDDED", tmp_path / "absent.xz")
+    with pytest.raises(DataError, match="missing"):
+        next(iter_default_corpus(0.05, ReadReport()))
+
+
+def test_the_corpus_builder_reads_only_moe_lms_dependency_tree():
+    from moe_lm.data.build_default_corpus import dependency_tree
+
+    names = {d.metadata["Name"].lower().replace("_", "-") for d in dependency_tree()}
+    assert {"torch", "deepspeed", "sentencepiece", "transformers", "matplotlib"} <= names  # core and extras
+    assert not names & {"moe-lm", "pytest", "ruff"}  # not itself, not the dev tools
 
 
 def test_split_is_stable_by_name():

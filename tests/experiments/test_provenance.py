@@ -6,7 +6,8 @@ import json
 import shutil
 
 from moe_lm.data.prepare import prepare_data
-from moe_lm.experiments.provenance import code_version, data_fingerprint
+from moe_lm.experiments import provenance
+from moe_lm.experiments.provenance import data_fingerprint
 
 
 def test_the_data_fingerprint_follows_content_and_tokenizer(tiny_data, tmp_path):
@@ -39,8 +40,38 @@ def test_the_data_fingerprint_follows_content_and_tokenizer(tiny_data, tmp_path)
     assert data_fingerprint(folder) != same
 
 
-def test_the_code_version_is_a_stable_hash_of_the_package():
-    assert code_version() == code_version() and len(code_version()) == 16
+def test_the_code_versions_cover_what_trains_and_evaluates_and_nothing_else(tmp_path, monkeypatch):
+    """The training version changes with the model, the training loop, a research variant or a kernel, not with a
+    report or the CLI of another command; the evaluation version also with the final evaluation."""
+
+    package = provenance.PACKAGE
+    base = {k: _version(k) for k in ("training", "evaluation")}
+    assert base == {k: _version(k) for k in ("training", "evaluation")} and len(base["training"]) == 16
+    for path, changes in [("model/router.py", {"training", "evaluation"}),
+                          ("train/loop.py", {"training", "evaluation"}),
+                          ("experiments/variants/objectives.py", {"training", "evaluation"}),
+                          ("ops/csrc/" + next((package / "ops/csrc").glob("*.cpp")).name, {"training", "evaluation"}),
+                          ("experiments/final_eval.py", {"evaluation"}),
+                          ("experiments/report.py", set()), ("cli/bench.py", set()),
+                          ("configs/experiments/mask.yaml", set())]:  # fmt: skip
+        real = (package / path).read_bytes()
+        monkeypatch.setattr(provenance.Path, "read_bytes", _edited(package / path, real + b"\n# edited\n"))
+        changed = {k for k in base if _version(k) != base[k]}
+        monkeypatch.undo()
+        assert changed == changes, (path, changed)
+
+
+def _version(kind: str) -> str:
+    return provenance._source_hash(provenance.TRAINING_ENTRIES if kind == "training" else provenance.EVALUATION_ENTRIES)
+
+
+def _edited(target, content: bytes):
+    original = provenance.Path.read_bytes
+
+    def read_bytes(self):
+        return content if self == target else original(self)
+
+    return read_bytes
 
 
 def _vocab(cfg) -> int:

@@ -18,7 +18,7 @@ from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
 from moe_lm.experiments import runner
 from moe_lm.experiments.final_eval import document_windows, evaluate_run
-from moe_lm.experiments.provenance import code_version, data_fingerprint
+from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
 from moe_lm.experiments.report import write_report
 from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
@@ -100,9 +100,14 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch):
 
     # pinned inputs: the report names them; other code is another run; runs of different inputs are not compared
     assert results["inputs"]["data_fingerprint"] == data_fingerprint(runs[0].cfg.data.out_dir)
-    assert results["inputs"]["code_version"] == code_version()
-    monkeypatch.setattr(runner, "code_version", lambda: "0" * 16)
+    assert results["inputs"]["training_code"] == training_code()
+    assert results["inputs"]["evaluation_code"] == evaluation_code()
+    monkeypatch.setattr(runner, "training_code", lambda: "0" * 16)  # other training code: another run
     assert resolve_run(exp, "k2", 0, runs_root).folder != runs[0].folder
+    monkeypatch.undo()
+    monkeypatch.setattr(runner, "evaluation_code", lambda: "0" * 16)  # other evaluation code: evaluated again
+    assert resolve_run(exp, "k2", 0, runs_root).folder == runs[0].folder and not runner.is_done(runs[0], exp)
+    monkeypatch.undo()
     runs[1].result = {**runs[1].result, "inputs": {**runs[1].result["inputs"], "data_fingerprint": "elsewhere"}}
     with pytest.raises(RunError, match=r"different data or code.*data elsewhere.*: k1/0"):
         write_report(exp, runs, tmp_path / "mixed", n_boot=10)

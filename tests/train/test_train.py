@@ -53,6 +53,11 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
     for ra, rb in zip(a, b, strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=0), (ra["step"], ra["loss"], rb["loss"])
         assert ra["bias_mean/layer_1"] == pytest.approx(rb["bias_mean/layer_1"], rel=1e-6, abs=1e-9)
+    # the measured training time goes on from the checkpoint's (each step's own time, summed), never restarts
+    tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.train.seq_len
+    seconds = [0.0] + [r["train_seconds"] for r in b]
+    for step, r in enumerate(b):  # each row adds its own step's time (tokens / tokens_per_s), across the resume too
+        assert seconds[step + 1] - seconds[step] == pytest.approx(tokens / r["tokens_per_s"], rel=1e-6)
 
 
 def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, capsys):
