@@ -11,8 +11,12 @@ and so is always full rank. Measured per matrix (singular values s_1 >= ... >= s
 - effective rank exp(-sum p_i ln p_i), p_i = s_i / sum s (Roy & Vetterli 2007): how many directions carry weight;
 - stable rank ||A||_F^2 / s_1^2, the smallest singular value, and for causal matrices the smallest diagonal entry
   (for a triangular matrix s_min <= min |diagonal|: a previous-token head is full rank only on paper);
+- the logits Q K^T * scale before the softmax (`attention_logits`): their rank is at most the head dimension, the
+  bottleneck Su's argument starts from;
 - on hidden states, the rank-collapse measure of Dong et al. 2021 (arXiv 2103.03404): the relative residual
-  ||X - 1 mean(X)^T||_F / ||X||_F of a sequence's representations (0 = every position the same vector).
+  ||X - 1 mean(X)^T||_F / ||X||_F of a sequence's representations (0 = every position the same vector), for the
+  model itself and for its attention-only path (the first layer's input multiplied by each layer's head-averaged
+  A in turn, without skips or MLPs: where Dong et al. prove the collapse).
 
 The probe wraps the attention kernel call of moe_lm.model.attention (`_sdpa`) for the duration of a forward pass and
 recomputes A from the same q, k, mask and scale; the model code is untouched.
@@ -47,11 +51,16 @@ def capture_attention(store: list):
         attention._sdpa = original
 
 
-def attention_matrices(q, k, mask, scale: float, enable_gqa: bool = False) -> torch.Tensor:
-    """A [B, H, S, L] in float64 from q [B, H, S, dq], k [B, Hkv, L, dq] and a boolean mask (None = causal)."""
+def attention_logits(q, k, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+    """Q K^T * scale [B, H, S, L] in float64, before any mask, from q [B, H, S, dq] and k [B, Hkv, L, dq]."""
     if enable_gqa and k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return (q.double() @ k.double().transpose(-1, -2)) * scale
+
+
+def attention_matrices(q, k, mask, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+    """A [B, H, S, L] in float64 from q [B, H, S, dq], k [B, Hkv, L, dq] and a boolean mask (None = causal)."""
+    logits = attention_logits(q, k, scale, enable_gqa)
     S, L = logits.shape[-2:]
     if mask is None:
         mask = torch.ones(S, L, dtype=torch.bool).tril(L - S)

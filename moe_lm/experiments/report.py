@@ -14,6 +14,8 @@ import numpy as np
 from moe_lm.analysis import metrics as M
 from moe_lm.errors import RunError
 from moe_lm.experiments import stats
+from moe_lm.experiments.curves import train_seconds, train_validation_gap
+from moe_lm.experiments.figures import draw
 from moe_lm.experiments.final_eval import ARRAYS, domain_jsd_of
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Comparison, Experiment
@@ -117,7 +119,7 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
         t, prefix = cfg.train, cfg.objective.prefix_len
         # decoding after the same prompt in every arm: the scored prefix (an encoder-decoder's is its encoder input)
         prompt = prefix or (exp.score_from if exp.score_from > 1 else 0)
-        times = [r.train_seconds for r in data.runs if r.train_seconds]
+        times = [t for t in map(train_seconds, data.runs) if t is not None]
         rows.append({
             "arm": arm, "overrides": exp.arms[arm], "total_params": n.total + n.mtp_total, "active_params":
             n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len, prefix),
@@ -125,6 +127,7 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
             "tokens_seen": t.max_steps * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
             "train_seconds": float(np.mean(times)) if times else None,
             "loss": [r.result["loss"] for r in data.runs],
+            "training": [{"seed": r.seed, **train_validation_gap(r)} for r in data.runs],
         })  # fmt: skip
     return rows
 
@@ -161,7 +164,7 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
     domains = sorted({k[5:] for r in runs for k in r.result if k.startswith("loss/")})
     results = {
         "experiment": exp.name, "claim": exp.claim, "source": exp.source, "steps": exp.steps, "seeds": exp.seeds,
-        "score_from": exp.score_from, "verdict": overall(comparisons, exp.exploratory),
+        "score_from": exp.score_from, "verdict": overall(comparisons, exp.exploratory), "command": command(exp),
         "exploratory": exp.exploratory, "arms": arm_table(exp, by_arm),
         "comparisons": comparisons, "domains": domains, "inputs": inputs,
         "runs": [{"arm": r.arm, "seed": r.seed, "folder": str(r.folder), **r.result} for r in runs],
@@ -172,14 +175,22 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
     return results
 
 
+def command(exp: Experiment) -> str:
+    """The command that gives these runs again (an exploratory deviation is named by its flags)."""
+    words = ["moe-lm experiment", exp.name] + ([f"--preset {exp.preset}"] if exp.preset else [])
+    return " ".join(words + ([f"({exp.exploratory})"] if exp.exploratory else []))
+
+
 def markdown(exp: Experiment, results: dict, by_arm: dict[str, ArmData], figures: list[str]) -> str:
     lines = _summary_lines(exp, results, by_arm) + _arm_lines(results)
-    lines += _result_lines(exp, results, by_arm) + _comparison_lines(results)
+    lines += _result_lines(exp, results, by_arm) + _training_lines(results) + _comparison_lines(results)
     lines += ["", "Rules, fixed before the runs: " + "; ".join(f"*{k}*: {v}" for k, v in RULES.items()) + "."]
     lines += closing_sections(exp, figures)
     runs = ", ".join(f"{r['arm']}/{r['seed']} `{r['folder']}`" for r in results["runs"])
-    command = f"moe-lm experiment {exp.name} --seeds {exp.seeds} --steps {exp.steps}"
-    lines += ["", "## Reproduce", "", f"`{command}`", "", f"Runs: {runs}"]
+    inputs = results["inputs"]
+    lines += ["", "## Reproduce", "", f"`{results['command']}` (data {inputs['data_fingerprint']}, training code "
+              f"{inputs['training_code']}, evaluation code {inputs['evaluation_code']}, commit {inputs.get('commit')})",
+              "", f"Runs: {runs}"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -215,7 +226,7 @@ def _arm_lines(results: dict) -> list[str]:
         "## Arms and what is held equal",
         "",
         "| arm | overrides | parameters (total / active) | train FLOPs/token | decode FLOPs/token | tokens seen | "
-        "train time |",
+        "training time |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in results["arms"]:
@@ -276,6 +287,24 @@ def _attention_rank_lines(by_arm: dict[str, ArmData]) -> list[str]:
     return lines
 
 
+def _training_lines(results: dict) -> list[str]:
+    """Training time and the train-validation gap, from the runs' step rows (curves.py)."""
+    lines = ["", "## Training (step rows; mean ± sd over seeds)", "",
+             "Training time is the optimizer steps' own (start-up, evaluations and checkpoints excluded). The gap is "
+             "the last evaluation during training minus the training loss over the last 10 % of the steps, both on "
+             "the arm's own training labels; under one epoch each training batch is new, so memorisation cannot show.",
+             "", "| arm | training time, s | tokens/s (median step) | train loss | validation loss | gap |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in results["arms"]:
+        t = row["training"]
+        secs = f"{row['train_seconds']:.0f}" if row["train_seconds"] else "-"
+        cells = [_mean_sd([r[k] for r in t]) for k in ("train_loss", "validation_loss", "gap")]
+        lines.append(
+            f"| {row['arm']} | {secs} | {np.mean([r['tokens_per_s'] for r in t]):,.0f} | " + " | ".join(cells) + " |"
+        )
+    return lines
+
+
 def _comparison_lines(results: dict) -> list[str]:
     """Every comparison's prediction, per-seed deltas, intervals and verdict, and the loss deltas per domain."""
     lines = ["", "## Comparisons (delta = a - b, paired by seed; 95 % t-intervals)", ""]
@@ -323,124 +352,3 @@ def _mean_sd(values) -> str:
     if len(v) < 2:
         return f"{v.mean():.4f}"
     return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}"
-
-
-def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], domains: list[str], folder: Path):
-    """Validation loss over training (against tokens and against training FLOPs), per-domain deltas of the loss
-    comparisons, and MaxVio_batch over steps when routing is measured. Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    folder.mkdir(parents=True, exist_ok=True)
-    written = [_draw_curves(exp, by_arm, folder / "curves.png")]
-    loss_cmp = [c for c in comparisons if "by_domain" in c]
-    if loss_cmp:
-        written.append(_draw_deltas(loss_cmp, domains, folder / "deltas.png"))
-    if exp.score_from > 1 and loss_cmp:
-        written.append(_draw_delta_by_distance(exp, by_arm, loss_cmp, folder / "delta_by_distance.png"))
-    if "routing" in exp.measures:
-        written.append(_draw_maxvio(by_arm, folder / "maxvio_batch.png"))
-    return [str(path) for path in written]
-
-
-def _draw_curves(exp: Experiment, by_arm: dict[str, ArmData], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from moe_lm.analysis.plots import save
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for arm, data in by_arm.items():
-        curves = [_rows(r.folder, "eval") for r in data.runs]
-        steps = sorted(set.intersection(*({row["step"] for row in c} for c in curves)))
-        if not steps:
-            continue
-        loss = np.array([[next(row["loss"] for row in c if row["step"] == s) for s in steps] for c in curves])
-        cfg = data.runs[0].cfg
-        t = cfg.train
-        tokens = np.array(steps) * t.micro_batch_size * t.grad_accum_steps * t.seq_len
-        flops = tokens * train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len)
-        for ax, x in zip(axes, (tokens, flops), strict=True):
-            ax.plot(x, loss.mean(0), marker="o", label=arm)
-            ax.fill_between(x, loss.min(0), loss.max(0), alpha=0.2)
-    axes[0].set_xlabel("training tokens")
-    axes[1].set_xlabel("training FLOPs")
-    for ax in axes:
-        ax.set_ylabel("validation loss (training-time windows)")
-        ax.legend()
-    fig.suptitle(f"{exp.name}: mean over seeds, band = min-max")
-    save(fig, path)
-    return path
-
-
-def _draw_deltas(loss_cmp: list[dict], domains: list[str], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from moe_lm.analysis.plots import save
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains) * len(loss_cmp)), 4))
-    width = 0.8 / len(loss_cmp)
-    for i, c in enumerate(loss_cmp):
-        x = np.arange(len(domains)) + i * width
-        means = [c["by_domain"].get(d, {}).get("mean", np.nan) for d in range(len(domains))]
-        lo = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[0] for d in range(len(domains))]
-        hi = [c["by_domain"].get(d, {}).get("t_interval", [np.nan] * 2)[1] for d in range(len(domains))]
-        err = np.array([np.subtract(means, lo), np.subtract(hi, means)])
-        err = np.where(np.isfinite(err), err, 0)
-        ax.bar(x, means, width, yerr=err, capsize=3, label=c["name"])
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(np.arange(len(domains)) + 0.4 - width / 2, domains)
-    ax.set_ylabel("delta loss (a - b), 95 % t-interval over seeds")
-    ax.legend()
-    save(fig, path)
-    return path
-
-
-def _draw_delta_by_distance(exp: Experiment, by_arm: dict[str, ArmData], loss_cmp: list[dict], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from moe_lm.analysis.plots import save
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for c in loss_cmp:
-        curves = []
-        for s in range(len(c["deltas"])):
-            pa, pb = (by_arm[arm].arrays[s] for arm in (c["a"], c["b"]))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                curves.append(pa["position_nll"] / pa["position_count"] - pb["position_nll"] / pb["position_count"])
-        mean = np.nanmean(curves, 0)
-        x = np.arange(len(mean)) + 1 - exp.score_from  # target t_{j+1}'s distance from the boundary
-        keep = x >= 0
-        ax.plot(x[keep], mean[keep], label=c["name"])
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xlabel("target's distance from the prefix boundary (tokens)")
-    ax.set_ylabel("delta loss (a - b), mean over seeds")
-    ax.legend()
-    save(fig, path)
-    return path
-
-
-def _draw_maxvio(by_arm: dict[str, ArmData], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from moe_lm.analysis.plots import save
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, data in by_arm.items():
-        curves = []
-        for r in data.runs:
-            rows = _rows(r.folder, "train")
-            curves.append([np.mean([v for k, v in row.items() if k.startswith("maxvio/")]) for row in rows])
-        n = min(len(c) for c in curves)
-        steps = [row["step"] for row in _rows(data.runs[0].folder, "train")][:n]
-        ax.plot(steps, np.mean([c[:n] for c in curves], 0), label=arm)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
-    ax.set_yscale("log")
-    ax.legend()
-    save(fig, path)
-    return path
-
-
-def _rows(folder: Path, kind: str) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]

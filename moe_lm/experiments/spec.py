@@ -28,6 +28,7 @@ steps or --extended arms than the definition is exploratory: reported, never jud
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,7 @@ class Experiment:
     windows: int = 32
     # why this run deviates from the definition (--seeds, --steps, --extended): reported, never judged
     exploratory: str = ""
+    preset: str = ""  # the declared preset applied (--preset/--long), for the reproduce command
 
 
 def load_experiment(name_or_path: str, preset: str | None = None, extended: bool = False) -> Experiment:
@@ -106,6 +108,8 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
         other = str(raw["arms_from"])
         source = load_experiment(str(path.parent / other) if Path(other).suffix else other, preset, extended)
         raw.setdefault("arms", source.arms)
+        # and its judged comparisons, which the probe reads off the probed runs themselves (rank: the mask effect)
+        raw.setdefault("comparisons", [dataclasses.asdict(c) for c in source.comparisons])
         for key in ("steps", "seeds", "overrides", "score_from"):
             raw.setdefault(key, getattr(source, key))
         raw.setdefault("config", str(source.config))
@@ -128,6 +132,7 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; valid: {sorted(known | {'arms', 'comparisons'})}")
     exp = Experiment(
         exploratory="--extended runs arms beyond the definition" if extended and extended_arms else "",
+        preset=preset if preset and preset in presets else "",
         name=path.stem,
         arms=arms,
         comparisons=[c for c in comparisons if c.a in arms and c.b in arms],
