@@ -37,11 +37,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_out(ap, "the report folder (default: <runs>/reports/<name>)", required=False)
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap draws")
     ap.add_argument("--list", action="store_true", help="list the defined experiments")
+    ap.add_argument("--table", metavar="DIR", help="print the results table of the reports under DIR (the README's)")
 
 
 def run(args: argparse.Namespace) -> None:
     from moe_lm.experiments.spec import load_experiment
 
+    if args.table:
+        from moe_lm.experiments.results_table import results_table
+
+        print(results_table(Path(args.table)), end="")
+        return
     if args.list or not args.name:
         list_experiments()
         return

@@ -28,7 +28,7 @@ from moe_lm.analysis.attention_probe import (
 from moe_lm.checkpoint.format import load_model
 from moe_lm.experiments import stats
 from moe_lm.experiments.final_eval import probe_windows
-from moe_lm.experiments.report import ArmData, closing_sections, common_inputs, compare
+from moe_lm.experiments.report import ArmData, closing_sections, command, common_inputs, compare
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment
 from moe_lm.model import Transformer, initial_model
@@ -104,7 +104,8 @@ def run_rank_probe(exp: Experiment, runs: list[Run], out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     P = exp.score_from
     causal_arm, bidir_arm = exp.probe_arms
-    results = {"experiment": exp.name, "claim": exp.claim, "prefix_len": P, "windows": exp.windows, "models": []}
+    results = {"experiment": exp.name, "claim": exp.claim, "prefix_len": P, "windows": exp.windows, "models": [],
+               "command": command(exp)}  # fmt: skip
     windows = None
     for run in sorted((r for r in runs if r.arm in exp.probe_arms), key=lambda r: (r.arm, r.seed)):
         cfg, model, _ = load_model(run.folder)

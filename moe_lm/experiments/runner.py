@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -126,6 +127,7 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
         run.train_seconds = _info(run).get("train_seconds")
         return run
     if latest_tag(run.folder) != f"step_{exp.steps:08d}":
+        set_aside_interrupted(run, log)
         run.folder.mkdir(parents=True, exist_ok=True)
         dump_config(run.cfg, run.folder / "launch.yaml")
         (run.folder / RUN_INFO).write_text(json.dumps({"experiment": exp.name, "arm": run.arm, "seed": run.seed}))
@@ -146,6 +148,15 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
     )
     run.train_seconds = _info(run).get("train_seconds")
     return run
+
+
+def set_aside_interrupted(run: Run, log) -> None:
+    """An attempt stopped before its first checkpoint cannot resume (the training command refuses to start over a
+    logged run): its folder is moved to <key>.prev-<time>, never deleted, and the run starts afresh."""
+    if latest_tag(run.folder) is None and (run.folder / "metrics.jsonl").is_file():
+        aside = run.folder.with_name(f"{run.folder.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(run.folder), str(aside))
+        log(f"{run.arm} seed {run.seed}: an interrupted attempt without a checkpoint moved to {aside}")
 
 
 def _info(run: Run) -> dict:

@@ -120,6 +120,17 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch):
         write_report(exp, runs, tmp_path / "mixed", n_boot=10)
 
 
+def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_and_run_again(base, tmp_path):
+    exp = load_experiment(definition(tmp_path, base, seeds=1))
+    run = resolve_run(exp, "k1", 0, tmp_path / "runs")
+    run.folder.mkdir(parents=True)
+    (run.folder / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')  # then killed
+    done = runner.execute(run, exp, log=lambda s: None)
+    assert done.result["loss"] > 0 and runner.is_done(done, exp)
+    (aside,) = (tmp_path / "runs").glob(f"{run.folder.name}.prev-*")
+    assert (aside / "metrics.jsonl").read_text().startswith('{"kind": "train", "step": 1, "loss": 9.0}')
+
+
 def test_final_evaluation_equals_a_direct_computation(base, tmp_path):
     """The batched, padded whole-split evaluation against one window at a time; and prefix scoring counts only the
     positions from score_from on."""
