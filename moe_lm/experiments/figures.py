@@ -5,16 +5,13 @@ routing measured, MaxVio_batch over steps and the relative expert load per domai
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moe_lm.experiments.arm_data import ArmData
 from moe_lm.experiments.curves import eval_curve, rows, scored_loss_key
 from moe_lm.experiments.spec import Experiment
 from moe_lm.model import train_flops_per_token
-
-if TYPE_CHECKING:
-    from moe_lm.experiments.report import ArmData
 
 
 def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], domains: list[str], folder: Path):

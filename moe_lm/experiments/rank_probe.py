@@ -27,8 +27,9 @@ from moe_lm.analysis.attention_probe import (
 )
 from moe_lm.checkpoint.format import load_model
 from moe_lm.experiments import stats
+from moe_lm.experiments.arm_data import ArmData
 from moe_lm.experiments.final_eval import probe_windows
-from moe_lm.experiments.report import ArmData, closing_sections, command, common_inputs, compare
+from moe_lm.experiments.report import closing_sections, command, common_inputs, compare
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment
 from moe_lm.model import Transformer, initial_model

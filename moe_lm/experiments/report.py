@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_lm.analysis import metrics as M
 from moe_lm.errors import RunError
 from moe_lm.experiments import stats
+from moe_lm.experiments.arm_data import PER_RUN, ArmData
 from moe_lm.experiments.curves import train_seconds, train_validation_gap
 from moe_lm.experiments.figures import draw
-from moe_lm.experiments.final_eval import ARRAYS, domain_jsd_of
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Comparison, Experiment
 from moe_lm.model import count_params, decode_flops_per_token, train_flops_per_token
@@ -31,37 +30,6 @@ RULES = {
     "equivalent": "supported if the 90 % t-interval lies inside +/- margin (two one-sided tests at 5 %); "
     "contradicted if the 95 % interval lies wholly outside it",
 }
-
-
-PER_RUN = ("jsd_over_shuffled", "erank")  # metrics without per-document values: no document bootstrap
-
-
-class ArmData:
-    """One arm's runs (in seed order) with their per-document arrays."""
-
-    def __init__(self, runs: list[Run]) -> None:
-        self.runs = sorted(runs, key=lambda r: r.seed)
-        self.arrays = [dict(np.load(r.folder / ARRAYS)) for r in self.runs]
-
-    def metric(self, name: str, s: int, docs: np.ndarray | None = None) -> float:
-        a = self.arrays[s]
-        docs = np.arange(len(a["nll"])) if docs is None else docs
-        if name == "loss":
-            return float(a["nll"][docs].sum() / max(a["count"][docs].sum(), 1))
-        if name == "erank":  # per run only: measured on fixed windows, not per document
-            return float(np.mean(self.runs[s].result["attention_rank"]["erank"]))
-        counts = a["expert_counts"][docs]  # [docs, layers, E]
-        if name == "maxvio_global":
-            return float(np.mean([M.max_vio(counts[:, j].sum(0)) for j in range(counts.shape[1])]))
-        n_domains = int(a["domain"].max()) + 1
-        if name == "domain_jsd":
-            return float(
-                np.mean([domain_jsd_of(counts[:, j], a["domain"][docs], n_domains) for j in range(counts.shape[1])])
-            )
-        if name == "jsd_over_shuffled":  # per run only: the shuffled baseline needs every token
-            layers = self.runs[s].result["routing"].values()
-            return float(np.mean([v["domain_jsd"] - v["domain_jsd_shuffled"] for v in layers]))
-        raise ValueError(f"unknown metric {name!r}")
 
 
 def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:

@@ -18,11 +18,12 @@ from moe_lm.config import ConfigError, dump_config
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
 from moe_lm.experiments import runner
+from moe_lm.experiments.arm_data import ArmData
 from moe_lm.experiments.curves import eval_curve, train_seconds
 from moe_lm.experiments.figures import relative_load
 from moe_lm.experiments.final_eval import document_windows, evaluate_run, probe_windows
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
-from moe_lm.experiments.report import ArmData, write_report
+from moe_lm.experiments.report import write_report
 from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
 from tests.helpers.runs import tiny_train_cfg

@@ -1,0 +1,49 @@
+"""The committed experiment results (docs/results/NAME/results.json) and the README table generated from them: the
+table is never edited by hand, every committed report is a declared design (not exploratory) run on the shipped
+corpus, and an exploratory report is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_lm.config import load_config
+from moe_lm.data.prepare import prepare_data
+from moe_lm.errors import UserError
+from moe_lm.experiments.provenance import data_fingerprint
+from moe_lm.experiments.results_table import load_results, results_table
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+BEGIN, END = "<!-- results table: moe-lm experiment --table docs/results -->", "<!-- end of results table -->"
+
+
+def test_the_readme_table_is_generated_from_the_committed_results():
+    readme = (ROOT / "README.md").read_text()
+    assert BEGIN in readme and END in readme, "the README lost its generated results table"
+    block = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+    assert block == results_table(RESULTS), "README's table is stale: paste `moe-lm experiment --table docs/results`"
+
+
+def test_every_committed_result_is_a_declared_design_on_the_shipped_corpus(tmp_path):
+    results = load_results(RESULTS)
+    assert {r["experiment"] for r in results} >= {"balance", "encdec", "mask", "mlm-mix", "moe-dense", "mtp", "rank"}
+    cfg = load_config("tiny", [f"data.out_dir={tmp_path / 'data'}"])
+    prepare_data(cfg.data, cfg.model.vocab_size, seed=0, log=lambda line: None)  # as the runner prepares it
+    shipped = data_fingerprint(cfg.data.out_dir)
+    for r in results:
+        inputs = r["inputs"]
+        assert {"data_fingerprint", "training_code", "evaluation_code", "commit"} <= set(inputs), r["experiment"]
+        assert inputs["data_fingerprint"] == shipped, f"{r['experiment']} was run on another corpus"
+        assert r["command"] == f"moe-lm experiment {r['experiment']}" and not r.get("exploratory")
+
+
+def test_an_exploratory_report_is_refused(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.json").write_text(json.dumps({"experiment": "x", "exploratory": "--seeds 1"}))
+    with pytest.raises(UserError, match="exploratory"):
+        results_table(tmp_path)
+    with pytest.raises(UserError, match="no \\*/results.json"):
+        results_table(tmp_path / "x")
