@@ -46,13 +46,24 @@ def train_seconds(run: Run) -> float | None:
 
 
 def train_validation_gap(run: Run) -> dict:
-    """The training loss over the last GAP_TAIL of the steps (each batch scored before its update) and the final
-    evaluation during training on the same labels (the run's objective), and their difference. Under one epoch every
-    training batch is new, so the gap is the two sets' difference plus noise; past it, memorisation shows here."""
+    """The training loss over the last GAP_TAIL of the steps (each batch scored before its update) against the last
+    evaluation during training on the same labels (the run's objective), its per-domain losses weighted by the
+    training split's domain shares of tokens: evaluation windows weigh every domain alike, training batches by their
+    tokens, and that difference alone would open a gap. Under one epoch every training batch is new, so the gap is
+    the two splits' difference plus noise; past it, memorisation shows here."""
     train, evals = rows(run.folder, "train"), rows(run.folder, "eval")
     last = train[-1]["step"]
     tail = [r["loss"] for r in train if r["step"] > (1 - GAP_TAIL) * last]
-    out = {"train_loss": float(np.mean(tail)), "validation_loss": float(evals[-1]["loss"])}
+    shares = training_domain_shares(run.cfg.data.out_dir)
+    validation = sum(share * evals[-1][f"loss/{domain}"] for domain, share in shares.items())
+    out = {"train_loss": float(np.mean(tail)), "validation_loss": float(validation)}
     out["gap"] = out["validation_loss"] - out["train_loss"]
     out["tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in train]))
     return out
+
+
+def training_domain_shares(data_dir: str | Path) -> dict[str, float]:
+    """Each domain's share of the training split's tokens (the prepared folder's manifest)."""
+    domains = json.loads((Path(data_dir) / "manifest.json").read_text())["domains"]
+    tokens = {d: v["tokens"]["train"] for d, v in domains.items()}
+    return {d: n / sum(tokens.values()) for d, n in tokens.items()}

@@ -61,6 +61,7 @@ def _draw_curves(exp: Experiment, by_arm: dict[str, ArmData], path: Path) -> Pat
         axes, ("training tokens", "training FLOPs", "training time, s (optimizer steps)"), strict=True
     ):
         ax.set_xlabel(label)
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3))
         ax.set_ylabel(f"validation loss, {what}")
         ax.legend()
     fig.suptitle(f"{exp.name}: mean over seeds, band = min-max (validation windows of the training cadence)")

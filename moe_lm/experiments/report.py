@@ -259,8 +259,9 @@ def _training_lines(results: dict) -> list[str]:
     """Training time and the train-validation gap, from the runs' step rows (curves.py)."""
     lines = ["", "## Training (step rows; mean ± sd over seeds)", "",
              "Training time is the optimizer steps' own (start-up, evaluations and checkpoints excluded). The gap is "
-             "the last evaluation during training minus the training loss over the last 10 % of the steps, both on "
-             "the arm's own training labels; under one epoch each training batch is new, so memorisation cannot show.",
+             "the last evaluation during training (its per-domain losses weighted by the training split's domain "
+             "shares) minus the training loss over the last 10 % of the steps, both on the arm's own training "
+             "labels; under one epoch each training batch is new, so memorisation cannot show.",
              "", "| arm | training time, s | tokens/s (median step) | train loss | validation loss | gap |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for row in results["arms"]:

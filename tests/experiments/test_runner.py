@@ -4,6 +4,7 @@ experiments), the whole-split evaluation against a direct computation, and the r
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,7 +206,10 @@ def check_training_numbers(results: dict, runs) -> None:
             train = [r for r in lines if r["kind"] == "train"]
             evals = [r for r in lines if r["kind"] == "eval"]
             tail = [r["loss"] for r in train if r["step"] > 0.9 * train[-1]["step"]]
-            assert row["gap"] == pytest.approx(evals[-1]["loss"] - np.mean(tail), rel=1e-12)
+            domains = json.loads((Path(run.cfg.data.out_dir) / "manifest.json").read_text())["domains"]
+            tokens = {d: v["tokens"]["train"] for d, v in domains.items()}
+            mixed = sum(n * evals[-1][f"loss/{d}"] for d, n in tokens.items()) / sum(tokens.values())
+            assert row["gap"] == pytest.approx(mixed - np.mean(tail), rel=1e-12)
             steps, loss, seconds = eval_curve(run, "loss")
             at = {r["step"]: r["train_seconds"] for r in train}
             assert seconds.tolist() == [at[s] for s in steps] and loss.tolist() == [r["loss"] for r in evals]
