@@ -25,9 +25,20 @@ def load_results(folder: Path) -> list[dict]:
 
 
 def results_table(folder: Path) -> str:
-    lines = ["| experiment | claim | judged (a - b, nats: mean, 95 % t-interval over seeds) | verdict | command |",
+    """One row per shipped definition: its committed result, or a row saying it has not been run under the
+    current rules (nothing is carried over from older runs)."""
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
+
+    lines = ["| experiment | claim | judged (a - b in the metric's unit: mean, 95 % t-interval over seeds) | verdict | "
+             "command |",
              "|---|---|---|---|---|"]  # fmt: skip
-    for r in load_results(folder):
+    results = {r["experiment"]: r for r in load_results(folder)}
+    for name in sorted({p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")} | set(results)):
+        r = results.get(name)
+        if r is None:
+            claim = load_experiment(name).claim
+            lines.append(f"| {name} | {claim} | - | not run under the current rules yet | `moe-lm experiment {name}` |")
+            continue
         judged = "; ".join(_judged(r)) or "-"
         lines.append(f"| {r['experiment']} | {r['claim']} | {judged} | **{r['verdict']}** | `{_command(r)}` |")
     return "\n".join(lines) + "\n"
@@ -39,7 +50,7 @@ def _judged(r: dict) -> list[str]:
     for c in r.get("comparisons", []):
         if c["role"] in ("claim", "premise"):
             lo, hi = c["t_interval"]
-            rel = f", {c['relative_percent']:+.1f} %" if c.get("relative_percent") is not None else ""
+            rel = f", {c['relative_percent']:+.1f} %" if c["metric"] == "loss" and c.get("relative_percent") else ""
             role = "premise " if c["role"] == "premise" else ""
             out.append(f"{role}{c['name']}: {c['mean']:+.3f} ({lo:+.3f}, {hi:+.3f}){rel} → {c['verdict']}")
     for c in r.get("checks", []):
