@@ -88,9 +88,10 @@ def epochs(cfg: Config) -> float:
 
 
 def check_epochs(cfg: Config, exp: Experiment, arm: str) -> None:
-    if epochs(cfg) > MAX_EPOCHS:
+    passes = epochs(cfg)
+    if passes > MAX_EPOCHS:
         raise RunError(
-            f"{exp.name}: arm {arm} would make {epochs(cfg):.1f} passes over {cfg.data.out_dir}'s training split "
+            f"{exp.name}: arm {arm} would make {passes:.1f} passes over {cfg.data.out_dir}'s training split "
             f"(more than {MAX_EPOCHS:.0f}, where overfitting decides the comparison): fewer steps, or more data "
             "(data.sources)"
         )
