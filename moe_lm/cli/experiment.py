@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"  {c['name']}: {c['verdict']} ({c['why']})")
     for c in results.get("comparisons", []):
         lo, hi = c["t_interval"]
-        judged = c["verdict"] if c["role"] == "claim" else "context, not judged"
+        judged = {"claim": c["verdict"], "premise": f"premise {c['verdict']}"}.get(c["role"], "context, not judged")
         print(f"  {c['name']} ({c['metric']}): {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) -> {judged}")
     print(f"report: {out / 'report.md'} ({time.perf_counter() - t0:.0f} s)")
 

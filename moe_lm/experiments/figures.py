@@ -104,10 +104,11 @@ def _draw_delta_by_distance(exp: Experiment, by_arm: dict[str, ArmData], loss_cm
             pa, pb = (by_arm[arm].arrays[s] for arm in (c["a"], c["b"]))
             with np.errstate(invalid="ignore", divide="ignore"):
                 curves.append(pa["position_nll"] / pa["position_count"] - pb["position_nll"] / pb["position_count"])
-        mean = np.nanmean(curves, 0)
-        x = np.arange(len(mean)) + 1 - exp.score_from  # target t_{j+1}'s distance from the boundary
-        keep = x >= 0
-        ax.plot(x[keep], mean[keep], label=c["name"])
+        # only the scored positions: those before score_from have no label in any seed (all NaN)
+        first = exp.score_from - 1  # position j scores target t_{j+1}
+        mean = np.nanmean(np.asarray(curves)[:, first:], 0)
+        x = np.arange(len(mean))  # the target's distance from the boundary
+        ax.plot(x, mean, label=c["name"])
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("target's distance from the prefix boundary (tokens)")
     ax.set_ylabel("delta loss (a - b), mean over seeds")
