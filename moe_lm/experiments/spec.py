@@ -179,5 +179,9 @@ def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms:
     unknown = set(exp.measures) - set(MEASURES)
     if unknown:
         raise ConfigError(f"{path}: unknown measures {sorted(unknown)}; valid: {list(MEASURES)}")
+    # an unquoted "- Why: because" item is a YAML mapping, which the report would print as a Python dict
+    odd = [u for u in exp.untested if not isinstance(u, str)]
+    if odd:
+        raise ConfigError(f"{path}: `untested` items must be text, got {odd!r}: quote an item that holds ': '")
     if exp.steps < 1 or exp.seeds < 1 or exp.score_from < 1:
         raise ConfigError(f"{path}: steps, seeds and score_from must be >= 1")

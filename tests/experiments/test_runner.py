@@ -175,6 +175,10 @@ def test_definition_errors_name_the_problem(base, tmp_path):
         load_experiment(definition(tmp_path, base, measures=["rank"]))
     with pytest.raises(ConfigError, match="no preset 'gpu'"):
         load_experiment(definition(tmp_path, base), preset="gpu")
+    # an unquoted "- Why: because" in YAML is a mapping, which the report would print as a dict
+    with pytest.raises(ConfigError, match=r"`untested` items must be text.*quote"):
+        load_experiment(definition(tmp_path, base, untested=[{"Why": "because"}]))
+    assert load_experiment(definition(tmp_path, base, untested=["Why: because"])).untested == ["Why: because"]
     # margins: required (> 0) where the claim is "no effect", refused where it is a direction
     for expect in ("not_lower", "not_higher", "equivalent"):
         bad = definition(tmp_path, base, comparisons=[{"a": "k2", "b": "k1", "expect": expect}])
