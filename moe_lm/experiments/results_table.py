@@ -51,7 +51,7 @@ def _judged(r: dict) -> list[str]:
         if c["role"] in ("claim", "premise"):
             lo, hi = c["t_interval"]
             rel = f", {c['relative_percent']:+.1f} %" if c["metric"] == "loss" and c.get("relative_percent") else ""
-            role = "premise " if c["role"] == "premise" else ""
+            role = "premise: " if c["role"] == "premise" else ""
             out.append(f"{role}{c['name']}: {c['mean']:+.3f} ({lo:+.3f}, {hi:+.3f}){rel} → {c['verdict']}")
     for c in r.get("checks", []):
         if c["role"] == "claim":
