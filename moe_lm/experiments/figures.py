@@ -74,7 +74,9 @@ def _draw_deltas(loss_cmp: list[dict], domains: list[str], path: Path) -> Path:
 
     from moe_lm.analysis.plots import save
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains) * len(loss_cmp)), 4))
+    # the comparisons' labels are sentences: the legend goes below the axes, where it covers no bar
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(domains) * len(loss_cmp)), 4 + 0.25 * len(loss_cmp)),
+                           layout="constrained")  # fmt: skip
     width = 0.8 / len(loss_cmp)
     for i, c in enumerate(loss_cmp):
         x = np.arange(len(domains)) + i * width
@@ -87,7 +89,7 @@ def _draw_deltas(loss_cmp: list[dict], domains: list[str], path: Path) -> Path:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(np.arange(len(domains)) + 0.4 - width / 2, domains)
     ax.set_ylabel("delta loss (a - b), 95 % t-interval over seeds")
-    ax.legend()
+    fig.legend(loc="outside lower center", fontsize="small")
     save(fig, path)
     return path
 
@@ -97,7 +99,7 @@ def _draw_delta_by_distance(exp: Experiment, by_arm: dict[str, ArmData], loss_cm
 
     from moe_lm.analysis.plots import save
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4 + 0.25 * len(loss_cmp)), layout="constrained")
     for c in loss_cmp:
         curves = []
         for s in range(len(c["deltas"])):
@@ -112,7 +114,7 @@ def _draw_delta_by_distance(exp: Experiment, by_arm: dict[str, ArmData], loss_cm
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xlabel("target's distance from the prefix boundary (tokens)")
     ax.set_ylabel("delta loss (a - b), mean over seeds")
-    ax.legend()
+    fig.legend(loc="outside lower center", fontsize="small")
     save(fig, path)
     return path
 
