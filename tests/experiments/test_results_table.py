@@ -50,3 +50,23 @@ def test_an_exploratory_report_is_refused(tmp_path):
         results_table(tmp_path)
     with pytest.raises(UserError, match="no \\*/results.json"):
         results_table(tmp_path / "x")
+
+
+def test_a_row_names_each_judged_comparison_once_and_leaves_out_context(tmp_path):
+    def comparison(role, name, mean, verdict):
+        return {"role": role, "name": name, "metric": "loss", "mean": mean, "t_interval": [mean - 0.05, mean + 0.05],
+                "verdict": verdict, "relative_percent": 2.0}  # fmt: skip
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.json").write_text(json.dumps({
+        "experiment": "x", "claim": "a claim", "verdict": "premise not met", "command": "moe-lm experiment x.yaml",
+        "comparisons": [comparison("premise", "a beats b", 0.1, "contradicted"),
+                        comparison("claim", "a equals c", -0.02, "inconclusive"),
+                        comparison("context", "a against d", 0.5, "-")],
+    }))  # fmt: skip
+    row = next(line for line in results_table(tmp_path).splitlines() if line.startswith("| x |"))
+    assert row == (
+        "| x | a claim | premise: a beats b: +0.100 (+0.050, +0.150), +2.0 % → contradicted; "
+        "a equals c: -0.020 (-0.070, +0.030), +2.0 % → inconclusive | **premise not met** | "
+        "`moe-lm experiment x.yaml` |"
+    )
