@@ -8,17 +8,19 @@
 Rows are read in batches (parquet row groups, memory-mapped Arrow, or the hub's stream), so a corpus larger than
 memory, or for hf: than the disk, is fine. The text is the `text_field` column; the domain is the `domain_field`
 column where the source has one, else the source's name. A source without the text column, or without rows, is an
-error naming it; a row whose text is not a non-empty string is a counted skip. Documents are named
-`<file>:<row>` or `hf:NAME[:CONFIG]@SPLIT:<row>` (the split always written, so `hf:x` and `hf:x@train` agree).
+error naming it; a row whose text is not a non-empty string is a counted skip. Documents are named `<file>:<row>`,
+the file's path from the folder holding the source (as documents.source_name: independent of where the corpus
+lives), or `hf:NAME[:CONFIG]@SPLIT:<row>` (the split always written, so `hf:x` and `hf:x@train` agree).
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_lm.data.documents import DataError, Document, ReadReport
+from moe_lm.data.documents import DataError, Document, ReadReport, source_name
 from moe_lm.errors import require
 
 BATCH = 1024
@@ -55,19 +57,30 @@ def iter_dataset(source: str, report: ReadReport, text_field: str, domain_field:
         name, config, split = parse_hf(source)
         where = hf_source_name(name, config, split)
         domain = name.rstrip("/").split("/")[-1]  # "allenai/c4" -> "c4"
-        yield from _rows(_hub_batches(where, name, config, split), where, domain, report, text_field, domain_field)
+        batches = _hub_batches(where, name, config, split)
+        yield from _rows(batches, where, where, domain, report, text_field, domain_field)
         return
     path = Path(source)
     if not glob.has_magic(source) and path.is_dir() and _is_saved(path):
-        yield from _rows(_saved_batches(path), source, path.name, report, text_field, domain_field)
+        yield from _rows(
+            _saved_batches(path), source, source_name(path, path), path.name, report, text_field, domain_field
+        )
         return
     files = _data_files(source)
     if not files:
         raise DataError(f"data source {source}: no .parquet or .arrow files match; check the path or the glob")
+    # a glob's names start at its last folder without a wildcard, as a folder source's start at that folder
+    root = (
+        Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts))
+        if glob.has_magic(source)
+        else path
+    )
     for f in files:
         # without a domain column: a file's own name, or its folder's for a folder or glob of parts
         domain = Path(f).stem if path.is_file() else Path(f).parent.name
-        yield from _rows(_file_batches(Path(f)), f, domain, report, text_field, domain_field)
+        yield from _rows(
+            _file_batches(Path(f)), f, source_name(Path(f), root), domain, report, text_field, domain_field
+        )
 
 
 def parse_hf(source: str) -> tuple[str, str | None, str]:
@@ -99,8 +112,9 @@ def _data_files(source: str) -> list[str]:
     return sorted(f for f in found if Path(f).suffix in DATASET_SUFFIXES and Path(f).is_file())
 
 
-def _rows(batches, where: str, default_domain: str, report: ReadReport, text_field: str, domain_field: str):
-    """Documents from (column names, batch of columns) pairs; checks the text column, counts bad rows."""
+def _rows(batches, where: str, name: str, default_domain: str, report: ReadReport, text_field: str, domain_field: str):
+    """Documents `name:<row>` from (column names, batch of columns) pairs; checks the text column, counts bad rows
+    (errors and skips say `where`, for the user to find)."""
     n = 0
     for columns, batch in batches:
         if columns and text_field not in columns:  # why `columns and`: an empty stream may not know its columns
@@ -117,7 +131,7 @@ def _rows(batches, where: str, default_domain: str, report: ReadReport, text_fie
                 report.skip("empty text", f"{where}:{row}")
             else:
                 domain = str(domains[i]) if domains is not None and domains[i] is not None else default_domain
-                yield Document(f"{where}:{row}", domain, text)
+                yield Document(f"{name}:{row}", domain, text)
         n += len(texts)
     if n == 0:
         raise DataError(f"data source {where} has no rows (an empty file or split); remove it from data.sources")

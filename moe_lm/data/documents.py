@@ -1,13 +1,16 @@
 """Documents with a domain label, read from the user's files: .txt, .jsonl, or a folder per domain.
 
 Every document keeps a stable `name` (its origin), which decides the train/validation split and lets analytics
-point back at the source. Bad input never disappears silently: unusable documents are counted in a
+point back at the source. A file's name is its path from the folder that holds the source (`corpus/law/a.txt`,
+`corpus/law/b.jsonl:3`), not its absolute path: the same corpus moved to another folder or machine keeps its names,
+its split and its data fingerprint. Bad input never disappears silently: unusable documents are counted in a
 `ReadReport` with examples, and input that cannot be read at all is an error that says what to do.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 @dataclass(frozen=True)
 class Document:
-    name: str  # unique and stable: "<file>" or "<file>:<line>" or "<corpus>:<item>"
+    name: str  # unique and stable: "<file>" or "<file>:<line>" (see source_name) or "<corpus>:<item>"
     domain: str
     text: str
 
@@ -62,16 +65,29 @@ def read_text(path: Path, report: ReadReport) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
+def source_name(path: Path, source: Path) -> str:
+    """The name of the documents of file `path` read from `source` (that file, or a folder above it): the path from
+    the folder holding the source. why not the absolute path: it would move the split and the data fingerprint with
+    the corpus's location; why the source's own name in it: two sources keep their files apart."""
+    return Path(os.path.abspath(path)).relative_to(Path(os.path.abspath(source)).parent).as_posix()
+
+
 def iter_file(
-    path: Path, domain: str | None, report: ReadReport, text_field: str = "text", domain_field: str = "domain"
+    path: Path,
+    name: str,
+    domain: str | None,
+    report: ReadReport,
+    text_field: str = "text",
+    domain_field: str = "domain",
 ) -> Iterator[Document]:
-    """Documents of one .txt (the whole file is one document) or .jsonl file (one per line)."""
+    """Documents of one .txt (the whole file is one document, named `name`) or .jsonl file (one per line, named
+    `name:<line>`); skips and errors give the path itself, for the user to find."""
     if path.suffix == ".txt":
         text = read_text(path, report)
         if not text.strip():
             report.skip("empty file", str(path))
             return
-        yield Document(str(path), domain or path.stem, text)
+        yield Document(name, domain or path.stem, text)
         return
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: unsupported file type (use .txt, .jsonl, or a folder of them)")
@@ -91,7 +107,9 @@ def iter_file(
             report.skip("empty text", where)
             continue
         line_domain = obj.get(domain_field)
-        yield Document(where, str(line_domain) if line_domain is not None else (domain or path.stem), obj[text_field])
+        yield Document(
+            f"{name}:{lineno}", str(line_domain) if line_domain is not None else (domain or path.stem), obj[text_field]
+        )
 
 
 def iter_text_source(
@@ -100,10 +118,11 @@ def iter_text_source(
     """Documents of a .txt/.jsonl file, a folder of them (one domain), or a folder of domain folders; each counted
     in `report.documents` by domain."""
     if path.is_file():
-        yield from counted(iter_file(path, None, report, text_field, domain_field), report)
+        yield from counted(iter_file(path, source_name(path, path), None, report, text_field, domain_field), report)
         return
     subdirs = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
-    groups = [(d.name, d) for d in subdirs] if subdirs else [(path.name, path)]
+    # why abspath: a folder given as '.' has no name of its own
+    groups = [(d.name, d) for d in subdirs] if subdirs else [(Path(os.path.abspath(path)).name, path)]
     if subdirs:  # a folder of domain folders: files beside them belong to no domain
         for stray in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in TEXT_SUFFIXES):
             report.skip("file beside the domain folders (in no domain; move it into one)", str(stray))
@@ -112,7 +131,7 @@ def iter_text_source(
         n_before = sum(report.documents.values())
         for f in files:
             # a .jsonl line's own "domain" field wins over its folder
-            yield from counted(iter_file(f, domain, report, text_field, domain_field), report)
+            yield from counted(iter_file(f, source_name(f, path), domain, report, text_field, domain_field), report)
         if sum(report.documents.values()) == n_before:
             raise DataError(f"domain folder {folder} holds no usable .txt/.jsonl documents; remove it or add text")
 

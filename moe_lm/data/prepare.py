@@ -165,7 +165,7 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
     report = ReadReport()
     docs_file = tmp / "documents.jsonl"
     entries = []
-    seen = set()
+    seen, named = set(), set()  # content hashes, names
     with open(docs_file, "w", encoding="utf-8") as f:
         for doc in tqdm(iter_documents(cfg, report), desc="reading documents", unit="doc", leave=False):
             digest = hashlib.sha256(doc.text.encode("utf-8", errors="surrogatepass")).hexdigest()
@@ -174,6 +174,13 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
                 report.documents[doc.domain] -= 1
                 continue
             seen.add(digest)
+            if doc.name in named:  # the split and the shards look documents up by name
+                raise DataError(
+                    f"two different documents are both named {doc.name!r}: a file's name is its path from the folder "
+                    f"holding its source, so two sources with the same name ({', '.join(cfg.sources)}) clash; "
+                    "rename one of them (nothing was written)"
+                )
+            named.add(doc.name)
             split = "val" if is_validation(doc.name, cfg.val_fraction) else "train"
             entries.append(
                 {"name": doc.name, "domain": doc.domain, "split": split, "bytes": len(doc.text), "sha256": digest[:16]}

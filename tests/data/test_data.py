@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import is_validation, load_split, prepare_data
 from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.experiments.provenance import data_fingerprint
 from tests.helpers.runs import WORDS, write_folder_corpus
 
 
@@ -45,9 +48,9 @@ def test_jsonl_reader_and_bad_lines_are_counted(tmp_path):
     ]
     f.write_text("\n".join(lines) + "\n")
     docs, report = read_all(f)
-    assert [(d.name, d.domain, d.text) for d in docs] == [
-        (f"{f}:1", "a", "alpha text"),
-        (f"{f}:2", "mixed", "beta text"),
+    assert [(d.name, d.domain, d.text) for d in docs] == [  # named from the source's folder; skips by full path
+        ("mixed.jsonl:1", "a", "alpha text"),
+        ("mixed.jsonl:2", "mixed", "beta text"),
     ]
     assert report.skipped == {"invalid JSON line": 1, "jsonl line without a string 'text' field": 1, "empty text": 1}
     assert f"{f}:3" in report.examples["invalid JSON line"]
@@ -166,13 +169,42 @@ def test_prepare_writes_shards_with_document_and_domain_indices(prepared):
             entry = texts[names[d]]
             assert entry["split"] == split and shard.domains[shard.doc_domain[d]] == entry["domain"]
             # the shard holds exactly the tokens of the source document
-            source = open(names[d]).read()
+            source = (Path(cfg.sources[0]).parent / names[d]).read_text()  # a name is a path from there
             assert sp.decode(doc[1:].tolist()) == source
             n_seen += 1
     assert n_seen == len(manifest["documents"]) == 36
     # every domain has validation documents, and the split is the stable one by name
     val = load_split(out, "val")
     assert {val.domains[i] for i in val.doc_domain} == set(WORDS)
+
+
+def test_a_moved_corpus_keeps_its_names_split_and_fingerprint(prepared, tmp_path, monkeypatch):
+    """The same corpus in another folder (another user's checkout, another node's mount), given by an absolute or
+    a relative path, prepares to the same document names, split, shards and data fingerprint: a document's name is
+    its path from the folder holding the source, not where that folder lives."""
+    cfg, out = prepared
+    moved = shutil.copytree(cfg.sources[0], tmp_path / "elsewhere" / "deeper" / "corpus")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    again = prepare_data(DataConfig(sources=["deeper/corpus"], out_dir="prepared", val_fraction=0.2), 300, log=print)
+    documents = [json.loads((d / "manifest.json").read_text())["documents"] for d in (out, again)]
+    assert documents[0] == documents[1]
+    assert {d["name"] for d in documents[0]} >= {f"corpus/{domain}/doc0.txt" for domain in WORDS}
+    assert data_fingerprint(again) == data_fingerprint(out)
+    assert moved.is_dir() and Path(cfg.sources[0]).is_dir()  # both corpora untouched
+
+
+def test_two_sources_of_the_same_name_are_refused(tmp_path):
+    """Sources whose folders share a name could give two documents one name (the split and the shards look
+    documents up by name): an error naming the document and the sources, not a silently merged split."""
+    for side, text in (("a", "one text"), ("b", "another text")):
+        (tmp_path / side / "corpus" / "law").mkdir(parents=True)
+        (tmp_path / side / "corpus" / "law" / "x.txt").write_text(text)
+    sources = [str(tmp_path / side / "corpus") for side in "ab"]
+    cfg = DataConfig(sources=sources, out_dir=str(tmp_path / "prepared"))
+    with pytest.raises(DataError, match=r"both named 'corpus/law/x.txt'.*rename one"):
+        prepare_data(cfg, vocab_size=300, log=lambda s: None)
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "prepared.partial").exists()
+    assert [(tmp_path / side / "corpus" / "law" / "x.txt").read_text() for side in "ab"] == ["one text", "another text"]
 
 
 def test_prepare_skips_when_done_and_refuses_silent_overwrite(prepared):

@@ -37,7 +37,7 @@ def test_a_parquet_file_gives_its_rows_with_their_domains(tmp_path):
     path = write_parquet(tmp_path / "c.parquet", ROWS)
     docs, report = read(path)
     assert [(d.text, d.domain) for d in docs] == [(r["text"], r["domain"]) for r in ROWS]
-    assert [d.name for d in docs] == [f"{path}:{i}" for i in range(len(ROWS))]
+    assert [d.name for d in docs] == [f"c.parquet:{i}" for i in range(len(ROWS))]  # not where the file lives
     assert report.documents == {d: 5 for d in WORDS}
 
 
@@ -102,7 +102,7 @@ def test_prepare_on_parquet_keeps_the_domain_column(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["domains"] == sorted(WORDS)
     tok = load_data_tokenizer(out)
-    by_name = {f"{src}:{i}": r for i, r in enumerate(ROWS)}
+    by_name = {f"corpus.parquet:{i}": r for i, r in enumerate(ROWS)}
     for split in ("train", "val"):
         shard = load_split(out, split)
         for d, name in enumerate(shard.doc_names()):
@@ -119,6 +119,8 @@ def test_domains_come_from_the_column_stringified_else_from_the_source(tmp_path)
     docs, report = read(f"{tmp_path}/by/*/*.parquet")
     assert [(d.text, d.domain) for d in docs] == [("art text", "art"), ("law text", "law")]
     assert report.documents == {"art": 1, "law": 1}
+    # named from the glob's last folder without a wildcard, as a folder source is from its own folder
+    assert [d.name for d in docs] == ["by/art/p.parquet:0", "by/law/p.parquet:0"]
 
 
 def test_a_dataset_dict_reads_its_only_split_and_refuses_an_ambiguous_one(tmp_path):

@@ -32,12 +32,13 @@ def assert_documents_round_trip(out: Path, start_id: int, lossless: bool = True)
     """Every shard document is the start token plus exactly the tokenizer's encoding of its source file (which
     decodes back to the file when the tokenizer is lossless)."""
     tok = load_data_tokenizer(out)
+    (source_folder,) = json.loads((out / "meta.json").read_text())["signature"]["sources"]
     n = 0
     for split in ("train", "val"):
         shard = load_split(out, split)
         for d, name in enumerate(shard.doc_names()):
             doc = np.asarray(shard.document(d)).tolist()
-            source = Path(name).read_text()
+            source = (Path(source_folder).parent / name).read_text()  # a name is a path from the source's folder
             assert doc == [start_id, *tok.encode(source)]
             assert not lossless or tok.decode(doc[1:]) == source
             n += 1
