@@ -23,7 +23,9 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 @dataclass(frozen=True)
 class Document:
-    name: str  # unique and stable: "<file>" or "<file>:<line>" (see source_name) or "<corpus>:<item>"
+    # stable: "<file>" or "<file>:<line>" (see source_name) or "<corpus>:<item>"; not always unique (two packages'
+    # numpy/LICENSE.txt), which is harmless: the split is a function of the name, so both land on one side
+    name: str
     domain: str
     text: str
 

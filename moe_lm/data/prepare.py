@@ -165,7 +165,7 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
     report = ReadReport()
     docs_file = tmp / "documents.jsonl"
     entries = []
-    seen, named = set(), set()  # content hashes, names
+    seen = set()
     with open(docs_file, "w", encoding="utf-8") as f:
         for doc in tqdm(iter_documents(cfg, report), desc="reading documents", unit="doc", leave=False):
             digest = hashlib.sha256(doc.text.encode("utf-8", errors="surrogatepass")).hexdigest()
@@ -174,13 +174,6 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
                 report.documents[doc.domain] -= 1
                 continue
             seen.add(digest)
-            if doc.name in named:  # the split and the shards look documents up by name
-                raise DataError(
-                    f"two different documents are both named {doc.name!r}: a file's name is its path from the folder "
-                    f"holding its source, so two sources with the same name ({', '.join(cfg.sources)}) clash; "
-                    "rename one of them (nothing was written)"
-                )
-            named.add(doc.name)
             split = "val" if is_validation(doc.name, cfg.val_fraction) else "train"
             entries.append(
                 {"name": doc.name, "domain": doc.domain, "split": split, "bytes": len(doc.text), "sha256": digest[:16]}
@@ -272,14 +265,23 @@ def _check_and_balance_split(entries: list[dict], cfg: DataConfig) -> None:
             f"the default corpus found only {len(by_domain)} domains ({', '.join(sorted(by_domain))}) in this Python "
             f"installation; at least {MIN_DEFAULT_DOMAINS} are needed: point data.sources at your own text instead"
         )
+    by_name = defaultdict(list)
+    for e in entries:
+        by_name[e["name"]].append(e)
+
+    def move(entry: dict, split: str) -> None:
+        # why every document of the name: the later passes look a document's split up by its name
+        for same in by_name[entry["name"]]:
+            same["split"] = split
+
     for docs in by_domain.values():
         val = [e for e in docs if e["split"] == "val"]
         if len(docs) >= 2 and not val:
-            min(docs, key=lambda e: e["sha256"])["split"] = "val"  # deterministic choice
+            move(min(docs, key=lambda e: e["sha256"]), "val")  # deterministic choice
         if len(docs) >= 2 and len(val) == len(docs):
-            max(docs, key=lambda e: e["sha256"])["split"] = "train"
+            move(max(docs, key=lambda e: e["sha256"]), "train")
         if all(e["split"] == "val" for e in docs):
-            docs[0]["split"] = "train"
+            move(docs[0], "train")
 
 
 def read_meta(data_dir: str | Path) -> dict:

@@ -193,18 +193,24 @@ def test_a_moved_corpus_keeps_its_names_split_and_fingerprint(prepared, tmp_path
     assert moved.is_dir() and Path(cfg.sources[0]).is_dir()  # both corpora untouched
 
 
-def test_two_sources_of_the_same_name_are_refused(tmp_path):
-    """Sources whose folders share a name could give two documents one name (the split and the shards look
-    documents up by name): an error naming the document and the sources, not a silently merged split."""
-    for side, text in (("a", "one text"), ("b", "another text")):
-        (tmp_path / side / "corpus" / "law").mkdir(parents=True)
-        (tmp_path / side / "corpus" / "law" / "x.txt").write_text(text)
-    sources = [str(tmp_path / side / "corpus") for side in "ab"]
-    cfg = DataConfig(sources=sources, out_dir=str(tmp_path / "prepared"))
-    with pytest.raises(DataError, match=r"both named 'corpus/law/x.txt'.*rename one"):
-        prepare_data(cfg, vocab_size=300, log=lambda s: None)
-    assert not (tmp_path / "prepared").exists() and not (tmp_path / "prepared.partial").exists()
-    assert [(tmp_path / side / "corpus" / "law" / "x.txt").read_text() for side in "ab"] == ["one text", "another text"]
+def test_two_sources_of_one_folder_name_keep_every_document(tmp_path):
+    """Sources whose folders share a name give their files one name (as the default corpus has two packages'
+    numpy/LICENSE.txt): every document is kept, and the two, being one name, fall on one side of the split."""
+    for side, text in (("a", "one text here"), ("b", "another text")):
+        for i in range(6):  # enough documents for both splits
+            (tmp_path / side / "corpus" / "law").mkdir(parents=True, exist_ok=True)
+            (tmp_path / side / "corpus" / "law" / f"x{i}.txt").write_text(f"{text} {i}")
+    cfg = DataConfig(sources=[str(tmp_path / s / "corpus") for s in "ab"], out_dir=str(tmp_path / "prepared"))
+    out = prepare_data(cfg, vocab_size=300, log=lambda s: None)
+    documents = json.loads((out / "manifest.json").read_text())["documents"]
+    assert sorted(d["name"] for d in documents) == sorted(2 * [f"corpus/law/x{i}.txt" for i in range(6)])
+    split_of = {}
+    for d in documents:  # each name on one side, in the manifest as in the shards
+        assert split_of.setdefault(d["name"], d["split"]) == d["split"], d["name"]
+    shards = {s: load_split(out, s) for s in ("train", "val")}
+    assert sorted(n for s, shard in shards.items() for n in shard.doc_names() if split_of[n] == s) == sorted(
+        d["name"] for d in documents
+    )
 
 
 def test_prepare_skips_when_done_and_refuses_silent_overwrite(prepared):
