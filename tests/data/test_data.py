@@ -57,6 +57,20 @@ def test_jsonl_reader_and_bad_lines_are_counted(tmp_path):
     assert "skipped 1 (invalid JSON line)" in report.summary()
 
 
+def test_a_flat_folder_given_as_dot_is_named_by_the_folder(tmp_path, monkeypatch):
+    """A folder of files read from inside it ('.'): its domain and its documents' names come from the folder's own
+    name, as when it is given by path."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello")
+    monkeypatch.chdir(tmp_path / "notes")
+    docs, _ = read_all(".")
+    assert (
+        [(d.name, d.domain) for d in docs]
+        == [("notes/a.txt", "notes")]
+        == [(d.name, d.domain) for d in read_all(tmp_path / "notes")[0]]
+    )
+
+
 def test_folder_per_domain(tmp_path):
     root = write_folder_corpus(tmp_path / "corpus", n_docs=3)
     docs, report = read_all(root)
