@@ -13,7 +13,7 @@ CONFIG ?= tiny
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
-.PHONY: setup test train data bench lint clean megablocks gpu-check gpu-wheels serve-check
+.PHONY: setup test test-fast train data bench lint clean megablocks gpu-check gpu-wheels serve-check
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -c 'from moe_lm.ops.cpu_kernels import load_cpu_kernels; load_cpu_kernels()'
 	touch $@
 
+# The whole suite: the unit and integration tests on one pytest-xdist worker per core, then the tests that start
+# several processes themselves (DeepSpeed's launcher, forked ranks) one at a time; both halves always run.
+# `make test-fast`: the unit tests only (tests/README.md says what each tier holds).
+TEST_WORKERS ?= auto
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not launch and not ranks" tests; a=$$?; \
+	$(BIN)/python -m pytest -q -m "launch or ranks" tests; b=$$?; test $$a -eq 0 -a $$b -eq 0
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not integration" tests
 
 # The main job: prepare the default corpus (skipped when up to date) and train (moe-lm train: one process, or
 # NPROC=N processes under DeepSpeed's launcher).

@@ -1,13 +1,61 @@
-"""Shared fixtures: a seeded RNG, a quiet console, and the tiny prepared corpus (tests/helpers/runs.py builds it)."""
+"""Shared fixtures, and the tier each one puts a test in.
+
+A test's tier follows from the fixtures it uses (marked here at collection, never by hand):
+
+    launcher      -> launch       DeepSpeed's real launcher (2 + N fresh interpreters): serial
+    ranks         -> ranks        several ranks forked over gloo (tests/helpers/ranks.py): serial
+    train, trained_run, cli, process
+                  -> integration  trains a model or runs a command (in this process or another)
+
+launch and ranks tests are integration tests too. Everything else is a unit test (`make test-fast`). The running
+machinery is reached through these fixtures only (tests/test_layout.py holds the test files to it), so the marks
+stay true.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import random
+import shutil
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from moe_lm.config import DataConfig
+from moe_lm.config import Config, DataConfig
 from moe_lm.data.prepare import prepare_data
-from tests.helpers.runs import VOCAB, write_folder_corpus
+from tests.helpers import commands, distributed
+from tests.helpers.ranks import run_ranks
+from tests.helpers.runs import VOCAB, tiny_train_cfg, write_folder_corpus
+
+TIERS = {
+    "launcher": ("launch", "integration"),
+    "ranks": ("ranks", "integration"),
+    "train": ("integration",),
+    "trained_run": ("integration",),
+    "cli": ("integration",),
+    "process": ("integration",),
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, marks in TIERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                for mark in marks:
+                    item.add_marker(mark)
+
+
+def pytest_configure(config):
+    # why one thread per worker under pytest-xdist: two workers on two cores each running torch's default pool
+    # (one thread per core) oversubscribe the machine, and OpenMP's spinning threads then slow both down
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
@@ -29,3 +77,92 @@ def tiny_data(tmp_path_factory):
     cfg = DataConfig(sources=[str(corpus)], out_dir=str(root / "prepared"), val_fraction=0.2)
     prepare_data(cfg, vocab_size=VOCAB, log=lambda s: None)
     return cfg
+
+
+# ---- the running machinery: each fixture marks its tests (TIERS) ----------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def train():
+    """Train in this process: `train(cfg)` is moe_lm.train.loop.train."""
+    from moe_lm.train import loop
+
+    return loop.train
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_data, tmp_path_factory):
+    """`trained_run(**settings)`: the folder of a run of tiny_train_cfg(tiny_data, ..., **settings), trained once per
+    settings for the whole session and shared. Read it; to damage or continue it, work on `copy_run(...)` of it.
+    At the end of the session every shared run must be as it was trained (a test that wrote into one fails here)."""
+    from moe_lm.train import loop
+
+    runs: dict[tuple, tuple[Path, list]] = {}
+
+    def get(**settings) -> Path:
+        key = tuple(sorted(settings.items()))
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("trained") / "run"
+            # why quiet and with the random state put back: the test that happens to train a shared run first
+            # must see the same output and random numbers as one that finds it trained
+            with torch.random.fork_rng(), _python_rng_kept(), redirect_stdout(io.StringIO()):
+                loop.train(tiny_train_cfg(tiny_data, folder, **settings))
+            runs[key] = folder, _listing(folder)
+        return runs[key][0]
+
+    yield get
+    changed = [str(folder) for folder, listing in runs.values() if _listing(folder) != listing]
+    assert not changed, f"a test changed the shared trained runs {changed}: copy_run(...) them first"
+
+
+@pytest.fixture
+def copied_run(trained_run, tiny_data, tmp_path):
+    """`copied_run(**settings)`: a copy of `trained_run(**settings)` at tmp_path / "run" (as a user copies a run
+    folder), to damage or to continue; returns its config (tiny_train_cfg with those settings)."""
+
+    def copy(**settings) -> Config:
+        shutil.copytree(trained_run(**settings), tmp_path / "run", symlinks=True)
+        return tiny_train_cfg(tiny_data, tmp_path / "run", **settings)
+
+    return copy
+
+
+@contextlib.contextmanager
+def _python_rng_kept():
+    state = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+
+
+def _listing(folder: Path) -> list:
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """Run a command in this process: `cli("export", "--run", run, ...)` is `moe-lm export ...`,
+    `cli.script("export_hf.py", ...)` is `python launch/export_hf.py ...`; each returns the exit code, stdout and
+    stderr as a CompletedProcess."""
+    return commands.InProcess()
+
+
+@pytest.fixture(scope="session")
+def process():
+    """Run a command in a process of its own (tests/helpers/commands.py): `process.moe_lm(...)`,
+    `process.script(...)`, `process.train(cfg_file, ...)` (started, not waited for), `process.run(cmd, ...)`."""
+    return commands
+
+
+@pytest.fixture(scope="session")
+def launcher():
+    """DeepSpeed's real launcher (tests/helpers/distributed.py): `launcher.launch(script, *args, n=2, nodes=1)`."""
+    return distributed
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """`ranks(fn, world, *args, nodes=1)`: fn(*args) on `world` ranks forked over gloo (tests/helpers/ranks.py)."""
+    return run_ranks

@@ -9,6 +9,8 @@
   train/objective.py).
 - No two modules of the package import each other, directly or around a circle (imports inside functions count).
 - No function in moe_lm/ or launch/ is longer than 70 lines.
+- A test file trains, runs commands and starts processes only through the fixtures that mark its tier
+  (tests/conftest.py), so that `make test-fast` and the serial launch phase hold what they say.
 """
 
 from __future__ import annotations
@@ -151,3 +153,37 @@ def test_no_function_longer_than_the_house_limit():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+# what a test file reaches only through the fixtures of tests/conftest.py (train, trained_run, cli, process,
+# launcher, ranks): each of these trains, runs a command or starts processes
+_MACHINERY_IMPORTS = ("subprocess", "multiprocessing", "tests.helpers.commands", "tests.helpers.distributed",
+                      "tests.helpers.ranks")  # fmt: skip
+
+
+def machinery_used(path: Path) -> list[str]:
+    """Where a test file trains (loop.train), runs a command (a moe_lm.cli module's main) or imports what starts
+    processes, other than through the fixtures."""
+    found = [f"{line} imports {m}" for line, m in imports(path) if m.startswith(_MACHINERY_IMPORTS)]
+    tree = ast.parse(path.read_text())
+    commands = {"loop": "train"}  # name -> the attribute that runs it
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe_lm.cli"):
+            for a in node.names:
+                if a.name == "main":
+                    found.append(f"{node.lineno} imports a command's main from {node.module}")
+                elif _is_module(f"{node.module}.{a.name}"):
+                    commands[a.asname or a.name] = "main"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+            if commands.get(node.func.value.id) == node.func.attr:
+                found.append(f"{node.lineno} calls {node.func.value.id}.{node.func.attr}")
+    return found
+
+
+def test_tests_reach_the_running_machinery_through_their_fixtures():
+    """The tiers are marked from the fixtures a test uses; a test file that trained, ran a command or started a
+    process some other way would land in `make test-fast` or run beside the serial launch tests."""
+    offenders = [f"{p.relative_to(ROOT)}:{where}" for p in sorted((ROOT / "tests").rglob("test_*.py"))
+                 for where in machinery_used(p)]  # fmt: skip
+    assert not offenders, "use the fixtures (tests/README.md):\n" + "\n".join(offenders)

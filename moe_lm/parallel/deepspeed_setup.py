@@ -48,7 +48,9 @@ def shutdown_distributed() -> None:
         dist.barrier()
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             remove_shm_buffers(os.environ.get("MASTER_PORT", ""))
-        dist.destroy_process_group()
+        # why DeepSpeed's: it also drops its cached groups (expert-parallel, data-parallel), which would otherwise
+        # name destroyed groups when this process trains again (a notebook, a sweep in one process)
+        deepspeed.comm.destroy_process_group()
 
 
 # ---- a dead peer -------------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
-"""Running test scripts under the real `deepspeed` launcher (CPU processes, gloo), from both sides.
+"""DeepSpeed's real launcher, for the tests whose subject it is (the `launcher` fixture): a multi-node job started
+without ssh, a dead peer, signals to every rank, the console of a multi-process run, the shared memory left behind,
+the documented `deepspeed launch/train.py` command. Multi-rank tests of anything else fork their ranks
+(tests/helpers/ranks.py): the launcher starts 2 + N fresh interpreters, which is most of such a test's time.
 
-launch("tests/workers/dist_balance.py", "--out", path, n=2)      # in a pytest test: start N ranks, check exit 0
-args = worker_args(ap)                                          # in the script: parse, join the process group
+launch("launch/train.py", "--config", cfg, n=2, nodes=2)     # run to the end; asserts every node exits 0
+proc = start(deepspeed(2, port, "launch/train.py", ...))      # started in a session of its own, for signals
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -17,16 +19,45 @@ import tempfile
 import time
 from pathlib import Path
 
-from moe_lm.parallel.deepspeed_setup import init_distributed, remove_shm_buffers, shutdown_distributed
+from moe_lm.parallel.deepspeed_setup import remove_shm_buffers
+from tests.helpers.commands import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+# why one thread per rank: N ranks on a machine of few cores, each with a thread per core, oversubscribe it many
+# times over (an 8-rank job ran 4x slower on 2 cores); a user's launcher on a real cluster sets this too
+RANK_THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def deepspeed(n: int, port: int | str, *args) -> list[str]:
+    """`deepspeed --num_gpus n --master_port port args...`."""
+    return [DEEPSPEED, "--num_gpus", str(n), "--master_port", str(port), *map(str, args)]
+
+
+def start(cmd: list, **kwargs) -> subprocess.Popen:
+    """`cmd` (a launcher, or a command that starts one) from the repository root without the calling process's
+    group variables, stdout and stderr merged, in a session of its own: a test can signal or kill the launcher and
+    every rank at once."""
+    kwargs = {"cwd": ROOT, "env": clean_env(RANK_THREADS), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs}
+    return subprocess.Popen([str(c) for c in cmd], text=True, start_new_session=True, **kwargs)
+
+
+def run(cmd: list, timeout: float = 420, **kwargs) -> subprocess.CompletedProcess:
+    """`start(cmd)` waited for; on a time-out the launcher and its ranks are killed. Output in .stdout."""
+    proc = start(cmd, **kwargs)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def launch(script: str, *args: str, n: int = 2, nodes: int = 1, timeout: int = 420) -> subprocess.CompletedProcess:
@@ -36,7 +67,7 @@ def launch(script: str, *args: str, n: int = 2, nodes: int = 1, timeout: int = 4
     node, each `deepspeed --hostfile H --no_ssh --node_rank i --master_addr 127.0.0.1 --master_port P`, over a
     hostfile of `nodes` loopback hosts with n slots each (world = nodes x n).
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the scripts import tests.* helpers
+    env = {**os.environ, **RANK_THREADS}
     for attempt in range(2):
         port = str(free_port())
         logs = Path(tempfile.mkdtemp(prefix="moe_lm_launch_"))
@@ -72,7 +103,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
 
 
 def _start_nodes(script: str, args, n: int, nodes: int, port: str, env: dict, logs: Path) -> list[subprocess.Popen]:
-    cmd = [DEEPSPEED, "--num_gpus", str(n), "--master_port", port]
+    cmd = deepspeed(n, port)
     if nodes == 1:
         launchers = [cmd]
     else:
@@ -88,19 +119,3 @@ def _start_nodes(script: str, args, n: int, nodes: int, port: str, env: dict, lo
                 subprocess.Popen([*c, script, *args], cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
             )
     return procs
-
-
-def run_worker(main, ap: argparse.ArgumentParser) -> None:
-    """The preamble of every script `launch` starts: parse its flags (plus the launcher's --local_rank), join the
-    process group, run `main(args)`, leave the group cleanly."""
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None)
-    args = ap.parse_args()
-    init_distributed()
-    main(args)
-    shutdown_distributed()
-    # why: the checks are done and their result is written; the interpreter's teardown can still abort in a C++
-    # thread destructor of the CPU process group ("terminate called without an active exception", seen once in
-    # about ten suite runs), which would fail a passing check. Exit without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

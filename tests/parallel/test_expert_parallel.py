@@ -1,5 +1,5 @@
-"""Expert parallelism on CPU with gloo under the real `deepspeed` launcher: 2, 4 and 8 processes, and two nodes
-started the way a cluster without ssh starts them (two launchers on this one machine)."""
+"""Expert parallelism on CPU with gloo: 2, 4 and 8 ranks (forked, tests/helpers/ranks.py), two "nodes" of ranks,
+and a real 2-node job started the way a cluster without ssh starts it (two DeepSpeed launchers on this machine)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,31 @@ from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import dump_config
 from moe_lm.interop.hf import export_hf
 from moe_lm.parallel.comm_plan import KINDS, trace_pairs
-from moe_lm.train import loop
-from tests.helpers.distributed import launch
 from tests.helpers.runs import tiny_train_cfg
-from tests.workers.dist_reshard import fixed_tokens
-
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+from tests.workers.dist_ep import expert_parallel_cases
+from tests.workers.dist_reshard import fixed_tokens, resharded_logits
+from tests.workers.train_ranks import train_command
 
 
 ALL_CASES = "zero1,zero2,zero2-mtp2,zero2-starve"
 DIM, K, FP32 = 32, 3, 4  # the worker's model: dim 32, 3 experts per token, fp32 rows
 
 
-def ep_check(tmp_path, n: int, ep: int, cases: str, nodes: int = 1) -> dict:
-    out = tmp_path / "ep.json"
-    launch("tests/workers/dist_ep.py", "--ep", str(ep), "--cases", cases, "--out", str(out), n=n, nodes=nodes)
-    return json.loads(out.read_text())
+# each world size's expert-parallel sizes and cases, run in one job (world: [(ep, cases), ...])
+EP_JOBS = {2: [(2, ALL_CASES)], 4: [(2, "zero2"), (4, ALL_CASES)], 8: [(8, ALL_CASES)]}
+
+
+@pytest.fixture(scope="module")
+def ep_results(ranks):
+    """The results of EP_JOBS, one job per world size, run when a test first asks for that world size."""
+    done: dict[int, dict] = {}
+
+    def get(world: int, ep: int) -> dict:
+        if world not in done:
+            done[world] = ranks(expert_parallel_cases, world, EP_JOBS[world])[0]
+        return done[world][ep]
+
+    return get
 
 
 def check_case(r: dict, ep: int, nodes: list[int], starved: bool) -> None:
@@ -60,22 +68,22 @@ def check_case(r: dict, ep: int, nodes: list[int], starved: bool) -> None:
                 assert s["slots_computed"] == planned.slots[rank]
 
 
-@pytest.mark.parametrize("n, ep, cases", [(2, 2, ALL_CASES), (4, 2, "zero2"), (4, 4, ALL_CASES), (8, 8, ALL_CASES)])
-def test_expert_parallel_steps_match_single_process(tmp_path, n, ep, cases):
+@pytest.mark.parametrize("n, ep, cases", [(n, ep, cases) for n, jobs in EP_JOBS.items() for ep, cases in jobs])
+def test_expert_parallel_steps_match_single_process(ep_results, n, ep, cases):
     """Two steps at EP 2, 4 and 8 (one expert per rank), with DP 2 x EP 2, equal a single process on the global
     batch: with ZeRO-1 and -2, with MTP depth 2 (the MTP blocks' experts are sharded too, and the MTP loss is in the
     reference), and with a rank that receives no token at all."""
-    r = ep_check(tmp_path, n, ep, cases)
+    r = ep_results(n, ep)
     assert r["world"] == n and r["nodes"] == [0] * ep
     for case in cases.split(","):
         check_case(r[case], ep, r["nodes"], starved="starve" in case)
 
 
-def test_two_nodes_expert_parallel_and_node_limited_routing(tmp_path):
-    """Two launchers with --no_ssh --node_rank 0|1 and a two-host hostfile form a 2-node job; EP 4 spans both nodes
+def test_two_nodes_expert_parallel_and_node_limited_routing(ranks):
+    """Two nodes of 2 ranks (as two launchers with --node_rank 0|1 number them: CROSS_RANK); EP 4 spans both nodes
     (experts 0-3 on node 0, 4-7 on node 1) and equals the single process. With n_group 2 = nodes and topk_group 1,
     every token's experts lie on one node, and the dispatcher's cross-node bytes fall accordingly."""
-    r = ep_check(tmp_path, 2, 4, "zero2-groups1x1,zero2-groups2x1", nodes=2)
+    r = ranks(expert_parallel_cases, 4, [(4, "zero2-groups1x1,zero2-groups2x1")], nodes=2)[0][4]
     assert r["world"] == 4 and r["nodes"] == [0, 0, 1, 1]
     inter = {}
     for case in ("zero2-groups1x1", "zero2-groups2x1"):
@@ -99,17 +107,17 @@ def eval_rows(run_dir):
 
 
 @pytest.mark.parametrize("zero", [1, 2])
-def test_loss_trajectory_does_not_depend_on_ep_size(tiny_data, tmp_path, zero):
+def test_loss_trajectory_does_not_depend_on_ep_size(tiny_data, tmp_path, train, ranks, zero):
     base = tiny_train_cfg(
         tiny_data, tmp_path / "ep1", max_steps=10, grad_accum_steps=2, ckpt_interval=100, eval_interval=100
     )
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, zero_stage=zero))
-    loop.train(base)  # one process, ep_size 1, 2 micro-batches per step
+    train(base)  # one process, ep_size 1, 2 micro-batches per step
     ep2 = dataclasses.replace(
         base, train=dataclasses.replace(base.train, grad_accum_steps=1, out_dir=str(tmp_path / "ep2"))
     )
     dump_config(ep2, tmp_path / "ep2.yaml")
-    launch("launch/train.py", "--config", str(tmp_path / "ep2.yaml"), "parallel.ep_size=2")  # same global batch
+    ranks(train_command, 2, "--config", tmp_path / "ep2.yaml", "parallel.ep_size=2")  # same global batch
     a, b = train_rows(tmp_path / "ep1"), train_rows(tmp_path / "ep2")
     assert [r["step"] for r in b] == list(range(1, 11))
     for ra, rb in zip(a, b, strict=True):
@@ -117,7 +125,7 @@ def test_loss_trajectory_does_not_depend_on_ep_size(tiny_data, tmp_path, zero):
     assert all(r["a2a_bytes_per_rank"] > 0 for r in b)
 
 
-def test_two_node_training_equals_one_process(tiny_data, tmp_path):
+def test_two_node_training_equals_one_process(tiny_data, tmp_path, train, launcher):
     """`launch/train.py` as a 2-node job (2 launchers x 2 ranks, EP 4 across the nodes) gives the losses of one
     process on the same global batch, logs cross-node bytes, and saves a complete checkpoint. Its evaluation (2
     windows per domain: fewer than the 4 ranks, so every rank runs them all and one counts them) gives the single
@@ -126,11 +134,11 @@ def test_two_node_training_equals_one_process(tiny_data, tmp_path):
         tiny_data, tmp_path / "one", max_steps=4, micro_batch_size=2, grad_accum_steps=4, ckpt_interval=4,
         eval_interval=4,
     )  # fmt: skip
-    loop.train(base)
+    train(base)
     two_train = dataclasses.replace(base.train, grad_accum_steps=1, out_dir=str(tmp_path / "two"))
     two = dataclasses.replace(base, train=two_train)
     dump_config(two, tmp_path / "two.yaml")
-    launch("launch/train.py", "--config", str(tmp_path / "two.yaml"), "parallel.ep_size=4", n=2, nodes=2)
+    launcher.launch("launch/train.py", "--config", str(tmp_path / "two.yaml"), "parallel.ep_size=4", n=2, nodes=2)
     a, b = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b, strict=True):
@@ -141,12 +149,6 @@ def test_two_node_training_equals_one_process(tiny_data, tmp_path):
     assert latest_tag(tmp_path / "two") == "step_00000004"
 
 
-def reshard_logits(tmp_path, run, n: int, ep: int) -> torch.Tensor:
-    out = tmp_path / f"logits_ep{ep}.pt"
-    launch("tests/workers/dist_reshard.py", "--run", str(run), "--ep", str(ep), "--out", str(out), n=n)
-    return torch.load(out)
-
-
 def offline_logits(run) -> tuple[torch.Tensor, object]:
     cfg, model, _ = load_model(run)
     with torch.no_grad():
@@ -154,17 +156,17 @@ def offline_logits(run) -> tuple[torch.Tensor, object]:
 
 
 @pytest.mark.parametrize("saved_ep, load_eps", [(2, (1,)), (1, (2, 8)), (8, (2, 1))])
-def test_checkpoint_reshards_between_ep_sizes(tiny_data, tmp_path, saved_ep, load_eps):
+def test_checkpoint_reshards_between_ep_sizes(tiny_data, tmp_path, ranks, saved_ep, load_eps):
     """A checkpoint saved at one ep_size loads at another (EP 2 -> 1, 1 -> 2 and 8, 8 -> 2 and 1): the same logits
     as the plain model assembled from its per-expert files."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, grad_accum_steps=1, ckpt_interval=3)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=saved_ep))
     dump_config(cfg, tmp_path / "cfg.yaml")
-    launch("launch/train.py", "--config", str(tmp_path / "cfg.yaml"), n=max(saved_ep, 2))
+    ranks(train_command, max(saved_ep, 2), "--config", tmp_path / "cfg.yaml")
     expected, model = offline_logits(tmp_path / "run")  # the plain model assembled from per-expert files
     for load_ep in load_eps:
-        got = reshard_logits(tmp_path, tmp_path / "run", n=load_ep, ep=load_ep)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for got in ranks(resharded_logits, load_ep, tmp_path / "run", load_ep):  # every rank's
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # and the HF export of that checkpoint gives the same logits
     import transformers
 
@@ -174,8 +176,8 @@ def test_checkpoint_reshards_between_ep_sizes(tiny_data, tmp_path, saved_ep, loa
         torch.testing.assert_close(hf(fixed_tokens(cfg.model.vocab_size)).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_ep_size_must_divide_experts_and_world(tiny_data, tmp_path):
+def test_ep_size_must_divide_experts_and_world(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1)
     bad = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=2))
     with pytest.raises(ValueError, match="must divide both the world size"):
-        loop.train(bad)  # world size 1 here
+        train(bad)  # world size 1 here

@@ -9,7 +9,6 @@ import re
 import shlex
 import signal
 import socket
-import subprocess
 import time
 
 import psutil
@@ -19,9 +18,6 @@ from moe_lm.checkpoint.format import ckpt_root, latest_tag
 from moe_lm.config import dump_config
 from moe_lm.parallel.deepspeed_setup import Peer, init_distributed
 from moe_lm.train.stop import PeerLost, WatchPeers
-from tests.helpers.commands import ROOT
-from tests.helpers.commands import train_process as train_cli
-from tests.helpers.distributed import DEEPSPEED, free_port
 from tests.helpers.runs import rows, tiny_train_cfg
 
 GLOO_CLOSED = (
@@ -38,9 +34,11 @@ LINE = re.compile(
 
 def a_dead_pid() -> int:
     """The pid of a process that has exited (and been reaped)."""
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
 
 
 def past_a_checkpoint(run) -> bool:
@@ -86,20 +84,18 @@ def test_other_errors_pass_through_unchanged(tmp_path):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("ep_size", [2, 1])
-def test_kill_9_of_rank_1_is_named_in_one_line_and_the_run_resumes_on_one_process(tiny_data, tmp_path, ep_size):
+def test_kill_9_of_rank_1_is_named_in_one_line_and_the_run_resumes_on_one_process(
+    tiny_data, tmp_path, launcher, cli, ep_size
+):
     """ep_size 2 -> 1 process at ep_size 1: another world and another ep_size. ep_size 1 -> 1 process: another
     world at the same ep_size (ZeRO's optimizer state does not re-shard: the weights must still load)."""
     run = tmp_path / "run"
     cfg = tiny_train_cfg(tiny_data, run, max_steps=400, ckpt_interval=2, eval_interval=1000, grad_accum_steps=1)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=ep_size))
     dump_config(cfg, tmp_path / "cfg.yaml")
-    port = str(free_port())
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", port, "launch/train.py", "--config", f"{tmp_path}/cfg.yaml"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    cmd = launcher.deepspeed(2, launcher.free_port(), "launch/train.py", "--config", f"{tmp_path}/cfg.yaml")
+    proc = launcher.start(cmd)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -130,11 +126,10 @@ def test_kill_9_of_rank_1_is_named_in_one_line_and_the_run_resumes_on_one_proces
     # resume on one process; the same global batch (grad_accum x2), so step tag+1 sees the same samples
     resumed_at = int(tag[5:])
     before = {r["step"]: r["loss"] for r in logged}
-    proc = train_cli(tmp_path / "cfg.yaml", "parallel.ep_size=1", "train.grad_accum_steps=2",
-                     f"train.max_steps={resumed_at + 2}")  # fmt: skip
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert f"resumed from {ckpt_root(run) / tag} at step {resumed_at}" in out
+    proc = cli("train", "--config", tmp_path / "cfg.yaml", "parallel.ep_size=1", "train.grad_accum_steps=2",
+               f"train.max_steps={resumed_at + 2}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {ckpt_root(run) / tag} at step {resumed_at}" in proc.stdout
     after = {r["step"]: r["loss"] for r in rows(run)}
     assert sorted(after) == list(range(1, resumed_at + 3))
     # the loss of step tag+1 is computed before its update: the loaded weights on the same batch

@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -29,7 +27,6 @@ from moe_lm.data.prepare import prepare_data
 from moe_lm.errors import RunError
 from moe_lm.train import loop, run_folder
 from moe_lm.train.flops import Throughput
-from tests.helpers.commands import train_process
 from tests.helpers.runs import VOCAB, rows, tiny_train_cfg, with_train, write_folder_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,11 +35,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---- 2. never silently restart a run ---------------------------------------------------------------------------
 
 
-def test_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(tiny_data, tmp_path, capsys):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
-    loop.train(with_train(cfg, stop_at=4))
+def test_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(tmp_path, train, copied_run, capsys):
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
     (tmp_path / "run" / "checkpoints" / "latest").unlink()
-    loop.train(with_train(cfg, max_steps=6))
+    train(with_train(cfg, max_steps=6))
     assert (
         "latest is missing or unreadable; using the newest complete checkpoint, step_00000004"
         in capsys.readouterr().out
@@ -50,28 +46,28 @@ def test_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(tiny
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]  # the log was kept, not wiped
 
 
-def test_a_truncated_checkpoint_falls_back_to_the_previous_one_and_names_the_file(tiny_data, tmp_path, capsys):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
-    loop.train(cfg)
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one_and_names_the_file(
+    tmp_path, train, copied_run, capsys
+):
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
     model_file = tmp_path / "run" / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[:1000])
-    loop.train(with_train(cfg, max_steps=5))
+    train(with_train(cfg, max_steps=5))
     out = capsys.readouterr().out
     assert f"{model_file} has 1000 bytes" in out and "resumed from" in out and "at step 2" in out
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("marker", ["hashes", "sizes only"])
-def test_a_garbled_checkpoint_of_the_same_size_falls_back_too(tiny_data, tmp_path, capsys, marker):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
-    loop.train(cfg)
+def test_a_garbled_checkpoint_of_the_same_size_falls_back_too(tmp_path, train, copied_run, capsys, marker):
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
     folder = tmp_path / "run" / "checkpoints" / "step_00000004"
     if marker == "sizes only":  # a COMPLETE written before the hashes: the failed load names the file
         record = json.loads((folder / COMPLETE).read_text())
         (folder / COMPLETE).write_text(json.dumps({name: entry["bytes"] for name, entry in record.items()}))
     model_file = folder / "mp_rank_00_model_states.pt"
     model_file.write_bytes(b"\0" * model_file.stat().st_size)
-    loop.train(with_train(cfg, max_steps=5))
+    train(with_train(cfg, max_steps=5))
     out = capsys.readouterr().out
     named = "content hash differs" if marker == "hashes" else "mp_rank_00_model_states.pt does not load"
     assert named in out and "mp_rank_00_model_states.pt" in out and "at step 2" in out
@@ -87,9 +83,8 @@ def flip_one_bit(path: Path) -> None:
     path.write_bytes(bytes(content))
 
 
-def test_one_flipped_bit_is_named_by_load_model_and_resume(tiny_data, tmp_path, capsys):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
-    loop.train(cfg)
+def test_one_flipped_bit_is_named_by_load_model_and_resume(tmp_path, train, copied_run, capsys):
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
     folder = tmp_path / "run" / "checkpoints" / "step_00000004"
     written = load_model(tmp_path / "run")[1].state_dict()
     expert_file = sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt"))[-1]
@@ -102,34 +97,32 @@ def test_one_flipped_bit_is_named_by_load_model_and_resume(tiny_data, tmp_path, 
     altered = load_model(tmp_path / "run")[1].state_dict()
     assert [k for k in written if not torch.equal(written[k], altered[k])] == ["layers.1.mlp.experts.gate_up_proj"]
     (folder / COMPLETE).write_text(hashed)
-    loop.train(with_train(cfg, max_steps=5))
+    train(with_train(cfg, max_steps=5))
     out = capsys.readouterr().out
     assert f"{expert_file} is not the file that was written" in out and "at step 2" in out
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
-def test_a_history_without_a_loadable_checkpoint_is_refused(tiny_data, tmp_path):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
-    loop.train(cfg)
+def test_a_history_without_a_loadable_checkpoint_is_refused(tmp_path, train, copied_run):
+    cfg = copied_run(max_steps=2, ckpt_interval=2)
     (tmp_path / "run" / "checkpoints" / "step_00000002" / COMPLETE).unlink()
     with pytest.raises(RunError, match="no complete checkpoint to resume from.*train.resume=false"):
-        loop.train(cfg)
+        train(cfg)
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
 
 
-def test_a_half_written_last_metrics_line_does_not_block_resume(tiny_data, tmp_path):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
-    loop.train(with_train(cfg, stop_at=2))
+def test_a_half_written_last_metrics_line_does_not_block_resume(tmp_path, train, copied_run):
+    cfg = with_train(copied_run(max_steps=4, ckpt_interval=2, stop_at=2), stop_at=0)
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 3, "lo')  # killed mid-write
-    loop.train(cfg)
+    train(cfg)
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]
 
 
 # ---- 3. never promote a bad model ------------------------------------------------------------------------------
 
 
-def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data, tmp_path, monkeypatch, capsys):
+def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data, tmp_path, train, monkeypatch, capsys):
     """A NaN that reaches the weights through a finite-loss step (as through the Adam state): no checkpoint of it,
     `latest` stays on the good one, the offline tools refuse it."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=6, ckpt_interval=2, max_bad_steps=10)
@@ -144,7 +137,7 @@ def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data
 
     monkeypatch.setattr(loop, "train_step", poisoned)
     with pytest.raises(RunError, match="ended with an unhealthy model; the last good checkpoint is step_00000002"):
-        loop.train(cfg)
+        train(cfg)
     out = capsys.readouterr().out
     assert "not saving step 4: the weights are not finite; the last good checkpoint is step_00000002" in out
     assert latest_tag(tmp_path / "run") == "step_00000002"
@@ -162,17 +155,17 @@ def test_non_finite_weights_are_never_saved_and_the_cli_exits_non_zero(tiny_data
         load_model(tmp_path / "run")
 
 
-def test_a_run_that_ends_unhealthy_exits_non_zero_naming_the_last_good_checkpoint(tiny_data, tmp_path):
+def test_a_run_that_ends_unhealthy_exits_non_zero_naming_the_last_good_checkpoint(tiny_data, tmp_path, cli):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, max_bad_steps=10)
     dump_config(cfg, tmp_path / "cfg.yaml")
-    proc = train_process(tmp_path / "cfg.yaml", "model.init_std=1e30")  # every gradient overflows: all steps skipped
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0, out[-2000:]
+    proc = cli("train", "--config", tmp_path / "cfg.yaml", "model.init_std=1e30")  # every gradient overflows
+    assert proc.returncode != 0, proc.stdout[-2000:]  # all steps skipped
+    err = proc.stderr
     assert "error: the run ended with an unhealthy model; the last good checkpoint is none" in err, err[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_non_finite_final_evaluation_fails_the_run(tiny_data, tmp_path, monkeypatch):
+def test_a_non_finite_final_evaluation_fails_the_run(tiny_data, tmp_path, train, monkeypatch):
     real = loop.evaluate
 
     def nan_loss(*args):
@@ -180,21 +173,21 @@ def test_a_non_finite_final_evaluation_fails_the_run(tiny_data, tmp_path, monkey
 
     monkeypatch.setattr(loop, "evaluate", nan_loss)
     with pytest.raises(RunError, match="final validation loss is nan: the run diverged"):
-        loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
+        train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
 
 
 # ---- 4. train on the data the config names ---------------------------------------------------------------------
 
 
-def test_other_sources_than_the_prepared_ones_are_refused(tiny_data, tmp_path):
+def test_other_sources_than_the_prepared_ones_are_refused(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=[str(tmp_path)]))
     with pytest.raises(DataError, match="not prepared from what data.* names now.*sources"):
-        loop.train(other)
+        train(other)
     assert not (tmp_path / "run").exists()  # a failed start leaves no half-made run folder
 
 
-def test_a_corpus_prepared_again_under_a_run_is_refused_on_resume(tmp_path):
+def test_a_corpus_prepared_again_under_a_run_is_refused_on_resume(tmp_path, train):
     """Edited sources, prepared again with --force: the config still matches, the tokenizer does not."""
     from moe_lm.config import DataConfig
 
@@ -202,14 +195,14 @@ def test_a_corpus_prepared_again_under_a_run_is_refused_on_resume(tmp_path):
     data = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "data"), val_fraction=0.2)
     prepare_data(data, vocab_size=VOCAB, log=lambda s: None)
     cfg = tiny_train_cfg(data, tmp_path / "run", max_steps=2, ckpt_interval=2)
-    loop.train(cfg)
+    train(cfg)
     for i in range(6):  # distinct documents (duplicates are dropped), enough to change a 300-piece vocabulary
         (corpus / "cooking" / f"new{i}.txt").write_text(f"recipe {i}: " + "quantum chromodynamics gluon lattice " * 40)
     with pytest.raises(DataError, match="the source files' contents"):  # training notices the edit first
-        loop.train(with_train(cfg, max_steps=4))
+        train(with_train(cfg, max_steps=4))
     prepare_data(data, vocab_size=VOCAB, force=True, log=lambda s: None)
     with pytest.raises(RunError, match="the tokenizer in .* is not the one .* was trained with"):
-        loop.train(with_train(cfg, max_steps=4))
+        train(with_train(cfg, max_steps=4))
 
 
 # ---- 5. no silent zeros, no silent skips, no MFU above 100 % ---------------------------------------------------
@@ -238,17 +231,16 @@ def test_optimizer_values_are_validated_up_front(override, key):
         load_config(ROOT / "configs" / "tiny.yaml", [override])
 
 
-def test_prefix_mask_without_a_prefix_objective_is_refused_before_anything_is_built(tiny_data, tmp_path):
+def test_prefix_mask_without_a_prefix_objective_is_refused_before_anything_is_built(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="prefix"))
     with pytest.raises(ConfigError, match="attn_mask = prefix needs objective.name=prefix_lm"):
-        loop.train(cfg)
+        train(cfg)
     assert not (tmp_path / "run").exists()
 
 
-def test_generate_rejects_top_p_zero_with_a_clear_message():
-    cmd = [sys.executable, str(ROOT / "launch" / "generate.py"), "--run", "runs/none", "--top-p", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+def test_generate_rejects_top_p_zero_with_a_clear_message(cli):
+    proc = cli.script("generate.py", "--run", "runs/none", "--top-p", "0")
     assert proc.returncode == 2 and "--top-p must be in (0, 1]" in proc.stderr
 
 
@@ -256,10 +248,10 @@ def test_generate_rejects_top_p_zero_with_a_clear_message():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path, sig):
+def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp_path, process, cli, sig):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
     dump_config(cfg, tmp_path / "cfg.yaml")
-    proc = train_process(tmp_path / "cfg.yaml")
+    proc = process.train(tmp_path / "cfg.yaml")
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
@@ -271,24 +263,17 @@ def test_a_signal_saves_a_checkpoint_and_the_same_command_resumes(tiny_data, tmp
     tag = latest_tag(tmp_path / "run")
     step = int(tag.split("_")[1])
     assert step >= 3 and [r["step"] for r in rows(tmp_path / "run")] == list(range(1, step + 1))
-    proc = train_process(tmp_path / "cfg.yaml", f"train.max_steps={step + 2}")
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / tag} at step {step}" in out
+    again = cli.script("train.py", "--config", tmp_path / "cfg.yaml", f"train.max_steps={step + 2}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / tag} at step {step}" in again.stdout
 
 
-@pytest.mark.slow
-def test_sigterm_to_a_two_rank_deepspeed_job_saves_on_every_rank(tiny_data, tmp_path):
+def test_sigterm_to_a_two_rank_deepspeed_job_saves_on_every_rank(tiny_data, tmp_path, launcher):
     """What a scheduler does: SIGTERM to every process of the job (launcher and ranks)."""
-    from tests.helpers.distributed import DEEPSPEED, free_port
-
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
     dump_config(cfg, tmp_path / "cfg.yaml")
-    port = str(free_port())
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", port, "launch/train.py", "--config", f"{tmp_path}/cfg.yaml"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    port = str(launcher.free_port())
+    proc = launcher.start(launcher.deepspeed(2, port, "launch/train.py", "--config", f"{tmp_path}/cfg.yaml"))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
@@ -305,25 +290,25 @@ def test_sigterm_to_a_two_rank_deepspeed_job_saves_on_every_rank(tiny_data, tmp_
 # ---- 7. one run per folder -------------------------------------------------------------------------------------
 
 
-def test_a_second_process_on_the_same_run_folder_is_refused(tiny_data, tmp_path):
+def test_a_second_process_on_the_same_run_folder_is_refused(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     (tmp_path / "run").mkdir()
     held = run_folder._lock(tmp_path / "run")  # as the first process holds it
     try:
         with pytest.raises(RunError, match=r"in use by another training process \(pid \d+"):
-            loop.train(cfg)
+            train(cfg)
         with pytest.raises(RunError, match="in use"):  # also when it would move the old run aside
-            loop.train(with_train(cfg, resume=False))
+            train(with_train(cfg, resume=False))
     finally:
         held.close()
     assert not list(tmp_path.glob("run.prev-*"))
-    loop.train(cfg)  # free again
+    train(cfg)  # free again
 
 
 # ---- 8. a full disk during a save ------------------------------------------------------------------------------
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tiny_data, tmp_path, monkeypatch):
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tiny_data, tmp_path, train, monkeypatch):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
     real = save_resume.torch.save
     calls = {"n": 0}
@@ -337,7 +322,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tin
 
     monkeypatch.setattr(save_resume.torch, "save", disk_full)
     with pytest.raises(RunError, match="No space left on device.*step_00000002, is intact"):
-        loop.train(cfg)
+        train(cfg)
     assert latest_tag(tmp_path / "run") == "step_00000002"
     assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()  # its partial folder removed
 
@@ -345,24 +330,12 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tin
 # ---- 9. no garbage ---------------------------------------------------------------------------------------------
 
 
-def test_a_failed_distributed_run_leaves_no_shared_memory_buffers(tiny_data, tmp_path):
-    from tests.helpers.distributed import DEEPSPEED, free_port
-
+def test_a_failed_distributed_run_leaves_no_shared_memory_buffers(tiny_data, tmp_path, launcher):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))  # fails after init
     dump_config(cfg, tmp_path / "cfg.yaml")
-    port = str(free_port())
-    cmd = [
-        DEEPSPEED,
-        "--num_gpus",
-        "2",
-        "--master_port",
-        port,
-        "launch/train.py",
-        "--config",
-        str(tmp_path / "cfg.yaml"),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "tokenized with 300 pieces" in proc.stdout + proc.stderr
+    port = str(launcher.free_port())
+    proc = launcher.run(launcher.deepspeed(2, port, "launch/train.py", "--config", tmp_path / "cfg.yaml"), timeout=300)
+    assert proc.returncode != 0 and "tokenized with 300 pieces" in proc.stdout
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     assert not (tmp_path / "run").exists()

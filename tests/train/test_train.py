@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +11,16 @@ import torch
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import COMPLETE, latest_tag
 from moe_lm.config import MTPConfig, load_config
-from moe_lm.train import loop, objective
+from moe_lm.train import objective
 from moe_lm.train.schedule import lr_at
 from tests.helpers.runs import rows, tiny_train_cfg, with_train
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_run_folder_holds_config_metrics_and_checkpoints(tiny_data, tmp_path):
+def test_run_folder_holds_config_metrics_and_checkpoints(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
-    final = loop.train(cfg)
+    final = train(cfg)
     run = tmp_path / "run"
     assert load_config(run / "config.yaml") == cfg
     train_rows = rows(run)
@@ -41,14 +39,14 @@ def test_run_folder_holds_config_metrics_and_checkpoints(tiny_data, tmp_path):
     assert abs(train_rows[-1]["bias_std/layer_1"]) > 0
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path, train, trained_run):
+    straight = trained_run(max_steps=8, ckpt_interval=100)  # the uninterrupted reference, shared
     cfg = tiny_train_cfg(tiny_data, tmp_path / "straight", max_steps=8, ckpt_interval=100)
-    loop.train(cfg)
     interrupted = with_train(cfg, out_dir=str(tmp_path / "resumed"), stop_at=4)
-    loop.train(interrupted)
+    train(interrupted)
     assert latest_tag(tmp_path / "resumed") == "step_00000004"
-    loop.train(with_train(interrupted, stop_at=0))  # same command again: resumes from step 4
-    a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
+    train(with_train(interrupted, stop_at=0))  # same command again: resumes from step 4
+    a, b = rows(straight), rows(tmp_path / "resumed")
     assert [r["step"] for r in b] == list(range(1, 9))  # no duplicated rows after the resume
     for ra, rb in zip(a, b, strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=0), (ra["step"], ra["loss"], rb["loss"])
@@ -60,16 +58,16 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_data, tmp_path):
         assert seconds[step + 1] - seconds[step] == pytest.approx(tokens / r["tokens_per_s"], rel=1e-6)
 
 
-def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, capsys):
+def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, train, capsys):
     """With model.mtp.depth = 2: per-depth MTP losses in the train and eval rows (and on the console), eval's `loss`
     is the main head's, the MTP routers are balanced and logged, and resuming reproduces the run."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "straight", max_steps=8, ckpt_interval=100, eval_interval=4)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=2, late_start=0.5)))
-    loop.train(cfg)
+    train(cfg)
     assert "| mtp1 " in capsys.readouterr().out
     interrupted = with_train(cfg, out_dir=str(tmp_path / "resumed"), stop_at=4)
-    loop.train(interrupted)
-    loop.train(with_train(interrupted, stop_at=0))
+    train(interrupted)
+    train(with_train(interrupted, stop_at=0))
     a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
     assert [r["step"] for r in b] == list(range(1, 9))
     keys = ("loss", "mtp_loss/depth_1", "mtp_loss/depth_2", "bias_mean/layer_2", "bias_mean/layer_3")
@@ -98,7 +96,7 @@ def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, 
     assert evals[-1]["loss"] == pytest.approx(main_loss, rel=1e-5)
 
 
-def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkeypatch):
+def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, train, monkeypatch):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
     calls = {"n": 0}
     real = save_resume._rng_state
@@ -111,18 +109,18 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path, monkey
 
     monkeypatch.setattr(save_resume, "_rng_state", crash_on_second_save)
     with pytest.raises(KeyboardInterrupt):
-        loop.train(cfg)
+        train(cfg)
     run = tmp_path / "run"
     assert latest_tag(run) == "step_00000002"
     assert not (run / "checkpoints" / "step_00000004" / COMPLETE).exists()
     monkeypatch.setattr(save_resume, "_rng_state", real)
-    loop.train(cfg)  # resumes from the previous checkpoint and finishes
+    train(cfg)  # resumes from the previous checkpoint and finishes
     assert latest_tag(run) == "step_00000004"
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 1024])
-def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_path, monkeypatch, loss_chunk):
+def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_path, train, monkeypatch, loss_chunk):
     """A NaN planted in the training loss (the plain F.cross_entropy, or the chunked linear_cross_entropy, the
     default) skips that step; max_bad_steps in a row stop the run."""
     bad_steps = set()
@@ -145,7 +143,7 @@ def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_pat
         monkeypatch.setattr(objective.F, "cross_entropy", poisoned(objective.F.cross_entropy, 0))
     bad_steps.update({3})
     cfg = tiny_train_cfg(tiny_data, tmp_path / "one_bad", max_steps=5, loss_chunk=loss_chunk)
-    loop.train(cfg)
+    train(cfg)
     r = rows(tmp_path / "one_bad")
     assert [x["skipped"] for x in r] == [False, False, True, False, False]
     assert all(torch.isfinite(torch.tensor(x["loss"])) for i, x in enumerate(r) if i != 2)
@@ -154,48 +152,36 @@ def test_non_finite_loss_skips_the_step_and_many_stop_the_run(tiny_data, tmp_pat
     bad_steps.update(range(1, 100))
     cfg = tiny_train_cfg(tiny_data, tmp_path / "all_bad", max_steps=20, max_bad_steps=3, loss_chunk=loss_chunk)
     with pytest.raises(RuntimeError, match="3 consecutive steps had a non-finite loss"):
-        loop.train(cfg)
+        train(cfg)
 
 
-def test_changed_model_refuses_to_resume(tiny_data, tmp_path):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
-    loop.train(cfg)
+def test_changed_model_refuses_to_resume(tmp_path, train, copied_run):
+    cfg = copied_run(max_steps=2)
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=48))
     with pytest.raises(RuntimeError, match="different model"):
-        loop.train(other)
+        train(other)
     fresh = with_train(other, resume=False)
-    loop.train(fresh)  # starts afresh, the old run moved aside rather than deleted
+    train(fresh)  # starts afresh, the old run moved aside rather than deleted
     assert list(tmp_path.glob("run.prev-*"))
 
 
-def test_train_cli_names_bad_config_keys():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "launch" / "train.py"),
-            "--config",
-            str(ROOT / "configs" / "tiny.yaml"),
-            "optim.learning_rate=1e-3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_train_cli_names_bad_config_keys(cli):
+    proc = cli.script("train.py", "--config", ROOT / "configs" / "tiny.yaml", "optim.learning_rate=1e-3")
     assert proc.returncode != 0
     assert "optim.learning_rate" in proc.stderr
 
 
-def test_vocab_mismatch_with_data_is_a_clear_error(tiny_data, tmp_path):
+def test_vocab_mismatch_with_data_is_a_clear_error(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=512))
     with pytest.raises(ValueError, match="tokenized with 300 pieces"):
-        loop.train(cfg)
+        train(cfg)
 
 
-def test_wandb_offline_run_is_written(tiny_data, tmp_path):
+def test_wandb_offline_run_is_written(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_mode="offline"))
-    loop.train(cfg)
+    train(cfg)
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     run_id = (tmp_path / "run" / "wandb_id").read_text()

@@ -1,15 +1,12 @@
-"""Run under `deepspeed --num_gpus N`: checks the bias update against the global counts on every rank.
+"""The bias update against the global counts, checked on every rank of a forked job (tests/helpers/ranks.py):
+`ranks(bias_update_checks, 2, zero_stage)`.
 
 Each rank routes different random tokens; after each optimizer step every rank must hold the bias
 b + gamma * sign(mean(c) - c) computed from the counts SUMMED over all ranks, identical everywhere.
-Writes {"ok": true, ...} to the path given by --out (rank 0) or raises.
+Returns {"ok": true, ...} (rank 0; None elsewhere) or raises.
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,11 +15,10 @@ from moe_lm.config import Config, LoggingConfig, MLAConfig, ParallelConfig, Trai
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine
 from moe_lm.train.balance import balance_step
-from tests.helpers.distributed import run_worker
 from tests.helpers.tiny import tiny_model_cfg
 
 
-def main(args: argparse.Namespace) -> None:
+def bias_update_checks(zero: int) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     speed = 0.01
     cfg = Config(
@@ -42,7 +38,7 @@ def main(args: argparse.Namespace) -> None:
             ),
         ),
         train=TrainConfig(micro_batch_size=2, grad_accum_steps=2, seq_len=16),
-        parallel=ParallelConfig(zero_stage=args.zero),
+        parallel=ParallelConfig(zero_stage=zero),
         logging=LoggingConfig(wandb_mode="disabled"),
     )
     torch.manual_seed(0)
@@ -73,12 +69,4 @@ def main(args: argparse.Namespace) -> None:
         # the ranks really routed differently, so agreement is not a coincidence
         assert world == 1 or not all(torch.equal(e, everyone[0]) for e in everyone)
         checks += 1
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"ok": True, "world": world, "checks": checks, "zero": args.zero}))
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--zero", type=int, default=2)
-    ap.add_argument("--out", required=True)
-    run_worker(main, ap)
+    return {"ok": True, "world": world, "checks": checks, "zero": zero} if rank == 0 else None

@@ -1,21 +1,18 @@
-"""Run under `deepspeed`: expert-parallel training steps against a single-process reference.
+"""Expert-parallel training steps against a single-process reference, on every rank of a forked job
+(tests/helpers/ranks.py): `ranks(expert_parallel_cases, 4, [(2, "zero2"), (4, "zero1,zero2")])`.
 
 Every rank builds the same model; the reference (all experts, no DeepSpeed) runs the whole global batch with
 torch AdamW and clipping, the EP model runs this rank's share under DeepSpeed. Compared after each of two steps:
 logits of this rank's sequences, the gradient norm, and every parameter (experts against their global slice).
-Several cases run in one launch (the launcher's start-up is most of the time on a small CPU machine):
-`zero1`, `zero2`, and suffixes: `-mtp2` (MTP depth 2), `-starve` (the last rank's experts get a selection bias of
+Several cases (and expert-parallel sizes) run in one job: `zero1`, `zero2`, and suffixes: `-mtp2` (MTP depth 2), `-starve` (the last rank's experts get a selection bias of
 -1e4, so no token reaches that rank), `-groups2x1` (n_group 2, topk_group 1: with two nodes, node-limited routing
-to one node). Rank 0 writes, per case, the largest differences, every rank's dispatcher
-counters per MoE layer, and every rank's routing (chosen experts per layer) to --out.
+to one node). Rank 0 returns, per expert-parallel size and case, the largest differences, every rank's
+dispatcher counters per MoE layer, and every rank's routing (chosen experts per layer).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +23,6 @@ from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine, param_groups
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers, ensure_groups, ep_nodes
 from moe_lm.train.objective import next_token_losses, total_loss
-from tests.helpers.distributed import run_worker
 from tests.helpers.tiny import tiny_model_cfg
 
 MICRO, SEQ, VOCAB = 2, 12, 64
@@ -124,17 +120,13 @@ def run_case(case: str, ep: int) -> dict:
     return {**dict(zip(worst, t.tolist(), strict=True)), "ranks": every}
 
 
-def main(args: argparse.Namespace) -> None:
-    result = {case: run_case(case, args.ep) for case in args.cases.split(",")}
-    result["world"] = dist.get_world_size()
-    result["nodes"] = ep_nodes(ensure_groups(args.ep))
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ep", type=int, required=True)
-    ap.add_argument("--cases", default="zero2", help="comma-separated, e.g. zero1,zero2-mtp2,zero2-starve")
-    ap.add_argument("--out", required=True)
-    run_worker(main, ap)
+def expert_parallel_cases(jobs: list[tuple[int, str]]) -> dict | None:
+    """For each (ep_size, "case,case,..."): its cases' results, the world size and each EP rank's node (on rank 0;
+    None elsewhere)."""
+    results = {}
+    for ep, cases in jobs:
+        result = {case: run_case(case, ep) for case in cases.split(",")}
+        result["world"] = dist.get_world_size()
+        result["nodes"] = ep_nodes(ensure_groups(ep))
+        results[ep] = result
+    return results if dist.get_rank() == 0 else None
