@@ -17,12 +17,14 @@ ARGS ?=
 
 setup: $(VENV)/.installed
 
-# The last step compiles our CPU kernels (~1 min, cached in ~/.cache/torch_extensions) rather than in the first run.
+# The last step compiles our CPU kernels and DeepSpeed's CPU communication op (~1 min each, cached in
+# ~/.cache/torch_extensions) rather than in the first run.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(HAVE_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -c 'import torch' >/dev/null 2>&1 || $(BIN)/pip install "$(TORCH_SPEC)"
 	$(BIN)/pip install -e '.[dev]'
 	$(BIN)/python -c 'from moe_lm.ops.cpu_kernels import load_cpu_kernels; load_cpu_kernels()'
+	$(BIN)/python -c 'from moe_lm.parallel.deepspeed_setup import init_distributed as i, shutdown_distributed as s; i(); s()'
 	touch $@
 
 # The whole suite: the unit and integration tests on one pytest-xdist worker per core, then the tests that start

@@ -65,9 +65,13 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _quiet(monkeypatch):
-    """A test that trains with logging.verbose (which marks the process verbose) leaves the next one quiet."""
-    monkeypatch.delenv("MOE_LM_VERBOSE", raising=False)
+def _quiet():
+    """A test that trains with logging.verbose (which marks the process verbose) leaves the next one quiet.
+    why not monkeypatch.delenv: with the variable unset it records nothing to undo, so a test that turned verbose
+    on would leave it set for every later one."""
+    os.environ.pop("MOE_LM_VERBOSE", None)
+    yield
+    os.environ.pop("MOE_LM_VERBOSE", None)
 
 
 @pytest.fixture(scope="session")

@@ -149,15 +149,14 @@ def test_keys_moved_out_of_train_still_load_with_a_one_line_note(tmp_path, capsy
         load_config(both)
 
 
-def test_research_variant_names_are_refused_until_registered():
+def test_research_variant_names_are_refused_until_registered(process):
     """The core knows only its own architecture, mask and objective; the error says how variants register."""
-    import subprocess
-    import sys
-
+    # why a fresh interpreter: importing moe_lm.experiments.variants (as any command does) registers the variants for
+    # the rest of the process, and this one may have imported it already
     code = (
         "from moe_lm.config import load_config, ConfigError\n"
         f"try:\n    load_config({str(TINY)!r}, ['model.attn_mask=prefix'])\n"
         "except ConfigError as e:\n    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout
+    out = process.python(code).stdout  # from the repository root
     assert "model.attn_mask = 'prefix' is not known; known: causal" in out and "moe_lm.experiments.variants" in out

@@ -175,7 +175,11 @@ def machinery_used(path: Path) -> list[str]:
                 elif _is_module(f"{node.module}.{a.name}"):
                     commands[a.asname or a.name] = "main"
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+        ):
             if commands.get(node.func.value.id) == node.func.attr:
                 found.append(f"{node.lineno} calls {node.func.value.id}.{node.func.attr}")
     return found

@@ -8,13 +8,8 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-from tests.helpers.commands import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -54,13 +49,12 @@ def _in_order(pieces: list[str], line: str) -> bool:
     return True
 
 
-@pytest.mark.slow
-def test_the_quick_tour_runs_as_printed(tmp_path):
-    env = clean_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+def test_the_quick_tour_runs_as_printed(tmp_path, process):
+    env = process.clean_env({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
     outputs = {}
     for lang, code, expected in tour():
         cmd = ["bash", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        proc = process.run(cmd, env=env, cwd=tmp_path, timeout=900)
         assert proc.returncode == 0, (code, proc.stdout[-2000:], proc.stderr[-3000:])
         key = "python" if lang == "python" else code.split()[1]
         outputs[key] = proc.stdout

@@ -78,7 +78,8 @@ def evaluation_code() -> str:
 
 def _source_hash(entries: tuple[str, ...]) -> str:
     out = subprocess.run([sys.executable, "-c", _IMPORTED, *entries], capture_output=True, text=True, check=True)
-    files = {Path(f) for f in json.loads(out.stdout)} | set((PACKAGE / "ops").rglob("*.cpp"))
+    # why the last line: the imports may print before it (DeepSpeed's accelerator notice, under MOE_LM_VERBOSE=1)
+    files = {Path(f) for f in json.loads(out.stdout.splitlines()[-1])} | set((PACKAGE / "ops").rglob("*.cpp"))
     files |= set((PACKAGE / "ops").rglob("*.h"))
     h = hashlib.sha256()
     for path in sorted(files):

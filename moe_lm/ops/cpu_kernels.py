@@ -9,6 +9,7 @@ which the tests hold the kernels to.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -52,12 +53,13 @@ def load_cpu_kernels():
     from torch.utils.cpp_extension import load
 
     try:
-        return load(
-            name=f"moe_lm_cpu_kernels_{capability.lower()}",
-            sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS[capability]],
-            extra_ldflags=["-fopenmp"],
-        )
+        with environment_ninja():
+            return load(
+                name=f"moe_lm_cpu_kernels_{capability.lower()}",
+                sources=[str(s) for s in _SOURCES],
+                extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS[capability]],
+                extra_ldflags=["-fopenmp"],
+            )
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(
@@ -68,3 +70,24 @@ def load_cpu_kernels():
             stacklevel=2,
         )
         return None
+
+
+@contextlib.contextmanager
+def environment_ninja():
+    """While torch builds or loads a cached extension: this environment's ninja (installed beside the interpreter,
+    a DeepSpeed dependency) first on PATH.
+
+    why: torch runs whichever `ninja` PATH finds first. With a system ninja of another version, the same venv used
+    with its bin/ on PATH (activated, `moe-lm`) and without (`.venv/bin/python`) alternates between two ninjas whose
+    build logs differ, and each one rebuilds the cached extension from scratch (a minute or more per switch).
+    """
+    beside = Path(sys.executable).with_name("ninja")
+    if not beside.is_file():
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{beside.parent}{os.pathsep}{path}"
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path

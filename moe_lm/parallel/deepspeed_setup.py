@@ -22,6 +22,7 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 
 from moe_lm.config import Config
 from moe_lm.console import library_prints, quiet_deepspeed
+from moe_lm.ops.cpu_kernels import environment_ninja
 
 
 def init_distributed() -> None:
@@ -34,7 +35,8 @@ def init_distributed() -> None:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     quiet_deepspeed()  # again: importing deepspeed reset its logger's level
-    with library_prints():  # why: on CPU its communication op prints a line on every start
+    # why environment_ninja: on CPU DeepSpeed builds its shared-memory communication op with torch's loader
+    with library_prints(), environment_ninja():  # why library_prints: that op prints a line on every start
         deepspeed.init_distributed(verbose=False)
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from moe_lm.train import loop
-from tests.helpers.runs import tiny_train_cfg
+import pytest
 
 
 @pytest.fixture(scope="package")
-def tiny_run(tmp_path_factory, tiny_data):
-    run = tmp_path_factory.mktemp("analysis") / "run"
-    cfg = tiny_train_cfg(tiny_data, run, max_steps=4, ckpt_interval=2, eval_interval=2)
-    loop.train(cfg)
-    return run
+def tiny_run(trained_run) -> Path:
+    """The session's shared run of these settings (read it, never write into it)."""
+    return trained_run(max_steps=4, ckpt_interval=2, eval_interval=2)

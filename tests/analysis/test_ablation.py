@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -59,19 +61,9 @@ def test_ablating_all_but_k_experts_is_a_router_that_can_only_choose_them():
         torch.testing.assert_close(model(tokens).logits, only(tokens).logits, rtol=0, atol=1e-6)
 
 
-def test_ablate_experts_cli_writes_the_table_the_json_and_the_figure(tiny_data, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from moe_lm.train import loop
-    from tests.helpers.runs import tiny_train_cfg
-
-    loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
-    root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, str(root / "launch" / "ablate_experts.py"), "--run", str(tmp_path / "run")]
-    proc = subprocess.run([*cmd, "--out", str(tmp_path / "abl"), "--n-boot", "100"], capture_output=True, text=True)
+def test_ablate_experts_cli_writes_the_table_the_json_and_the_figure(trained_run, cli, tmp_path):
+    run = trained_run(max_steps=2)
+    proc = cli("ablate", "--run", run, "--out", tmp_path / "abl", "--n-boot", "100")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "abl" / "ablation.json").read_text())
     assert result["ablations"] and set(result["base_loss"]) == {"astronomy", "cooking", "finance"}
@@ -80,7 +72,7 @@ def test_ablate_experts_cli_writes_the_table_the_json_and_the_figure(tiny_data, 
         for v in row["by_domain"].values():
             assert v["ci95"][0] <= v["delta"] <= v["ci95"][1]
     assert (tmp_path / "abl" / "ablation.png").is_file() and "| ablated | domain |" in proc.stdout
-    bad = subprocess.run([*cmd, "--out", str(tmp_path / "x"), "--targets", "7:1"], capture_output=True, text=True)
+    bad = cli("ablate", "--run", run, "--out", tmp_path / "x", "--targets", "7:1")
     assert bad.returncode != 0 and "MoE layers are [1]" in bad.stderr
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from moe_lm.analysis.budget import budget_document_count, budget_documents, equal_shares
-from tests.helpers.commands import analyze
 
 
 def reference_shares(available: list[int], budget: int) -> list[int]:
@@ -61,7 +60,14 @@ def test_a_document_budget_is_shared_too():
     assert [s.documents for s in samples] == [4, 4, 1] and samples[2].under_sampled
 
 
-def test_analyze_routing_with_a_budget_analyses_every_domain(tiny_run, tmp_path):
+def analyze(cli, *args):
+    """`moe-lm analyze args...`, which must succeed."""
+    proc = cli("analyze", *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_analyze_routing_with_a_budget_analyses_every_domain(tiny_run, cli, tmp_path):
     data = tmp_path / "corpus"
     for name, words in [("alpha", "stir the onions "), ("beta", "bond yield rose "), ("gamma", "galaxy ")]:
         (data / name).mkdir(parents=True)
@@ -69,7 +75,7 @@ def test_analyze_routing_with_a_budget_analyses_every_domain(tiny_run, tmp_path)
         for i in range(n_docs):
             (data / name / f"{i}.txt").write_text(f"{words * 20} {i}")
     out = tmp_path / "report"
-    proc = analyze("--run", tiny_run, "--data", data, "--out", out, "--max-tokens", "900", "--no-init-baseline")
+    proc = analyze(cli, "--run", tiny_run, "--data", data, "--out", out, "--max-tokens", "900", "--no-init-baseline")
     m = json.loads((out / "metrics.json").read_text())
     tokens = dict(zip(m["trace"]["domains"], m["trace"]["tokens_per_domain"], strict=True))
     assert set(tokens) == {"alpha", "beta", "gamma"} and sum(tokens.values()) == 900
@@ -81,8 +87,8 @@ def test_analyze_routing_with_a_budget_analyses_every_domain(tiny_run, tmp_path)
     assert "under-sampled" in (out / "routing.html").read_text()
 
 
-def test_the_validation_split_under_a_budget_covers_every_domain(tiny_run, tmp_path):
+def test_the_validation_split_under_a_budget_covers_every_domain(tiny_run, cli, tmp_path):
     out = tmp_path / "report"
-    analyze("--run", tiny_run, "--out", out, "--max-tokens", "240", "--no-init-baseline")
+    analyze(cli, "--run", tiny_run, "--out", out, "--max-tokens", "240", "--no-init-baseline")
     m = json.loads((out / "metrics.json").read_text())
     assert m["trace"]["tokens_per_domain"] == [80, 80, 80]

@@ -7,8 +7,6 @@ tiny tokenizer), with non-trivial selection biases where the architecture has th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,6 @@ from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
 from moe_lm.routing.recorder import RoutingRecorder
 from tests.helpers.runs import WORDS, make_text
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = dict(
     vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=128, num_experts_per_tok=2,
@@ -133,17 +130,16 @@ def test_recorded_choices_are_what_the_gate_chose_and_all_the_model_used(checkpo
     torch.testing.assert_close(replayed, logits, rtol=0, atol=1e-6)
 
 
-def test_analyze_routing_cli_on_the_checkpoint(checkpoint, tmp_path):
+def test_analyze_routing_cli_on_the_checkpoint(checkpoint, cli, tmp_path):
     """The talk's set-up: a parquet file whose `subject` column names the domain (as MMLU's subjects)."""
     kind, path = checkpoint
     subjects = dict(zip(("abstract_algebra", "professional_law", "world_religions"), WORDS, strict=True))
     rows = [{"question": make_text(d, i), "subject": s} for s, d in subjects.items() for i in range(4)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mmlu_like.parquet")
     out = tmp_path / "report"
-    cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), "--hf", str(path)]
-    cmd += ["--data", str(tmp_path / "mmlu_like.parquet"), "--text-field", "question", "--domain-field", "subject"]
-    cmd += ["--out", str(out), "--chart-tokens", "the", "--min-count", "3", "--max-tokens", "20000", "--seq-len", "64"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    data = ["--data", tmp_path / "mmlu_like.parquet", "--text-field", "question", "--domain-field", "subject"]
+    chart = ["--chart-tokens", "the", "--min-count", "3"]
+    proc = cli("analyze", "--hf", path, *data, "--out", out, *chart, "--max-tokens", "20000", "--seq-len", "64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "trace" / "meta.json").read_text())
     assert meta["source"]["model_type"] == kind and meta["domains"] == list(subjects)
@@ -193,17 +189,15 @@ def test_the_ablation_replica_of_each_gate_reproduces_it_and_routes_around(check
     assert ((before == 0) | (before == 3)).any() and not ((after == 0) | (after == 3)).any()
 
 
-def test_ablate_experts_cli_on_the_checkpoint(checkpoint, tmp_path):
+def test_ablate_experts_cli_on_the_checkpoint(checkpoint, cli, tmp_path):
     kind, path = checkpoint
     subjects = dict(zip(("abstract_algebra", "professional_law", "world_religions"), WORDS, strict=True))
     rows = [{"text": make_text(d, i), "subject": s} for s, d in subjects.items() for i in range(3)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
     layer = HFMoEModel(transformers.AutoModelForCausalLM.from_pretrained(path)).moe_layer_ids()[0]
-    cmd = [sys.executable, str(ROOT / "launch" / "ablate_experts.py"), "--hf", str(path), "--out", str(tmp_path / "a")]
-    cmd += ["--data", str(tmp_path / "rows.parquet"), "--domain-field", "subject", "--targets", f"{layer}:1,2"]
-    proc = subprocess.run(
-        [*cmd, "--controls", "1", "--n-boot", "50", "--seq-len", "64"], capture_output=True, text=True
-    )
+    data = ["--data", tmp_path / "rows.parquet", "--domain-field", "subject"]
+    flags = ["--targets", f"{layer}:1,2", "--controls", "1", "--n-boot", "50", "--seq-len", "64"]
+    proc = cli("ablate", "--hf", path, "--out", tmp_path / "a", *data, *flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "a" / "ablation.json").read_text())
     [row] = result["ablations"]

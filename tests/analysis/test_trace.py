@@ -1,12 +1,10 @@
-"""The recorder stores exactly what the router chose; analyze_routing.py produces the whole report."""
+"""The recorder stores exactly what the router chose; `moe-lm analyze` (launch/analyze_routing.py) produces the
+whole report."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,12 +14,15 @@ import moe_lm.experiments.variants  # noqa: F401  (registers the research varian
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
-from moe_lm.train import loop
-from tests.helpers.commands import analyze
 from tests.helpers.runs import tiny_train_cfg
 from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def analyze(cli, *args):
+    """`moe-lm analyze args...`, which must succeed."""
+    proc = cli("analyze", *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def biased_grouped_model():
@@ -88,9 +89,10 @@ def test_training_evaluation_logs_headline_routing_metrics(tiny_run):
     assert 0 <= ev["same_first/layer_1"] <= ev["topk_overlap/layer_1"] <= 1
 
 
-def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, tmp_path):
+def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, cli, tmp_path):
     out = tmp_path / "report"
     analyze(
+        cli,
         "--run",
         tiny_run,
         "--out",
@@ -129,13 +131,13 @@ def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, tmp
         assert [float(r["relative_load"]) for r in mine] == pytest.approx(layer["domain_relative_load"][d])
 
 
-def test_analyze_routing_on_the_users_own_files(tiny_run, tmp_path):
+def test_analyze_routing_on_the_users_own_files(tiny_run, cli, tmp_path):
     data = tmp_path / "mine"
     (data / "poetry").mkdir(parents=True)
     (data / "poetry" / "a.txt").write_text("the stars tracked the onion galaxy " * 30)
     (data / "notes.jsonl").write_text(json.dumps({"text": "bond yield rose " * 40, "domain": "money"}) + "\n")
     out = tmp_path / "report"
-    analyze("--run", tiny_run, "--data", data / "poetry", data / "notes.jsonl", "--out", out, "--no-init-baseline")
+    analyze(cli, "--run", tiny_run, "--data", data / "poetry", data / "notes.jsonl", "--out", out, "--no-init-baseline")
     m = json.loads((out / "metrics.json").read_text())
     assert set(m["trace"]["domains"]) == {"poetry", "money"}
 
@@ -146,17 +148,17 @@ def test_prefix_models_are_refused_for_recording(tmp_path):
         record_trace(Transformer(cfg), [(0, np.arange(5))], tmp_path / "t", ["x"], seq_len=8, progress=False)
 
 
-def test_analysis_is_logged_to_the_runs_wandb_when_asked(tiny_data, tmp_path):
+def test_analysis_is_logged_to_the_runs_wandb_when_asked(tiny_data, tmp_path, train, cli):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb_mode="offline"))
-    loop.train(cfg)
+    train(cfg)  # its own run: wandb offline is a logging setting, and the analysis writes into the run's wandb
     wandb_dir = next((tmp_path / "run" / "wandb").glob("offline-run-*"))
     before = sum(f.stat().st_size for f in wandb_dir.glob("*.wandb"))
     listing = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run" / "wandb").rglob("*"))
-    analyze("--run", tmp_path / "run", "--out", tmp_path / "plain", "--no-init-baseline")
+    analyze(cli, "--run", tmp_path / "run", "--out", tmp_path / "plain", "--no-init-baseline")
     # not asked: the training run's wandb folder is left as it was
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run" / "wandb").rglob("*")) == listing
-    analyze("--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline", "--wandb")
+    analyze(cli, "--run", tmp_path / "run", "--out", tmp_path / "report", "--no-init-baseline", "--wandb")
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     # the figures went to the same wandb run id (a resumed offline run), with image files
     assert all(r.name.endswith((tmp_path / "run" / "wandb_id").read_text()) for r in runs)
@@ -164,10 +166,9 @@ def test_analysis_is_logged_to_the_runs_wandb_when_asked(tiny_data, tmp_path):
     assert list((tmp_path / "run" / "wandb").rglob("*.png"))
 
 
-def test_analyze_routing_errors_name_the_problem(tiny_run, tmp_path):
+def test_analyze_routing_errors_name_the_problem(tiny_run, cli, tmp_path):
     def fails(*args) -> str:
-        cmd = [sys.executable, str(ROOT / "launch" / "analyze_routing.py"), *map(str, args)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = cli("analyze", *args)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         return proc.stderr
 

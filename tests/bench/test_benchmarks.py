@@ -1,10 +1,10 @@
-"""Every benchmark end to end at its smallest settings (`python -m moe_lm.bench <what>`, as a user runs it): its
-table's header and a row appear; and every `--help`, of the package and of the launch/ wrappers."""
+"""Every benchmark end to end at its smallest settings (`moe-lm bench <what>` = `python -m moe_lm.bench <what>`, as a
+user runs it): its table's header and a row appear; and every `--help`, of the command and of the launch/ wrappers;
+`python -m moe_lm.bench` itself in a process of its own (its wiring: a user error's one line and exit code)."""
 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,28 +12,32 @@ import pytest
 import torch
 
 from moe_lm.bench.train import peer_arms
-from moe_lm.cli.bench import BENCHMARKS, main
+from moe_lm.cli.bench import BENCHMARKS
 from moe_lm.config import MTPConfig
-from moe_lm.train import loop
 from tests.helpers.runs import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(*args) -> str:
-    cmd = [sys.executable, "-m", "moe_lm.bench", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+@pytest.fixture
+def bench(cli):
+    """`bench(what, ...)`: `moe-lm bench what ...` in this process, which must succeed; its stdout."""
+
+    def run(*args) -> str:
+        proc = cli("bench", *args, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    return run
 
 
-def test_moe():
+def test_moe(bench):
     out = bench("moe", "--shapes", "cpu", "--tokens", 64, "--seq-len", 64, "--reps", 1, "--warmup", 0)
     assert "| d | I | E | k | groups | ours | dense-equiv | ours/dense | loop | HF eager |" in out
     assert "\n| 256 | 256 | 8 | 2 | - | " in out and "TFLOP/s of expert matmuls" in out
 
 
-def test_loss_measures_each_variant_in_a_child_process():
+def test_loss_measures_each_variant_in_a_child_process(bench):
     out = bench("loss", "--tokens", 64, "--dim", 32, "--vocab", 128, "--chunks", 0, 16, "--rounds", 1, "--iters", 1)
     assert (
         "| loss | peak memory above the inputs, GiB (median) | vs plain | ms per forward+backward | vs plain |" in out
@@ -41,14 +45,14 @@ def test_loss_measures_each_variant_in_a_child_process():
     assert "\n| plain | " in out and "\n| chunk 16 | " in out
 
 
-def test_train():
+def test_train(bench):
     small = "train.micro_batch_size=2 train.seq_len=32"
     out = bench("train", "--arms", small, f"{small} model.mtp.depth=1", "--rounds", 1, "--warmup", 0)
     assert f"| arm | median ms/step (min-max) | tokens/s | model GFLOP/step | time vs {small} |" in out
     assert f"\n| {small} model.mtp.depth=1 | " in out
 
 
-def test_train_against_peers():
+def test_train_against_peers(bench):
     """`--peers`: ours eager and compiled, HF DeepseekV3ForCausalLM with both expert implementations, the dense
     twin, and the ratios line; the HF arms hold our weights (their logits are ours) and the dense twin has the
     active FLOPs of ours."""
@@ -68,69 +72,56 @@ def test_train_against_peers():
 
 
 @pytest.fixture(scope="module")
-def mtp_run(tmp_path_factory, tiny_data):
+def mtp_run(tmp_path_factory, tiny_data, train):
+    """A run with an MTP module (a model change: not one of the shared trained runs)."""
     run = tmp_path_factory.mktemp("bench_mtp") / "run"
     cfg = tiny_train_cfg(tiny_data, run, max_steps=2)
-    loop.train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=1))))
+    train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=1))))
     return run
 
 
-def test_decode(mtp_run):
+def test_decode(mtp_run, bench):
     out = bench("decode", "--run", mtp_run, "--prompts", 2, "--prompt-tokens", 8, "--max-new-tokens", 8, "--rounds", 2)
     assert "2 prompts of 8 tokens, 8 new tokens each" in out
     assert "tokens/s | MTP speculative" in out and "drafts accepted: depth 1 " in out
     assert "greedy outputs identical" in out
 
 
-def test_routing():
+def test_routing(bench):
     flags = ["--hidden", 64, "--layers", 2, "--experts", 8, "--k", 2, "--tokens", 256, "--seq-len", 64]
     out = bench("routing", *flags, "--batch-size", 2, "--rounds", 1)
     assert "# DeepseekV3 hidden 64, 2 layers, 8 experts top-2" in out
     assert "plain forward: " in out and "recording: " in out and "recording overhead " in out
 
 
-def test_prepare():
+def test_prepare(bench):
     out = bench("prepare", "--repeat", 1, "--rounds", 1, "data.max_mb_per_domain=0.05", "model.vocab_size=512")
     assert "| arm | tokens/s | vs ceiling |" in out and "\n| 2 workers | " in out
     assert "per-worker efficiency " in out
 
 
-def test_help_lists_every_benchmark(capsys):
-    with pytest.raises(SystemExit) as exit:
-        main(["--help"])
-    assert exit.value.code == 0
-    out = capsys.readouterr().out
-    assert all(f"    {name}  " in out for name in BENCHMARKS), out
+def test_help_lists_every_benchmark(cli):
+    proc = cli("bench", "--help")
+    assert proc.returncode == 0
+    assert all(f"    {name}  " in proc.stdout for name in BENCHMARKS), proc.stdout
 
 
 @pytest.mark.parametrize("what", list(BENCHMARKS))
-def test_help_of_each_benchmark_shows_its_flags_and_defaults(what, capsys):
-    with pytest.raises(SystemExit) as exit:
-        main([what, "--help"])
-    assert exit.value.code == 0
-    out = capsys.readouterr().out
-    assert f"usage: python -m moe_lm.bench {what}" in out and "(default: " in out
+def test_help_of_each_benchmark_shows_its_flags_and_defaults(what, cli):
+    proc = cli("bench", what, "--help")
+    assert proc.returncode == 0
+    assert f"usage: moe-lm bench {what}" in proc.stdout and "(default: " in proc.stdout
 
 
 @pytest.mark.parametrize("what", list(BENCHMARKS))
-def test_the_launch_wrappers_are_the_same_command(what):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / f"bench_{what}.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_the_launch_wrappers_are_the_same_command(what, cli):
+    proc = cli.script(f"bench_{what}.py", "--help")
     assert proc.returncode == 0 and f"usage: python -m moe_lm.bench {what}" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_a_user_error_is_one_line_and_exit_code_2():
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_lm.bench", "train", "--arms", "", "--rounds", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+def test_a_user_error_is_one_line_and_exit_code_2(process):
+    """`python -m moe_lm.bench` as a user runs it (a process of its own: the entry point's wiring)."""
+    proc = process.run([sys.executable, "-m", "moe_lm.bench", "train", "--arms", "", "--rounds", "0"], cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().startswith(
         "error: --rounds must be >= 1, --warmup and --threads >= 0"
     )

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ import yaml
 from moe_lm.cli import command_parser
 from moe_lm.cli.main import COMMANDS, parser
 from moe_lm.config import config_to_dict, load_config
-from tests.helpers.commands import moe_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,8 +30,9 @@ def options(ap: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in ap._actions if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
 
 
-def test_the_top_level_help_lists_every_job():
-    out = moe_lm("--help")
+def test_the_top_level_help_lists_every_job(process):
+    # why a process of its own: this is the one check of the installed `moe-lm` console script's wiring
+    out = process.moe_lm("--help")
     assert out.returncode == 0
     for job in ("prepare", "train", "generate", "export", "eval", "analyze", "ablate", "experiment", "bench",
                 "estimate", "config"):  # fmt: skip
@@ -64,13 +62,20 @@ def test_a_flag_means_one_thing_in_every_command():
                     seen[flag] = (f"moe-lm {name}", kind)
 
 
-def test_every_command_and_launch_script_answers_help():
+def test_every_command_and_launch_script_answers_help(cli):
     for name in COMMANDS:
-        out = moe_lm(name, "--help")
+        out = cli(name, "--help")
         assert out.returncode == 0 and "usage: moe-lm" in out.stdout, (name, out.stderr[-500:])
     for script in sorted((ROOT / "launch").glob("*.py")):
-        out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+        out = cli.script(script.name, "--help")
         assert out.returncode == 0 and "usage:" in out.stdout, (script.name, out.stderr[-500:])
+
+
+def test_a_launch_script_answers_help_in_a_process_of_its_own(process):
+    """The one check of a launch/ script's wiring as `python launch/<script>` starts it (the others run in process
+    above)."""
+    out = process.script("train.py", "--help")
+    assert out.returncode == 0 and "usage: train.py" in out.stdout, out.stderr[-500:]
 
 
 def test_launch_scripts_are_thin_entry_points():
@@ -81,19 +86,19 @@ def test_launch_scripts_are_thin_entry_points():
         assert len(code) <= 4, f"{script.name}: {len(code)} lines of code; the work belongs in moe_lm/cli"
 
 
-def test_presets_resolve_from_the_package_in_any_working_directory(tmp_path):
-    out = moe_lm("config", "--config", "tiny_gqa", "model.dim=64", cwd=tmp_path)
+def test_presets_resolve_from_the_package_in_any_working_directory(cli, tmp_path):
+    out = cli("config", "--config", "tiny_gqa", "model.dim=64", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg == config_to_dict(load_config(ROOT / "configs" / "tiny_gqa.yaml", ["model.dim=64"]))
-    bad = moe_lm("train", "--config", "tiniest", cwd=tmp_path)
+    bad = cli("train", "--config", "tiniest", cwd=tmp_path)
     assert bad.returncode == 2 and "no preset of that name (presets: deepseek_v3_16b," in bad.stderr
-    listed = moe_lm("config", "--list").stdout
+    listed = cli("config", "--list").stdout
     assert "tiny " in listed and "gpu_1b " in listed
 
 
-def test_print_config_prints_the_resolved_config_and_warns_of_a_warmup_longer_than_the_run(tmp_path):
-    out = moe_lm("train", "--config", "tiny", "--out", tmp_path / "run", "train.max_steps=20", "--print-config")
+def test_print_config_prints_the_resolved_config_and_warns_of_a_warmup_longer_than_the_run(cli, tmp_path):
+    out = cli("train", "--config", "tiny", "--out", tmp_path / "run", "train.max_steps=20", "--print-config")
     assert out.returncode == 0, out.stderr
     printed = yaml.safe_load(out.stdout)
     want = load_config(ROOT / "configs" / "tiny.yaml", ["train.max_steps=20", f"train.out_dir={tmp_path / 'run'}"])
@@ -126,8 +131,8 @@ def pd_flat(d: dict, prefix: str = "") -> list[str]:
 
 
 @pytest.mark.parametrize("argv", [["bench", "--help"], ["bench", "moe", "--help"]])
-def test_bench_is_a_command(argv):
-    out = moe_lm(*argv)
+def test_bench_is_a_command(cli, argv):
+    out = cli(*argv)
     assert out.returncode == 0 and "moe-lm bench" in out.stdout
 
 

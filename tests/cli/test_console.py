@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from moe_lm.config import dump_config
-from tests.helpers.commands import moe_lm
 from tests.helpers.runs import tiny_train_cfg, with_train
 
 # what moe-lm itself prints during a run (tracker, loop, train command)
@@ -22,20 +21,32 @@ def config(tiny_data, tmp_path_factory):
     return folder / "cfg.yaml"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_run_prints_only_its_own_lines(config, tmp_path, nproc):
-    proc = moe_lm("train", "--config", config, "--nproc", nproc, "--out", tmp_path / "run",
-                  "logging.wandb_mode=offline")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def only_ours(proc) -> None:
+    """The run ended well and printed moe-lm's own lines only, the final validation loss among them."""
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     foreign = [line for line in lines if not line.startswith(OURS)]
     assert not foreign, foreign
     assert any(line.startswith("final validation loss") for line in lines)
 
 
-@pytest.mark.slow
-def test_verbose_shows_the_libraries_lines(config, tmp_path):
-    proc = moe_lm("train", "--config", config, "--nproc", "2", "--out", tmp_path / "run", "--verbose")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+# why processes of their own: the subject is everything that reaches the console at file-descriptor level, also
+# what C++ libraries and DeepSpeed's launcher print, which a command run in this process would not show
+
+
+def test_a_run_prints_only_its_own_lines(process, config, tmp_path):
+    only_ours(process.moe_lm("train", "--config", config, "--out", tmp_path / "run", "logging.wandb_mode=offline"))
+
+
+def test_a_run_of_two_processes_prints_only_its_own_lines(launcher, process, config, tmp_path):
+    """`--nproc 2`: the command becomes DeepSpeed's launcher, whose lines and the ranks' are kept quiet too."""
+    proc = launcher.run([process.MOE_LM, "train", "--config", config, "--nproc", 2, "--out", tmp_path / "run",
+                         "logging.wandb_mode=offline"])  # fmt: skip
+    only_ours(proc)
+
+
+def test_verbose_shows_the_libraries_lines(launcher, process, config, tmp_path):
+    proc = launcher.run([process.MOE_LM, "train", "--config", config, "--nproc", "2", "--out", tmp_path / "run",
+                         "--verbose"])  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "[INFO]" in proc.stdout + proc.stderr  # DeepSpeed's launcher and engine lines

@@ -4,23 +4,14 @@ traceback, before anything slow runs; a prompt longer than the context is cut, n
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from moe_lm.inference.generate import fit_prompt
-from moe_lm.train import loop
-from tests.helpers.commands import script
-from tests.helpers.runs import tiny_train_cfg
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-cli = script
-
-
-def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
+def refused(proc, *needles: str) -> str:
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith(("error", "usage", "generate.py"))]
@@ -28,23 +19,16 @@ def refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return proc.stderr
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_data):
-    folder = tmp_path_factory.mktemp("edges") / "run"
-    loop.train(tiny_train_cfg(tiny_data, folder, max_steps=2))
-    return folder
-
-
 @pytest.mark.parametrize("script", ["export_hf.py", "analyze_routing.py", "ablate_experts.py"])
-def test_an_unusable_out_is_refused_before_the_model_is_loaded(script, tmp_path):
+def test_an_unusable_out_is_refused_before_the_model_is_loaded(cli, script, tmp_path):
     (tmp_path / "a_file").write_text("mine")
     # the run does not exist: a message about --out shows --out was checked first
-    refused(cli(script, "--run", tmp_path / "no_run", "--out", tmp_path / "a_file"), "--out", "not a folder")
+    refused(cli.script(script, "--run", tmp_path / "no_run", "--out", tmp_path / "a_file"), "--out", "not a folder")
     assert (tmp_path / "a_file").read_text() == "mine"
 
 
-def test_export_refuses_overrides_it_would_ignore(tmp_path):
-    refused(cli("export_hf.py", "--run", tmp_path, "--out", tmp_path / "x", "model.dim=256"), "--config only")
+def test_export_refuses_overrides_it_would_ignore(cli, tmp_path):
+    refused(cli.script("export_hf.py", "--run", tmp_path, "--out", tmp_path / "x", "model.dim=256"), "--config only")
 
 
 @pytest.mark.parametrize(
@@ -52,8 +36,8 @@ def test_export_refuses_overrides_it_would_ignore(tmp_path):
     [(["--temperature", "-1"], "--temperature must be >= 0"), (["--temperature", "nan"], "--temperature must be"),
      (["--top-k", "-1"], "--top-k must be >= 0"), (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1")],
 )  # fmt: skip
-def test_generate_refuses_meaningless_sampling_settings(flags, message):
-    refused(cli("generate.py", "--run", "runs/none", *flags), message)
+def test_generate_refuses_meaningless_sampling_settings(cli, flags, message):
+    refused(cli.script("generate.py", "--run", "runs/none", *flags), message)
 
 
 def test_fit_prompt_keeps_the_start_token_and_the_newest_tokens():
@@ -63,27 +47,29 @@ def test_fit_prompt_keeps_the_start_token_and_the_newest_tokens():
     assert fit_prompt(ids, max_seq_len=5, max_tokens=4) == ([100], 9)
 
 
-def test_a_prompt_longer_than_the_context_is_cut_with_a_warning(run):
-    proc = cli("generate.py", "--run", run, "--prompt", "stir the onions " * 200, "--max-new-tokens", "5")
+def test_a_prompt_longer_than_the_context_is_cut_with_a_warning(cli, trained_run):
+    run = trained_run(max_steps=2)
+    proc = cli.script("generate.py", "--run", run, "--prompt", "stir the onions " * 200, "--max-new-tokens", "5")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "warning: the prompt has" in proc.stderr and "model.max_seq_len=" in proc.stderr
-    refused(cli("generate.py", "--run", run, "--max-new-tokens", "5000"), "leaves no room for a prompt")
+    refused(cli.script("generate.py", "--run", run, "--max-new-tokens", "5000"), "leaves no room for a prompt")
 
 
-def test_a_damaged_or_missing_tokenizer_is_named(run, tmp_path):
+def test_a_damaged_or_missing_tokenizer_is_named(cli, copied_run, tmp_path):
     from moe_lm.config import load_config
     from moe_lm.data.documents import DataError
     from moe_lm.data.tokenizer import load_data_tokenizer
 
-    original = Path(load_config(run / "config.yaml").data.out_dir)
-    data, copy = tmp_path / "data", tmp_path / "run"
+    copy = Path(copied_run(max_steps=2).train.out_dir)
+    original, data = Path(load_config(copy / "config.yaml").data.out_dir), tmp_path / "data"
     shutil.copytree(original, data)
-    shutil.copytree(run, copy)
     for ref in copy.glob("checkpoints/step_*/data_ref.json"):  # the copied run reads the copied data
         ref.write_text(ref.read_text().replace(str(original.resolve()), str(data.resolve())))
     (data / "tokenizer.model").write_bytes(b"\x00garbage")
     # the run's checkpoint knows its tokenizer's hash: the damaged file is caught before it is parsed
-    refused(cli("generate.py", "--run", copy, "--prompt", "the"), str(data), "tokenizer.model", "edited or damaged")
+    refused(
+        cli.script("generate.py", "--run", copy, "--prompt", "the"), str(data), "tokenizer.model", "edited or damaged"
+    )
     with pytest.raises(DataError, match=f"{data / 'tokenizer.model'} is not a readable sentencepiece model.*prepare"):
         load_data_tokenizer(data)
     (data / "tokenizer.model").unlink()
@@ -105,11 +91,11 @@ USER_ERRORS = [
 
 
 @pytest.mark.parametrize("command", USER_ERRORS, ids=[e[0] for e in USER_ERRORS])
-def test_every_script_ends_a_user_error_in_one_line_with_exit_code_2(command, tmp_path):
+def test_every_script_ends_a_user_error_in_one_line_with_exit_code_2(cli, command, tmp_path):
     script, args = command[0], [a.format(tmp=tmp_path) for a in command[1:]]
-    proc = cli(script, *args)
+    proc = cli.script(script, *args)
     refused(proc, "no_such" if "no_such" in " ".join(args) else "nowhere")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1, proc.stderr[-2000:]
-    debug = cli(script, *args, "--debug")  # the traceback is there when asked for
+    debug = cli.script(script, *args, "--debug")  # the traceback is there when asked for
     assert debug.returncode != 0 and "Traceback" in debug.stderr

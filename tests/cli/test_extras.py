@@ -4,13 +4,11 @@ by an import hook, as if they were not installed."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 from moe_lm.config import dump_config
-from tests.helpers.commands import clean_env
 from tests.helpers.runs import tiny_train_cfg
 
 HIDDEN = ("wandb", "tensorboard", "datasets", "pyarrow", "matplotlib")
@@ -26,9 +24,10 @@ main(sys.argv[1:])
 """
 
 
-def without_extras(*args, cwd=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", HIDE, *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=cwd)
+def without_extras(process, *args, cwd=None):
+    """`moe-lm args...` in a fresh interpreter that cannot import the extras' packages (this process has imported
+    some of them already, so the hook must be in place before anything is imported: a process of its own)."""
+    return process.run([sys.executable, "-c", HIDE, *args], cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +38,8 @@ def run_config(tiny_data, tmp_path_factory):
     return folder
 
 
-def test_a_plain_run_trains_without_any_extra_and_says_wandb_is_missing(run_config):
-    proc = without_extras("train", "--config", run_config / "cfg.yaml", "logging.wandb_mode=offline")
+def test_a_plain_run_trains_without_any_extra_and_says_wandb_is_missing(process, run_config):
+    proc = without_extras(process, "train", "--config", run_config / "cfg.yaml", "logging.wandb_mode=offline")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (
         "note: logging.wandb_mode=offline needs wandb: pip install -e '.[wandb]' in the moe-lm checkout" in proc.stdout
@@ -57,11 +56,11 @@ def test_a_plain_run_trains_without_any_extra_and_says_wandb_is_missing(run_conf
     ],
     ids=["tensorboard", "datasets", "analysis"],
 )
-def test_a_feature_without_its_extra_names_the_install_command(run_config, args, extra):
+def test_a_feature_without_its_extra_names_the_install_command(process, run_config, args, extra):
     (run_config / "corpus.parquet").write_bytes(b"PAR1")  # never read: the reader is missing first
     if args[0] == "train":
         args = [*args, "--config", str(run_config / "cfg.yaml")]
-    proc = without_extras(*[a.format(tmp=run_config) for a in args])
+    proc = without_extras(process, *[a.format(tmp=run_config) for a in args])
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"pip install -e '.[{extra}]'" in errors[0], proc.stderr[-3000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,15 +13,12 @@ from moe_lm.data.batches import eval_windows
 from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.sources import iter_source
-from tests.helpers.commands import script
 from tests.helpers.runs import write_folder_corpus
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def prepare_cli(tmp_path, *overrides) -> subprocess.CompletedProcess:
+def prepare_cli(cli, tmp_path, *overrides):
     """launch/prepare_data.py with the tiny preset and these overrides (vocab 300, as the test corpus needs)."""
-    return script("prepare_data.py", "--config", "tiny", "model.vocab_size=300", *overrides, cwd=tmp_path)
+    return cli.script("prepare_data.py", "--config", "tiny", "model.vocab_size=300", *overrides, cwd=tmp_path)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -30,37 +26,37 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("where", ["equal", "inside", "around"])
-def test_out_dir_overlapping_a_source_is_refused_and_nothing_is_deleted(tmp_path, where):
+def test_out_dir_overlapping_a_source_is_refused_and_nothing_is_deleted(cli, tmp_path, where):
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
     (corpus / "notes.md").write_text("the user's own file")
     before = snapshot(tmp_path)
     out = {"equal": corpus, "inside": corpus / "prepared", "around": tmp_path}[where]
-    proc = prepare_cli(tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}")
+    proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}")
     assert proc.returncode != 0
     assert "overlaps the source" in proc.stderr
     assert snapshot(tmp_path) == before
 
 
-def test_out_dir_with_foreign_files_is_refused_even_with_force(tmp_path):
+def test_out_dir_with_foreign_files_is_refused_even_with_force(cli, tmp_path):
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
     out = tmp_path / "out"
     out.mkdir()
     (out / "thesis.tex").write_text("not ours")
     for extra in ([], ["--force"]):
-        proc = prepare_cli(tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}", *extra)
+        proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}", *extra)
         assert proc.returncode != 0 and "not prepared data (thesis.tex)" in proc.stderr
     assert (out / "thesis.tex").read_text() == "not ours"
 
 
-def test_a_failed_build_leaves_no_partial_copy_and_keeps_a_foreign_partial(tmp_path):
+def test_a_failed_build_leaves_no_partial_copy_and_keeps_a_foreign_partial(cli, tmp_path):
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
     out = tmp_path / "out"
-    proc = prepare_cli(tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}", "model.vocab_size=60000")
+    proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}", "model.vocab_size=60000")
     assert proc.returncode != 0 and "vocab" in proc.stderr.lower()
     assert not (tmp_path / "out.partial").exists() and not out.exists()
     (tmp_path / "out.partial").mkdir()
     (tmp_path / "out.partial" / "mine.txt").write_text("a user's folder that happens to have this name")
-    proc = prepare_cli(tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}")
+    proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}")
     assert proc.returncode != 0 and "was not made by prepare_data" in proc.stderr
     assert (tmp_path / "out.partial" / "mine.txt").is_file()
 
@@ -133,9 +129,9 @@ def test_validation_text_shorter_than_a_window_still_counts(prepared_copy):
         assert w.shape == (1, len(stream)) and (w[0].numpy() == stream).all()
 
 
-def test_prepare_cli_meta_names_its_signature(tmp_path):
+def test_prepare_cli_meta_names_its_signature(cli, tmp_path):
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
-    proc = prepare_cli(tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={tmp_path / 'out'}")
+    proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr
     signature = json.loads((tmp_path / "out" / "meta.json").read_text())["signature"]
     assert signature["source_files"] and signature["sources"] == [str(corpus)]

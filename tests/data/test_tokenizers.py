@@ -140,13 +140,8 @@ def test_a_trained_sentencepiece_tokenizer_exports_to_an_autotokenizer_with_the_
     assert (auto.bos_token_id, auto.eos_token_id) == (ours.bos_id, ours.eos_id)
 
 
-def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path):
+def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path, train, cli):
     """The tokenizer travels with the run: training, generation and export all use the data folder's one."""
-    import os
-    import subprocess
-    import sys
-
-    from moe_lm.train import loop
     from tests.helpers.runs import tiny_train_cfg
 
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
@@ -155,19 +150,16 @@ def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path
         tokenizer=str(bpe_json(tmp_path / "hf", ["<unk>", "<s>", "</s>"])),
     )  # fmt: skip
     prepare_data(data, vocab_size=300, log=lambda s: None)
-    loop.train(tiny_train_cfg(data, tmp_path / "run", max_steps=2))  # model.vocab_size 300 > the tokenizer's 280
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    train(tiny_train_cfg(data, tmp_path / "run", max_steps=2))  # model.vocab_size 300 > the tokenizer's 280
 
-    def cli(script, *args):
-        proc = subprocess.run([sys.executable, str(root / "launch" / script), *args], env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+    def script(name, *args):
+        proc = cli.script(name, *args)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout
 
-    text = cli("generate.py", "--run", str(tmp_path / "run"), "--prompt", "the bond", "--max-new-tokens", "8")
+    text = script("generate.py", "--run", str(tmp_path / "run"), "--prompt", "the bond", "--max-new-tokens", "8")
     assert text.startswith("the bond") and len(text) > len("the bond")
-    cli("export_hf.py", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
+    script("export_hf.py", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     ours = load_data_tokenizer(data.out_dir)
     assert auto("the bond yield").input_ids == [ours.bos_id, *ours.encode("the bond yield")]

@@ -14,8 +14,6 @@ from moe_lm.errors import RunError
 from moe_lm.experiments import runner
 from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
 
-pytestmark = pytest.mark.slow
-
 
 def arm_configs(tmp_path, prepared: dict):
     """(experiment, preset, arm, config with its data prepared under tmp_path) for every declared design."""

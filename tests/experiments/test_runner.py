@@ -14,7 +14,6 @@ import yaml
 
 from moe_lm.analysis.attention_probe import attention_matrices, capture_attention
 from moe_lm.checkpoint.format import load_model
-from moe_lm.cli import experiment
 from moe_lm.config import ConfigError, dump_config
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
@@ -29,7 +28,8 @@ from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
 from tests.helpers.runs import tiny_train_cfg
 
-pytestmark = pytest.mark.slow
+# why `process` in tests that do not call it: run_experiment and runner.execute train each arm in a process of its
+# own (the real training command, as a user's experiment does); the fixture marks these tests integration
 
 
 def definition(folder, base, name: str = "exp", **extra) -> str:
@@ -56,7 +56,7 @@ def base(tmp_path_factory, tiny_data):
     return folder / "base.yaml"
 
 
-def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch):
+def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch, cli, process):
     runs_root = tmp_path / "runs"
     exp = load_experiment(definition(tmp_path, base, measures=["routing"]))
     runs = run_experiment(exp, runs_root, log=lambda s: None)
@@ -100,8 +100,9 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch):
     assert c["seeds"] == [0, 1] and "seed_document_bootstrap" in c and "bootstrap" not in c
 
     # fewer seeds than the definition's (its runs are cached): exploratory, reported but not judged
-    experiment.main([definition(tmp_path, base, measures=["routing"]), "--runs", str(runs_root), "--seeds", "1",
-                     "--out", str(tmp_path / "fewer"), "--boot", "50"])  # fmt: skip
+    proc = cli("experiment", definition(tmp_path, base, measures=["routing"]), "--runs", runs_root, "--seeds", "1",
+               "--out", tmp_path / "fewer", "--boot", "50")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
     fewer = json.loads((tmp_path / "fewer" / "results.json").read_text())
     assert fewer["verdict"] == "exploratory (no verdict)"
     assert fewer["exploratory"] == "--seeds 1 where the definition has 2"
@@ -122,7 +123,7 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch):
         write_report(exp, runs, tmp_path / "mixed", n_boot=10)
 
 
-def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_and_run_again(base, tmp_path):
+def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_and_run_again(base, tmp_path, process):
     exp = load_experiment(definition(tmp_path, base, seeds=1))
     run = resolve_run(exp, "k1", 0, tmp_path / "runs")
     run.folder.mkdir(parents=True)
@@ -133,7 +134,7 @@ def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_and_run_agai
     assert (aside / "metrics.jsonl").read_text().startswith('{"kind": "train", "step": 1, "loss": 9.0}')
 
 
-def test_final_evaluation_equals_a_direct_computation(base, tmp_path):
+def test_final_evaluation_equals_a_direct_computation(base, tmp_path, process):
     """The batched, padded whole-split evaluation against one window at a time; and prefix scoring counts only the
     positions from score_from on."""
     exp = load_experiment(definition(tmp_path, base, seeds=1))
@@ -240,7 +241,7 @@ def dataclass_replace(exp, **kw):
     return dataclasses.replace(exp, **kw)
 
 
-def test_rank_probe_on_a_prefix_experiments_checkpoints(base, tmp_path):
+def test_rank_probe_on_a_prefix_experiments_checkpoints(base, tmp_path, process):
     """The rank experiment's machinery on tiny causal / bidirectional-prefix runs: the probe runs, every causal
     matrix is exactly full rank, and the report names its checks."""
     from moe_lm.experiments.rank_probe import run_rank_probe
@@ -294,18 +295,17 @@ def numerically_full_rank_shares(run, windows: int) -> list[float]:
     return shares
 
 
-def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path):
+def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train):
     """An MLM run is scored on its masked tokens, with the masks its objective fixes per window."""
     import dataclasses
 
-    from moe_lm.train import loop
     from moe_lm.train.objective import IGNORE, objective_for
     from tests.helpers.runs import with_train
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
     cfg = with_train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="bidirectional")),
                      objective="mlm")  # fmt: skip
-    loop.train(cfg)
+    train(cfg)
     result = evaluate_run(tmp_path / "run")
     _, model, _ = load_model(tmp_path / "run")
     shard = load_split(cfg.data.out_dir, "val")

@@ -44,7 +44,13 @@ def start(cmd: list, **kwargs) -> subprocess.Popen:
     """`cmd` (a launcher, or a command that starts one) from the repository root without the calling process's
     group variables, stdout and stderr merged, in a session of its own: a test can signal or kill the launcher and
     every rank at once."""
-    kwargs = {"cwd": ROOT, "env": clean_env(RANK_THREADS), "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **kwargs}
+    kwargs = {
+        "cwd": ROOT,
+        "env": clean_env(RANK_THREADS),
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.STDOUT,
+        **kwargs,
+    }
     return subprocess.Popen([str(c) for c in cmd], text=True, start_new_session=True, **kwargs)
 
 

@@ -42,9 +42,7 @@ def _forkserver():
     return _context
 
 
-def run_ranks(
-    fn: Callable, world: int, *args, nodes: int = 1, env: dict | None = None, timeout: float = 420
-) -> list:
+def run_ranks(fn: Callable, world: int, *args, nodes: int = 1, env: dict | None = None, timeout: float = 420) -> list:
     """`fn(*args)` on `world` ranks of one process group (`nodes` nodes of world // nodes ranks); the value each
     rank returned, in rank order. `fn` must be importable (a module-level function), as must `args`."""
     assert world % nodes == 0, (world, nodes)

@@ -5,50 +5,42 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
 from moe_lm.config import MTPConfig
-from moe_lm.train import loop
-from tests.helpers.commands import script
 from tests.helpers.runs import tiny_train_cfg
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-cli = script
 
 
 @pytest.fixture(scope="module")
-def mtp_run(tmp_path_factory, tiny_data):
+def mtp_run(tmp_path_factory, tiny_data, train):
+    # why its own training: MTP changes the model, which a shared trained_run (train/cadence settings) cannot
     run = tmp_path_factory.mktemp("mtp") / "run"
     cfg = tiny_train_cfg(tiny_data, run, max_steps=6)
-    loop.train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=2))))
+    train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=2))))
     return run
 
 
-def test_speculative_generation_cli_equals_plain_greedy(mtp_run):
+def test_speculative_generation_cli_equals_plain_greedy(cli, mtp_run):
     args = ("--run", mtp_run, "--prompt", "the bond", "--max-new-tokens", "20", "--temperature", "0")
-    plain, spec = cli("generate.py", *args), cli("generate.py", *args, "--speculative", "mtp")
+    plain, spec = cli.script("generate.py", *args), cli.script("generate.py", *args, "--speculative", "mtp")
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr[-2000:] + spec.stderr[-2000:]
     assert spec.stdout == plain.stdout and spec.stdout.startswith("the bond")
     assert "drafts accepted: depth 1" in spec.stderr and "main-model passes" in spec.stderr
-    sampled = cli("generate.py", *args[:-2], "--speculative", "mtp", "--draft-depth", "1", "--seed", "3")
+    sampled = cli.script("generate.py", *args[:-2], "--speculative", "mtp", "--draft-depth", "1", "--seed", "3")
     assert sampled.returncode == 0, sampled.stderr[-2000:]
 
 
-def test_speculative_generation_without_mtp_modules_is_a_clear_error(tiny_data, tmp_path):
-    loop.train(tiny_train_cfg(tiny_data, tmp_path / "plain", max_steps=2))
-    proc = cli("generate.py", "--run", tmp_path / "plain", "--speculative", "mtp")
+def test_speculative_generation_without_mtp_modules_is_a_clear_error(cli, trained_run):
+    proc = cli.script("generate.py", "--run", trained_run(max_steps=2), "--speculative", "mtp")
     assert proc.returncode != 0 and "no MTP modules" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_export_and_analytics_of_an_mtp_run(mtp_run, tmp_path):
-    proc = cli("export_hf.py", "--run", mtp_run, "--out", tmp_path / "hf")
+def test_export_and_analytics_of_an_mtp_run(cli, mtp_run, tmp_path):
+    proc = cli.script("export_hf.py", "--run", mtp_run, "--out", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 2
-    proc = cli("analyze_routing.py", "--run", mtp_run, "--out", tmp_path / "report", "--no-init-baseline")
+    proc = cli.script("analyze_routing.py", "--run", mtp_run, "--out", tmp_path / "report", "--no-init-baseline")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert metrics["trace"]["layers"] == [1]  # the decoder's MoE layer; the MTP blocks do not run at inference

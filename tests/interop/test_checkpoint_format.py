@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -11,10 +9,6 @@ import pytest
 import torch
 
 from moe_lm.checkpoint.format import RunRef, load_model, parse_run
-from moe_lm.train import loop
-from tests.helpers.runs import tiny_train_cfg
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_parse_run():
@@ -23,14 +17,14 @@ def test_parse_run():
 
 
 @pytest.fixture(scope="module")
-def trained_run(tiny_data, tmp_path_factory):
-    run = tmp_path_factory.mktemp("ds_ckpt") / "run"
-    loop.train(tiny_train_cfg(tiny_data, run, max_steps=2, ckpt_interval=1, keep_last=2))
-    return run
+def run(trained_run) -> Path:
+    """A run saved by the DeepSpeed engine at steps 1 and 2 (shared: read only)."""
+    return trained_run(max_steps=2, ckpt_interval=1, keep_last=2)
 
 
-def test_offline_loading_never_imports_deepspeed(trained_run):
-    """load_model works in a process where deepspeed cannot be imported, and gives the engine's weights."""
+def test_offline_loading_never_imports_deepspeed(run, process, tmp_path):
+    """load_model works in a process where deepspeed cannot be imported, and gives the engine's weights (the
+    subject is a fresh interpreter's imports: a process of its own)."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -38,21 +32,21 @@ def test_offline_loading_never_imports_deepspeed(trained_run):
         import torch
         from moe_lm.checkpoint.format import load_model
         from moe_lm.analysis import report, trace  # the analytics' modules as well
-        cfg, model, tag = load_model({str(trained_run)!r})
-        torch.save(model.state_dict(), {str(trained_run / "offline.pt")!r})
+        cfg, model, tag = load_model({str(run)!r})
+        torch.save(model.state_dict(), {str(tmp_path / "offline.pt")!r})
         print(tag)
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = process.python(script, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "step_00000002"
-    _, model, _ = load_model(trained_run)
-    offline = torch.load(trained_run / "offline.pt")
+    _, model, _ = load_model(run)
+    offline = torch.load(tmp_path / "offline.pt")
     assert offline.keys() == model.state_dict().keys()
     assert all(torch.equal(offline[k], v) for k, v in model.state_dict().items())
 
 
-def test_a_wrong_tag_lists_the_complete_checkpoints(trained_run):
+def test_a_wrong_tag_lists_the_complete_checkpoints(run):
     listed = r"step_00000009 is not a complete checkpoint.*step_00000001, step_00000002"
     with pytest.raises(FileNotFoundError, match=listed):
-        load_model(trained_run, "step_00000009")
+        load_model(run, "step_00000009")

@@ -1,10 +1,10 @@
-"""launch/evaluate.py: lm-evaluation-harness on a run or an export scores [document start] + context + continuation,
-the ids training fed the model; its accuracies equal those computed here from transformers' loglikelihoods."""
+"""`moe-lm eval` (launch/evaluate.py): lm-evaluation-harness on a run or an export scores [document start] + context +
+continuation, the ids training fed the model; its accuracies equal those computed here from transformers'
+loglikelihoods."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,18 +15,25 @@ import yaml
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install 'moe-lm[eval]'")
 transformers = pytest.importorskip("transformers")
 
+from moe_lm.config import load_config  # noqa: E402
 from moe_lm.data.tokenizer import load_data_tokenizer  # noqa: E402
-from moe_lm.train import loop  # noqa: E402
-from tests.helpers.commands import clean_env, script  # noqa: E402
-from tests.helpers.runs import WORDS, tiny_train_cfg  # noqa: E402
+from tests.helpers.runs import WORDS  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 TASK = "tiny_next_word"
 
 
-def cli(name: str, *args) -> subprocess.CompletedProcess:
-    # why offline: the test must not reach for the hub
-    return script(name, *args, env=clean_env({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}), cwd=ROOT)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1, as a user's shell would set them: the commands must not reach for
+    the hub. huggingface_hub and datasets read these variables once, when imported (already, in this process), so
+    their flags are set too."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
 
 
 def next_word_items(encode, max_tokens: int, n_per_domain: int = 10, seed: int = 0) -> list[dict]:
@@ -69,15 +76,17 @@ def write_task(folder: Path, items: list[dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_data):
-    """A short run, its export (launch/export_hf.py), and the local task."""
+def trained(tmp_path_factory, tiny_data, trained_run, cli):
+    """A short run (shared: read only), its export (`moe-lm export`), and the local task."""
     root = tmp_path_factory.mktemp("evaluate")
-    cfg = tiny_train_cfg(tiny_data, root / "run", max_steps=6)
-    loop.train(cfg)
-    proc = cli("export_hf.py", "--run", root / "run", "--out", root / "export")
+    run = trained_run(max_steps=6)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        offline(monkeypatch)
+        proc = cli("export", "--run", run, "--out", root / "export")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    items = next_word_items(load_data_tokenizer(tiny_data.out_dir).encode, cfg.model.max_seq_len)
-    return root / "run", root / "export", write_task(root / "task", items), items
+    max_seq_len = load_config(run / "config.yaml").model.max_seq_len
+    items = next_word_items(load_data_tokenizer(tiny_data.out_dir).encode, max_seq_len)
+    return run, root / "export", write_task(root / "task", items), items
 
 
 def reference_loglikelihoods(export: Path, data_dir: str, items: list[dict], start: bool = True) -> list[list[float]]:
@@ -116,9 +125,10 @@ def sample_loglikelihoods(out: Path) -> dict[int, list[float]]:
     return {d["doc_id"]: [float(r[0][0]) for r in d["resps"]] for d in docs}
 
 
-def test_evaluate_an_export_scores_what_training_fed_the_model(trained, tiny_data, tmp_path):
+def test_evaluate_an_export_scores_what_training_fed_the_model(trained, tiny_data, cli, monkeypatch, tmp_path):
     run, export, task_yaml, items = trained
-    proc = cli("evaluate.py", "--model", export, "--include-path", task_yaml.parent, "--tasks", TASK,
+    offline(monkeypatch)
+    proc = cli("eval", "--model", export, "--include-path", task_yaml.parent, "--tasks", TASK,
                "--out", tmp_path / "eval", "--batch-size", "4", "--log-samples")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
@@ -142,10 +152,11 @@ def test_evaluate_an_export_scores_what_training_fed_the_model(trained, tiny_dat
     assert np.abs(np.array(unstarted) - np.array([reference[i] for i in some])).max() > 1e-3  # 10x the tolerance
 
 
-def test_evaluate_a_run_exports_it_on_the_fly(trained, tiny_data, tmp_path):
+def test_evaluate_a_run_exports_it_on_the_fly(trained, tiny_data, cli, monkeypatch, tmp_path):
     """--run RUN with a task YAML path gives the scores of the run's export; --limit takes the first documents."""
     run, export, task_yaml, items = trained
-    proc = cli("evaluate.py", "--run", run, "--tasks", task_yaml, "--out", tmp_path / "eval", "--limit", "12",
+    offline(monkeypatch)
+    proc = cli("eval", "--run", run, "--tasks", task_yaml, "--out", tmp_path / "eval", "--limit", "12",
                "--log-samples")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     scored = sample_loglikelihoods(tmp_path / "eval")
@@ -158,14 +169,15 @@ def test_evaluate_a_run_exports_it_on_the_fly(trained, tiny_data, tmp_path):
     assert [p.name for p in (tmp_path / "eval").iterdir() if p.name.startswith(".export-")] == []  # cleaned up
 
 
-def test_evaluate_refuses_bad_output_and_exports_without_a_start_token(trained, tmp_path):
+def test_evaluate_refuses_bad_output_and_exports_without_a_start_token(trained, cli, monkeypatch, tmp_path):
     run, export, task_yaml, _ = trained
+    offline(monkeypatch)
     (tmp_path / "file").write_text("")
-    proc = cli("evaluate.py", "--run", run, "--tasks", task_yaml, "--out", tmp_path / "file")
+    proc = cli("eval", "--run", run, "--tasks", task_yaml, "--out", tmp_path / "file")
     assert proc.returncode == 2 and "--out" in proc.stderr and "not a folder" in proc.stderr, proc.stderr[-2000:]
-    proc = cli("evaluate.py", "--model", tmp_path, "--tasks", task_yaml, "--out", tmp_path / "o")
+    proc = cli("eval", "--model", tmp_path, "--tasks", task_yaml, "--out", tmp_path / "o")
     assert proc.returncode == 2 and "config.json not found" in proc.stderr, proc.stderr[-2000:]
-    proc = cli("evaluate.py", "--model", export, "--tasks", "no_such_task_xyz", "--out", tmp_path / "o")
+    proc = cli("eval", "--model", export, "--tasks", "no_such_task_xyz", "--out", tmp_path / "o")
     assert proc.returncode == 2 and "no such lm-eval task" in proc.stderr, proc.stderr[-2000:]
 
 

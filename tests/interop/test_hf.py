@@ -172,34 +172,14 @@ def test_unsupported_features_are_clear_errors():
         export_hf(encdec, "/nonexistent")
 
 
-def test_export_cli_from_a_training_run(tiny_data, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_export_cli_from_a_training_run(tiny_data, trained_run, cli, tmp_path):
     from moe_lm.checkpoint.format import load_model
-    from moe_lm.train import loop
-    from tests.helpers.runs import tiny_train_cfg
-
-    loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2))
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(root / "launch" / "export_hf.py"),
-            "--run",
-            str(tmp_path / "run"),
-            "--out",
-            str(tmp_path / "hf"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "hf" / "tokenizer.model").is_file()
     from moe_lm.data.tokenizer import load_data_tokenizer
 
+    run = trained_run(max_steps=2)
+    proc = cli("export", "--run", run, "--out", tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "tokenizer.model").is_file()
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # the export is usable by HF tools as is
     text = "stir the onions slowly\n\tline 7\n"
     ours = load_data_tokenizer(tiny_data.out_dir)
@@ -208,7 +188,7 @@ def test_export_cli_from_a_training_run(tiny_data, tmp_path):
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert config["bos_token_id"] == generation["bos_token_id"] == ours.bos_id
     assert config["eos_token_id"] == generation["eos_token_id"] == ours.eos_id
-    _, model, _ = load_model(tmp_path / "run")
+    _, model, _ = load_model(run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 16))
     assert (hf(tokens).logits - logits(model, tokens)).abs().max().item() <= 1e-4

@@ -7,7 +7,7 @@ when the kernel is off); both are checked here against the loop.
 from __future__ import annotations
 
 import os
-import subprocess
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -221,7 +221,7 @@ def test_kernel_build_failure_warns_and_falls_back(monkeypatch):
         load_cpu_kernels.cache_clear()
 
 
-def test_kernel_avx2_build_equals_reference():
+def test_kernel_avx2_build_equals_reference(process):
     """The AVX2 build (most laptops) on this machine, through torch's ATEN_CPU_CAPABILITY override."""
     kernel()  # this machine runs AVX2 or AVX-512 code
     script = textwrap.dedent(
@@ -238,9 +238,8 @@ def test_kernel_avx2_build_equals_reference():
         print("ok")
         """
     )
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+    # why a fresh interpreter: torch reads ATEN_CPU_CAPABILITY once, when it starts
+    out = process.python(script, env=process.clean_env({"ATEN_CPU_CAPABILITY": "avx2"}))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
@@ -279,3 +278,16 @@ def test_moe_layer_with_shared_experts_equals_loop_reference(n_shared, threads):
     assert set(got) == set(want) and any(k.startswith("shared_experts.") for k in got)
     for k in want:
         torch.testing.assert_close(got[k], want[k].float(), atol=2e-5, rtol=1e-4, msg=k)
+
+
+def test_extensions_build_with_the_ninja_of_this_environment(monkeypatch):
+    """torch runs the `ninja` PATH finds; the kernels (and DeepSpeed's CPU op) are built with the one beside this
+    interpreter whatever PATH says, so an activated and a plain venv never alternate ninja versions, each of which
+    would rebuild the cached extension from scratch."""
+    beside = Path(sys.executable).with_name("ninja")
+    assert beside.is_file(), "ninja (a DeepSpeed dependency) is installed beside the interpreter"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a shell where the venv is not activated
+    before = os.environ["PATH"]
+    with ck.environment_ninja():
+        assert shutil.which("ninja") == str(beside)
+    assert os.environ["PATH"] == before

@@ -130,13 +130,11 @@ def test_slots_entry_point_equals_loop():
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_offline_loading_of_a_megablocks_run_uses_grouped(tiny_data, tmp_path):
+def test_offline_loading_of_a_megablocks_run_uses_grouped(tmp_path, copied_run):
     """A run trained with megablocks on a GPU can be analysed and exported on a CPU: the weights are the same."""
     from moe_lm.checkpoint.format import latest_tag, load_model
-    from moe_lm.train import loop
-    from tests.helpers.runs import tiny_train_cfg
 
-    loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1))
+    copied_run(max_steps=1)  # its checkpoint's config is rewritten below as a megablocks run's
     _, model, tag = load_model(tmp_path / "run")
     config_file = tmp_path / "run" / "checkpoints" / latest_tag(tmp_path / "run") / "config.yaml"
     text = config_file.read_text()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from moe_lm.analysis.trace import TraceWriter
-from moe_lm.cli import estimate
 from moe_lm.config import MoEConfig
 from moe_lm.model.router import Router
 from moe_lm.parallel.comm_plan import (
@@ -132,7 +131,7 @@ def write_trace(folder, idx: np.ndarray, n_experts: int):
     return writer.close()
 
 
-def test_estimate_plans_from_a_routing_trace(tmp_path, capsys):
+def test_estimate_plans_from_a_routing_trace(tmp_path, cli):
     """`moe-lm estimate --trace`: the trace's pairs per token (what the dispatcher would send for those tokens), the
     expert load per rank, and a placement that evens it; a trace of another model is refused by name."""
     rng = np.random.default_rng(0)
@@ -140,8 +139,9 @@ def test_estimate_plans_from_a_routing_trace(tmp_path, capsys):
     hot[:, 1] = np.where(hot[:, 1] == hot[:, 0], (hot[:, 0] + 1) % 8, hot[:, 1])  # two distinct experts
     trace = write_trace(tmp_path / "trace", hot, 8)
     argv = ["--config", "tiny", "--gpus-per-node", "2", "--nodes", "2", "parallel.ep_size=4", "train.seq_len=64"]
-    estimate.main([*argv, "--trace", str(trace.folder), "--redundant", "4"])
-    out = capsys.readouterr().out
+    proc = cli("estimate", *argv, "--trace", trace.folder, "--redundant", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     line = next(row for row in out.splitlines() if row.strip().startswith("trace trace"))
     nodes = Layout(2, 2, 4).ep_nodes()
     expected = trace_pairs(split_by_rank(hot, 4, 64), 8).pairs_per_token(nodes)
@@ -150,6 +150,6 @@ def test_estimate_plans_from_a_routing_trace(tmp_path, capsys):
     contiguous, placed = (float(part.split()[-2].rstrip(",")) for part in load.split(";"))
     assert placed < contiguous
     other = write_trace(tmp_path / "other", hot % 4, 4)
-    with pytest.raises(SystemExit):
-        estimate.main([*argv, "--trace", str(other.folder)])
-    assert f"the trace {other.folder} routes to 2 of 4 experts but the config to 2 of 8" in capsys.readouterr().err
+    proc = cli("estimate", *argv, "--trace", other.folder)
+    assert proc.returncode == 2  # a user error
+    assert f"the trace {other.folder} routes to 2 of 4 experts but the config to 2 of 8" in proc.stderr

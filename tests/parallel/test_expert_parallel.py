@@ -20,7 +20,6 @@ from tests.workers.dist_ep import expert_parallel_cases
 from tests.workers.dist_reshard import fixed_tokens, resharded_logits
 from tests.workers.train_ranks import train_command
 
-
 ALL_CASES = "zero1,zero2,zero2-mtp2,zero2-starve"
 DIM, K, FP32 = 32, 3, 4  # the worker's model: dim 32, 3 experts per token, fp32 rows
 

@@ -46,9 +46,7 @@ def test_missing_latest_pointer_resumes_from_the_newest_complete_checkpoint(tmp_
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]  # the log was kept, not wiped
 
 
-def test_a_truncated_checkpoint_falls_back_to_the_previous_one_and_names_the_file(
-    tmp_path, train, copied_run, capsys
-):
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one_and_names_the_file(tmp_path, train, copied_run, capsys):
     cfg = copied_run(max_steps=4, ckpt_interval=2)
     model_file = tmp_path / "run" / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[:1000])

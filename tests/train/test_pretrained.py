@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,7 @@ from moe_lm.config import ConfigError
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
-from moe_lm.train import loop
 from tests.helpers.runs import VOCAB, tiny_train_cfg
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_hf_checkpoint(folder: Path) -> Path:
@@ -54,10 +49,10 @@ def hf_validation_loss(path: Path, data_dir: str, seq_len: int, per_domain: int)
     return total / n
 
 
-def test_step_zero_loss_of_a_pretrained_checkpoint_equals_transformers(tiny_data, tmp_path, capsys):
+def test_step_zero_loss_of_a_pretrained_checkpoint_equals_transformers(tiny_data, tmp_path, train, capsys):
     path = tiny_hf_checkpoint(tmp_path / "hf")
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, init_from=f"hf:{path}")
-    loop.train(cfg)
+    train(cfg)
     out = capsys.readouterr().out
     assert f"model.* from {path}/config.json" in out and "dim" in out  # the architecture came from the checkpoint
     evals = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -71,7 +66,7 @@ def test_step_zero_loss_of_a_pretrained_checkpoint_equals_transformers(tiny_data
     assert "dim: 32" in saved and "n_routed_experts: 8" in saved
 
 
-def test_init_from_a_checkpoint_with_mtp_loads_its_modules(tiny_data, tmp_path, capsys):
+def test_init_from_a_checkpoint_with_mtp_loads_its_modules(tiny_data, tmp_path, train, capsys):
     """An export with MTP (DeepSeek's layout) as train.init_from, with model.mtp.depth=1: the step-0 MTP loss is the
     checkpoint's own (recomputed here from import_hf); with depth 2 the second module starts afresh."""
     from moe_lm.config import MTPConfig
@@ -85,7 +80,7 @@ def test_init_from_a_checkpoint_with_mtp_loads_its_modules(tiny_data, tmp_path, 
     mtp = MTPConfig(depth=1)
     run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=mtp))
     run = dataclasses.replace(run, train=dataclasses.replace(run.train, init_from=f"hf:{tmp_path / 'hf'}"))
-    loop.train(run)
+    train(run)
     assert "1 MTP module(s) in the checkpoint, 1 loaded, 0 initialised afresh" in capsys.readouterr().out
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step0 = next(r for r in rows if r["kind"] == "eval" and r["step"] == 0)
@@ -100,42 +95,37 @@ def test_init_from_a_checkpoint_with_mtp_loads_its_modules(tiny_data, tmp_path, 
             n += w[:, 2:].numel()
     assert step0["mtp_loss/depth_1"] == pytest.approx(total / n, rel=1e-5)
     deeper = dataclasses.replace(run, model=dataclasses.replace(run.model, mtp=MTPConfig(depth=2)))
-    loop.train(dataclasses.replace(deeper, train=dataclasses.replace(deeper.train, out_dir=str(tmp_path / "run2"))))
+    train(dataclasses.replace(deeper, train=dataclasses.replace(deeper.train, out_dir=str(tmp_path / "run2"))))
     assert "1 MTP module(s) in the checkpoint, 1 loaded, 1 initialised afresh" in capsys.readouterr().out
 
 
-def test_init_from_errors_and_resume_ignores_it(tiny_data, tmp_path, capsys):
+def test_init_from_errors_and_resume_ignores_it(tiny_data, tmp_path, train, capsys):
     with pytest.raises(ConfigError, match="train.init_from=hf:.*nowhere: cannot load it"):
-        loop.train(tiny_train_cfg(tiny_data, tmp_path / "run", init_from=f"hf:{tmp_path / 'nowhere'}"))
+        train(tiny_train_cfg(tiny_data, tmp_path / "run", init_from=f"hf:{tmp_path / 'nowhere'}"))
     path = tiny_hf_checkpoint(tmp_path / "hf")
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run2", max_steps=2, init_from=f"hf:{path}")
-    loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at=1)))
-    loop.train(cfg)
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at=1)))
+    train(cfg)
     out = capsys.readouterr().out
     assert "its weights are not loaded" in out and "resumed from" in out
 
 
-@pytest.mark.slow
-def test_the_used_by_command_prepares_the_default_corpus_on_a_fresh_clone(tmp_path):
+def test_the_used_by_command_prepares_the_default_corpus_on_a_fresh_clone(tmp_path, launcher):
     """`deepspeed launch/train.py --config configs/tiny.yaml` with no prepared data: rank 0 prepares it."""
-    from tests.helpers.distributed import DEEPSPEED, free_port
-
     overrides = [
         f"data.out_dir={tmp_path / 'data'}", f"train.out_dir={tmp_path / 'run'}", "data.max_mb_per_domain=0.3",
         "model.vocab_size=1024", "train.max_steps=2", "cadence.eval_batches=1", "logging.wandb_mode=disabled",
     ]  # fmt: skip
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py"]
-    cmd += ["--config", "configs/tiny.yaml", *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
+    cmd = launcher.deepspeed(2, launcher.free_port(), "launch/train.py", "--config", "configs/tiny.yaml", *overrides)
+    proc = launcher.run(cmd, timeout=600)
+    out = proc.stdout  # stdout and stderr merged
     assert proc.returncode == 0, out[-3000:]
     assert "preparing the embedded default corpus" in out and "world 2" in out
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step_00000002"
 
 
-def test_user_sources_without_prepared_data_name_the_prepare_command(tiny_data, tmp_path):
+def test_user_sources_without_prepared_data_name_the_prepare_command(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, out_dir=str(tmp_path / "unprepared")))
     with pytest.raises(DataError, match="no prepared data in .*unprepared: run `moe-lm prepare"):
-        loop.train(cfg)
+        train(cfg)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from moe_lm.checkpoint.format import load_model
 from moe_lm.config import MTPConfig
 from moe_lm.model import Transformer
-from moe_lm.train import loop
 from moe_lm.train.recompute import apply_activation_checkpointing
 from tests.helpers.runs import tiny_train_cfg, with_train
 from tests.helpers.tiny import tiny_model_cfg
@@ -45,24 +44,21 @@ def test_activation_checkpointing_changes_neither_losses_nor_gradients_nor_count
     assert model.state_dict().keys() == base.state_dict().keys()  # checkpoints keep their keys
 
 
-@pytest.mark.slow
-def test_compiled_and_checkpointed_training_matches_the_plain_run(tiny_data, tmp_path):
+def test_compiled_and_checkpointed_training_matches_the_plain_run(tiny_data, tmp_path, train, trained_run):
     """Two steps through the real loop (DeepSpeed engine) with performance.compile and selective checkpointing: the
     losses of the plain run (the first steps include compiling, ~1 min on a 2-core CPU)."""
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "plain", max_steps=2, eval_interval=2)
-    loop.train(cfg)
-    fast = with_train(cfg, out_dir=str(tmp_path / "fast"), compile=True, activation_checkpointing="selective")
-    loop.train(fast)
+    plain = trained_run(max_steps=2, eval_interval=2)  # the plain reference, shared
+    fast = tiny_train_cfg(tiny_data, tmp_path / "fast", max_steps=2, eval_interval=2)
+    train(with_train(fast, compile=True, activation_checkpointing="selective"))
 
     def losses(run):
         rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
         return [r["loss"] for r in rows]
 
-    assert losses(tmp_path / "fast") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    assert losses(tmp_path / "fast") == pytest.approx(losses(plain), rel=1e-5)
 
 
-@pytest.mark.slow
-def test_chunked_loss_training_matches_the_plain_run(tiny_data, tmp_path):
+def test_chunked_loss_training_matches_the_plain_run(tiny_data, tmp_path, train):
     """performance.loss_chunk through the real loop (DeepSpeed engine), with an MTP module whose head shares the chunked
     loss: every step's losses (main and MTP depth), the evaluations and the final weights are the plain run's."""
     cfg = tiny_train_cfg(tiny_data, tmp_path / "plain", max_steps=4, ckpt_interval=4)
@@ -71,9 +67,9 @@ def test_chunked_loss_training_matches_the_plain_run(tiny_data, tmp_path):
     # on lm_head); at 1e-6 the amplification is 100x smaller and a wrong gradient still moves weights by ~lr.
     model, optim = dataclasses.replace(cfg.model, mtp=MTPConfig(depth=1)), dataclasses.replace(cfg.optim, eps=1e-6)
     cfg = dataclasses.replace(cfg, model=model, optim=optim)
-    loop.train(cfg)
+    train(cfg)
     chunked = with_train(cfg, out_dir=str(tmp_path / "chunked"), loss_chunk=7)
-    loop.train(chunked)
+    train(chunked)
 
     def rows(run):
         return [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -18,8 +19,6 @@ import torch
 from moe_lm.checkpoint.format import COMPLETE, complete_record
 from moe_lm.config import ConfigError
 from moe_lm.errors import RunError
-from moe_lm.train import loop
-from tests.helpers.commands import script
 from tests.helpers.runs import tiny_train_cfg, with_train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,53 +40,50 @@ def plant(path: Path, marker: Path) -> None:
     (path.parent / COMPLETE).write_text(json.dumps(complete_record(path.parent)))
 
 
-cli = script
-
-
 @pytest.fixture(scope="module")
-def attacked(tmp_path_factory, tiny_data):
-    """A run whose newest checkpoint's model file is the attack (as in the report: COMPLETE updated)."""
+def attacked(tmp_path_factory, tiny_data, trained_run):
+    """A run whose newest checkpoint's model file is the attack (as in the report: COMPLETE updated): a copy of the
+    shared run, which the attack must not reach."""
     root = tmp_path_factory.mktemp("attack")
+    shutil.copytree(trained_run(max_steps=4, ckpt_interval=2), root / "run", symlinks=True)
     cfg = tiny_train_cfg(tiny_data, root / "run", max_steps=4, ckpt_interval=2)
-    loop.train(cfg)
     marker = root / "PWNED"
     plant(root / "run" / "checkpoints" / "step_00000004" / "mp_rank_00_model_states.pt", marker)
     return cfg, root / "run", marker
 
 
 @pytest.mark.parametrize(
-    "script, extra",
+    "launch_script, extra",
     [("export_hf.py", ["--out", "{tmp}/hf"]), ("generate.py", ["--max-new-tokens", "3"]),
      ("analyze_routing.py", ["--out", "{tmp}/analysis", "--no-init-baseline"])],
 )  # fmt: skip
-def test_the_scripts_refuse_a_planted_pickle_and_run_none_of_it(attacked, script, extra, tmp_path):
+def test_the_scripts_refuse_a_planted_pickle_and_run_none_of_it(attacked, launch_script, extra, tmp_path, cli):
     _, run, marker = attacked
-    proc = cli(script, "--run", run, *[a.format(tmp=tmp_path) for a in extra])
+    proc = cli.script(launch_script, "--run", run, *[a.format(tmp=tmp_path) for a in extra])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "mp_rank_00_model_states.pt holds an object of posix.system" in proc.stderr
     assert "nothing in it ran" in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists()
 
 
-def test_resume_refuses_the_planted_file_and_falls_back(attacked, capsys):
+def test_resume_refuses_the_planted_file_and_falls_back(attacked, train, capsys):
     cfg, run, marker = attacked
-    loop.train(with_train(cfg, max_steps=5, ckpt_interval=0))
+    train(with_train(cfg, max_steps=5, ckpt_interval=0))
     out = capsys.readouterr().out
     assert "mp_rank_00_model_states.pt holds an object of posix.system" in out and "at step 2" in out
     assert not marker.exists()
 
 
-def test_resume_never_hands_deepspeed_a_planted_optimizer_file(tiny_data, tmp_path):
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
-    loop.train(cfg)
+def test_resume_never_hands_deepspeed_a_planted_optimizer_file(tmp_path, train, copied_run):
+    cfg = copied_run(max_steps=2, ckpt_interval=2)
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
     plant(next(folder.glob("*optim_states.pt")), tmp_path / "PWNED")
     with pytest.raises(RunError, match="no checkpoint .* loads"):
-        loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
+        train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data, tmp_path):
+def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data, tmp_path, train):
     from moe_lm.interop.hf import export_hf
     from moe_lm.model import initial_model
 
@@ -99,27 +95,26 @@ def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data,
     torch.save({"model.embed_tokens.weight": Payload(f"touch {tmp_path / 'PWNED'}")}, source / "pytorch_model.bin")
     init = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=f"hf:{source}"))
     with pytest.raises(ConfigError, match="weights-only load refuses; nothing in it ran"):
-        loop.train(init)
+        train(init)
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_deepspeed_reads_weights_only_even_past_the_check(tiny_data, tmp_path, monkeypatch):
+def test_deepspeed_reads_weights_only_even_past_the_check(tmp_path, train, copied_run, monkeypatch):
     """Were a file swapped after verify_safe read it, DeepSpeed's own load (weights_only=False in its code) still
     runs none of it. The reference: without the forced weights-only load, the same resume does run the pickle."""
     from moe_lm.checkpoint import save_resume
 
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
-    loop.train(cfg)
+    cfg = copied_run(max_steps=2, ckpt_interval=2)
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
     plant(next(folder.glob("*optim_states.pt")), tmp_path / "PWNED")
     monkeypatch.setattr(save_resume, "verify_safe", lambda folder: None)  # as if swapped right after the check
     resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3))
     with pytest.raises(RunError, match="no checkpoint .* loads"):
-        loop.train(resumed)
+        train(resumed)
     assert not (tmp_path / "PWNED").exists()
     monkeypatch.setattr(save_resume, "weights_only_everywhere", lambda allowed: contextlib.nullcontext())
     with pytest.raises(RunError):  # the payload runs, then DeepSpeed fails on what it returned
-        loop.train(resumed)
+        train(resumed)
     assert (tmp_path / "PWNED").exists()  # the attack is real: the guard above is what stopped it
 
 
@@ -136,11 +131,10 @@ def as_numpy1_wrote_it(path: Path) -> None:
 
 
 @pytest.mark.parametrize("numpy_version", ["numpy 2", "numpy 1"])
-def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_path, numpy_version):
+def test_a_checkpoint_written_before_the_change_still_resumes(tmp_path, train, copied_run, numpy_version):
     """Sizes-only COMPLETE and RNG state with numpy arrays and Python tuples, as checkpoints were written before
     (pyproject allows numpy 1.26, whose pickles name numpy.core)."""
-    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2, ckpt_interval=2)
-    loop.train(cfg)
+    cfg = copied_run(max_steps=2, ckpt_interval=2)
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
     np.random.seed(5)
     random.seed(5)
@@ -158,7 +152,7 @@ def test_a_checkpoint_written_before_the_change_still_resumes(tiny_data, tmp_pat
 
     save_resume.load(Engine(), tmp_path / "run", "step_00000002")
     assert np.random.get_state()[1].tolist() == old_rng["numpy"][1].tolist() and random.getstate() == old_rng["python"]
-    loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3)))
 
 
 def test_the_rng_state_round_trips_through_a_weights_only_file(tmp_path):

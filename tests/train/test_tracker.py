@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from moe_lm.train import loop
 from tests.helpers.runs import tiny_train_cfg
 
 
@@ -18,9 +17,9 @@ def with_logging(cfg, **changes):
     return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, **changes))
 
 
-def test_tensorboard_holds_every_logged_scalar_and_the_expert_loads(tiny_data, tmp_path):
+def test_tensorboard_holds_every_logged_scalar_and_the_expert_loads(tiny_data, tmp_path, train):
     cfg = with_logging(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, eval_interval=2), tensorboard=True)
-    loop.train(cfg)
+    train(cfg)
     events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"scalars": 0, "histograms": 0}).Reload()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     tags = set(events.Tags()["scalars"])
@@ -43,20 +42,19 @@ def test_tensorboard_holds_every_logged_scalar_and_the_expert_loads(tiny_data, t
     assert len(counts) == cfg.model.moe.n_routed_experts and counts.sum() == tokens * cfg.model.moe.num_experts_per_tok
 
 
-def test_a_resumed_run_has_one_value_per_step_in_tensorboard(tiny_data, tmp_path):
+def test_a_resumed_run_has_one_value_per_step_in_tensorboard(tiny_data, tmp_path, train):
     cfg = with_logging(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, ckpt_interval=3), tensorboard=True)
-    loop.train(cfg)
-    loop.train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=6)))
+    train(cfg)
+    train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=6)))
     events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"scalars": 0}).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
-def test_wandb_banners_stay_off_the_console_unless_asked(tiny_data, tmp_path, capfd):
+def test_wandb_banners_stay_off_the_console_unless_asked(tiny_data, tmp_path, train, capfd):
     cfg = with_logging(tiny_train_cfg(tiny_data, tmp_path / "quiet", max_steps=1), wandb_mode="offline")
-    loop.train(cfg)
+    train(cfg)
     quiet = capfd.readouterr()
-    loop.train(with_logging(tiny_train_cfg(tiny_data, tmp_path / "loud", max_steps=1), wandb_mode="offline",
-                            verbose=True))  # fmt: skip
+    train(with_logging(tiny_train_cfg(tiny_data, tmp_path / "loud", max_steps=1), wandb_mode="offline", verbose=True))
     loud = capfd.readouterr()
     banner = "wandb: Run data is saved locally"
     assert banner not in quiet.out + quiet.err and banner in loud.out + loud.err

@@ -10,7 +10,7 @@ import torch
 
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import COMPLETE, latest_tag
-from moe_lm.config import MTPConfig, load_config
+from moe_lm.config import MTPConfig, dump_config, load_config
 from moe_lm.train import objective
 from moe_lm.train.schedule import lr_at
 from tests.helpers.runs import rows, tiny_train_cfg, with_train
@@ -186,3 +186,15 @@ def test_wandb_offline_run_is_written(tiny_data, tmp_path, train):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     run_id = (tmp_path / "run" / "wandb_id").read_text()
     assert runs[0].name.endswith(run_id)  # a resumed run keeps logging to the same wandb run
+
+
+def test_the_training_command_runs_twice_in_one_process(tiny_data, tmp_path, cli):
+    """A notebook or a sweep trains again in the process that trained before: the first run's end left the process
+    group, and DeepSpeed's cached groups with it (expert-parallel groups naming a destroyed group would fail the
+    second run's engine with 'Group ... is not registered')."""
+    for name in ("first", "second"):
+        cfg = tiny_train_cfg(tiny_data, tmp_path / name, max_steps=1)
+        dump_config(cfg, tmp_path / f"{name}.yaml")
+        proc = cli("train", "--config", tmp_path / f"{name}.yaml")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert latest_tag(tmp_path / name) == "step_00000001"

@@ -4,10 +4,11 @@
 Every rank builds the same model; the reference (all experts, no DeepSpeed) runs the whole global batch with
 torch AdamW and clipping, the EP model runs this rank's share under DeepSpeed. Compared after each of two steps:
 logits of this rank's sequences, the gradient norm, and every parameter (experts against their global slice).
-Several cases (and expert-parallel sizes) run in one job: `zero1`, `zero2`, and suffixes: `-mtp2` (MTP depth 2), `-starve` (the last rank's experts get a selection bias of
--1e4, so no token reaches that rank), `-groups2x1` (n_group 2, topk_group 1: with two nodes, node-limited routing
-to one node). Rank 0 returns, per expert-parallel size and case, the largest differences, every rank's
-dispatcher counters per MoE layer, and every rank's routing (chosen experts per layer).
+Several cases (and expert-parallel sizes) run in one job: `zero1`, `zero2`, and suffixes: `-mtp2` (MTP depth 2),
+`-starve` (the last rank's experts get a selection bias of -1e4, so no token reaches that rank), `-groups2x1`
+(n_group 2, topk_group 1: with two nodes, node-limited routing to one node). Rank 0 returns, per expert-parallel
+size and case, the largest differences, every rank's dispatcher counters per MoE layer, and every rank's routing
+(chosen experts per layer).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from moe_lm.config import ConfigError, load_config
 from moe_lm.experiments.variants.encdec import EncoderDecoder
 from moe_lm.experiments.variants.objectives import PrefixLM
 from moe_lm.model import build_model, count_params
-from moe_lm.train import loop
 from moe_lm.train.objective import objective_for
 from tests.helpers.runs import tiny_train_cfg
 from tests.helpers.tiny import tiny_model_cfg
@@ -77,12 +76,12 @@ def test_the_encoder_decoder_trains_with_the_plain_loss_whatever_the_loss_chunk(
     assert (objective_for(encdec).loss_chunk, objective_for(decoder).loss_chunk) == (0, 1024)
 
 
-def test_an_encdec_run_trains_and_loads(tiny_data, tmp_path):
+def test_an_encdec_run_trains_and_loads(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(
         tiny_data, tmp_path / "run", max_steps=3, eval_interval=3, objective="prefix_lm", prefix_len=16
     )
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="gqa", arch="encdec", n_enc_layers=2))
-    final = loop.train(cfg)
+    final = train(cfg)
     assert final["loss"] > 0
     _, model, _ = load_model(tmp_path / "run")
     assert isinstance(model, EncoderDecoder)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from moe_lm.config import ConfigError, load_config
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import Transformer
-from moe_lm.train import loop
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, loss_sums, next_token_losses, objective_for
 from tests.helpers.runs import tiny_train_cfg, with_train
 from tests.helpers.tiny import tiny_model_cfg
@@ -70,12 +69,12 @@ def test_prefix_lm_config_rules():
     assert (type(o), o.prefix_len, o.model_reads_prefix) == (PrefixLM, 128, True)
 
 
-def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path):
+def test_a_prefix_lm_run_trains_and_evaluates_on_targets(tiny_data, tmp_path, train):
     cfg = tiny_train_cfg(
         tiny_data, tmp_path / "run", max_steps=4, eval_interval=4, objective="prefix_lm", prefix_len=16
     )
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="prefix"))
-    final = loop.train(cfg)
+    final = train(cfg)
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
     # the eval loss is over the targets only: recomputed from the checkpoint on the same windows
@@ -109,7 +108,7 @@ def test_mlm_masks_are_fixed_by_the_window_and_follow_the_80_10_10_recipe():
     assert abs(masked - 0.8) < 0.03 and abs(kept - 0.1 - 0.1 / 97) < 0.03  # random replacements sometimes hit it
 
 
-def test_mlm_config_rules_and_a_run(tiny_data, tmp_path):
+def test_mlm_config_rules_and_a_run(tiny_data, tmp_path, train):
     with pytest.raises(ConfigError, match="needs objective.name=mlm"):
         load_config("configs/tiny.yaml", ["model.attn_mask=bidirectional"])
     with pytest.raises(ConfigError, match="objective.name = mlm predicts tokens in place"):
@@ -117,5 +116,5 @@ def test_mlm_config_rules_and_a_run(tiny_data, tmp_path):
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=3, eval_interval=3)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_mask="mixed_heads"))
     cfg = with_train(cfg, objective="mlm")
-    final = loop.train(cfg)
+    final = train(cfg)
     assert 0 < final["loss"] < 8  # the masked tokens' loss, near ln(300) at this point
