@@ -1,6 +1,6 @@
 """Ablate experts (the same as `moe-lm ablate`). `--help` lists the flags.
 
-python launch/ablate_experts.py --run runs/tiny --out runs/tiny/ablation
+python launch/ablate_experts.py --run runs/tiny --out ablation/tiny
 """
 
 from moe_lm.cli.ablate import main

@@ -1,6 +1,6 @@
 """Analyse routing (the same as `moe-lm analyze`). `--help` lists the flags.
 
-python launch/analyze_routing.py --run runs/tiny --out runs/tiny/analysis
+python launch/analyze_routing.py --run runs/tiny --out analysis/tiny
 """
 
 from moe_lm.cli.analyze import main

@@ -464,7 +464,8 @@ class LoggingConfig:
 class Config:
     """The whole run. Sections are handed to the components that own them."""
 
-    # Seeds the initialisation, the data order and the tokenizer's training.
+    # Seeds the initialisation, the data order and the tokenizer's training: 0 to 2**32 - 1 (what numpy and
+    # sentencepiece accept).
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -477,6 +478,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
+        _require(
+            0 <= self.seed < 2**32, "seed", f"= {self.seed} is out of range: give an integer from 0 to {2**32 - 1}"
+        )
         self.model.validate("model")
         self.data.validate("data")
         self.optim.validate("optim")
@@ -598,7 +602,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         try:
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)})") from None
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({yaml_problem(e)})") from None
         _set_dotted(raw, _new_spelling(key.strip(), "an override"), parsed)
     cfg = from_dict(Config, raw)
     cfg.validate()
@@ -616,7 +620,7 @@ def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML, {_yaml_problem(e)}") from None
+        raise ConfigError(f"{path}: invalid YAML, {yaml_problem(e)}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
     raw = _moved_keys(loaded or {}, str(path))
@@ -677,7 +681,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _yaml_problem(e: yaml.YAMLError) -> str:
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """Where and what, in one line (PyYAML's own message adds the offending line and a caret below it)."""
     mark = getattr(e, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     return where + str(getattr(e, "problem", None) or e)

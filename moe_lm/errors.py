@@ -37,3 +37,16 @@ def require(module: str, extra: str, purpose: str):
         return importlib.import_module(module)
     except ImportError:
         raise MissingExtra(f"{purpose} needs {module.split('.')[0]}: {install_hint(extra)}") from None
+
+
+# why never, and no switch to allow it: a model or tokenizer folder travels like a run folder, and its auto_map would
+# run its .py files; every architecture moe-lm analyses or imports is built into transformers, and a tokenizer can be
+# given as its tokenizer.json
+REMOTE_CODE_OFF = (
+    "asks to run the folder's own Python code (auto_map), which moe-lm never does (trust_remote_code is off)"
+)
+
+
+def remote_code_refused(e: Exception) -> bool:
+    """Whether transformers refused to load a folder (loaded with trust_remote_code=False) because of its own code."""
+    return isinstance(e, ValueError) and "trust_remote_code" in str(e)

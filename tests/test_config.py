@@ -112,6 +112,13 @@ def test_cross_field_rules(overrides, key):
         load_config(TINY, overrides)
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_outside_numpys_range_is_refused_naming_the_key(seed):
+    with pytest.raises(ConfigError, match=rf"^seed = {seed} is out of range: give an integer from 0 to 4294967295$"):
+        load_config(TINY, [f"seed={seed}"])
+    assert load_config(TINY, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+
+
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(TINY, ["model.dim"])

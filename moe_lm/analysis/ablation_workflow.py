@@ -27,7 +27,7 @@ def ablate_experts(args: argparse.Namespace) -> dict:
     """The ablation the flags of `moe-lm ablate` ask for (checked there: the subject flags, a positive
     --max-documents); writes ablation.json, ablation.png and ablation.md into --out, prints the table and returns
     the result."""
-    out = Path(args.out)  # checked (created, writable) by the command line before anything slow
+    out = Path(args.out)  # a fresh folder the command line renames into place (moe_lm/output_folder.py)
     subject = load_subject(args)
     docs, domains = documents(subject, args)
     docs, samples = budget_document_count(docs, len(domains), args.max_documents)

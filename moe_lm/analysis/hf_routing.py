@@ -54,7 +54,7 @@ def parameter_count(config) -> int:
     import transformers
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -30,7 +30,7 @@ def analyze_routing(args: argparse.Namespace) -> dict:
     """The whole analysis the flags of `moe-lm analyze` ask for (checked there: the subject flags, a
     positive --max-tokens); writes trace*/, figures/, routing.html, metrics.json and metrics.csv into --out and
     returns the metrics."""
-    out = Path(args.out)  # checked (created, writable) by the command line before anything slow
+    out = Path(args.out)  # a fresh folder the command line renames into place (moe_lm/output_folder.py)
     subject = load_subject(args)
     docs, domains, source = budgeted_documents(subject, args)
     common = dict(seq_len=subject.seq_len, batch_size=args.batch_size)
@@ -48,7 +48,7 @@ def analyze_routing(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     if args.wandb:
         log_to_wandb(subject, out, result)
-    print_summary(result, out)
+    print_summary(result)
     return result
 
 
@@ -153,8 +153,8 @@ def log_to_wandb(subject: Subject, out: Path, result: dict) -> None:
     wandb.finish()
 
 
-def print_summary(result: dict, out: Path) -> None:
-    """One console line per MoE layer (the headline numbers next to their baselines), then the files written."""
+def print_summary(result: dict) -> None:
+    """One console line per MoE layer (the headline numbers next to their baselines)."""
     base = result["baseline_uniform_N0"]
     for layer, lm in result["layers"].items():
         r = lm["repetition"]
@@ -165,7 +165,3 @@ def print_summary(result: dict, out: Path) -> None:
             f"same first choice {r['same_first']:.3f} (random {base['same_first']:.3f}) | top-k overlap "
             f"{r['topk_overlap']:.3f} (random {base['topk_overlap']:.3f})"
         )
-    print(
-        f"wrote {out / 'metrics.json'}, {out / 'metrics.csv'}, {out / 'routing.html'} and "
-        f"{len(list((out / 'figures').glob('*.png')))} figures"
-    )

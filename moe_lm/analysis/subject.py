@@ -13,13 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from moe_lm.analysis.hf_routing import HFMoEModel, parameter_count
+from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
 from moe_lm.checkpoint.format import load_model
 from moe_lm.config import Config
 from moe_lm.data.documents import ReadReport
 from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import HFTokenizer, Tokenizer, load_data_tokenizer
-from moe_lm.errors import UserError
+from moe_lm.errors import REMOTE_CODE_OFF, UserError, remote_code_refused
 from moe_lm.model import initial_model
 
 
@@ -78,18 +78,28 @@ def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
     import transformers
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    n = parameter_count(transformers.AutoConfig.from_pretrained(path))
+    try:
+        n = parameter_count(transformers.AutoConfig.from_pretrained(path, trust_remote_code=False))
+    except ValueError as e:
+        if remote_code_refused(e):
+            raise UserError(
+                f"--hf {path}: its config.json {REMOTE_CODE_OFF}; the model types --hf reads are built into "
+                f"transformers: {', '.join(SUPPORTED)}"
+            ) from None
+        raise
     gib = n * torch.tensor([], dtype=torch_dtype).element_size() / 2**30
     print(f"{path}: {n / 1e9:.2f} B parameters, {gib:.1f} GiB of weights in {dtype}")
     placement = {"device_map": "auto"} if device == "auto" else {}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype, trust_remote_code=False, **placement
+    )
     if device != "auto":
         hf = hf.to(device)
     model, config, where = HFMoEModel(hf.eval()), hf.config, hf.device
 
     def untrained() -> nn.Module:  # why config and device, not hf: the checkpoint's weights may be freed first
         torch.manual_seed(0)
-        twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        twin = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
         return HFMoEModel(twin.to(where).eval())
 
     seq_len = min(seq_len, getattr(config, "max_position_embeddings", seq_len))

@@ -94,6 +94,7 @@ class HFArm(StepArm):
                     dtype=torch.float32,
                     attn_implementation="sdpa",
                     experts_implementation=experts_implementation,
+                    trust_remote_code=False,
                 )
                 .to(device=device, dtype=dtype)
                 .train()

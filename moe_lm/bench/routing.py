@@ -51,7 +51,9 @@ def random_model(args: argparse.Namespace) -> HFMoEModel:
         max_position_embeddings=args.seq_len,
     )  # fmt: skip
     dtype = getattr(torch, args.dtype)
-    return HFMoEModel(transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(args.device).eval())
+    return HFMoEModel(
+        transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False).to(args.device).eval()
+    )
 
 
 def random_documents(tokens: int) -> Documents:

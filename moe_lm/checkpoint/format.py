@@ -35,6 +35,7 @@ from moe_lm.data.tokenizer import data_tokenizer_sha256
 from moe_lm.model import Transformer, build_model
 
 COMPLETE = "COMPLETE"
+TAG = re.compile(r"step_\d{8}")  # a checkpoint's folder name, as save writes it: step_ + the step in 8 digits
 MODEL_FILE = "mp_rank_00_model_states.pt"
 EXPERT_FILES = "layer_*_expert_*_mp_rank_00_model_states.pt"
 ZERO_FILES = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"  # one per data-parallel rank (bf16_ prefix in bf16)
@@ -134,7 +135,7 @@ def complete_tags(run_dir: Path) -> list[str]:
     root = ckpt_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.glob("step_*") if (p / COMPLETE).is_file())
+    return sorted(p.name for p in root.glob("step_*") if TAG.fullmatch(p.name) and (p / COMPLETE).is_file())
 
 
 # ------------------------------------------------------------------------------------------ RUN[:TAG]
@@ -216,9 +217,9 @@ def resolve_data(cfg: Config, folder: Path) -> Config:
 # ------------------------------------------------------------------------------------------- loading
 
 
-def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Transformer, str]:
-    """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
-    without DeepSpeed: for generation, analytics and export. Checkpoints of any ep_size give the same model."""
+def checkpoint_folder(run_dir: str | Path, tag: str | None = None) -> Path:
+    """The folder of a run's complete checkpoint `tag` (the latest complete one by default); FileNotFoundError
+    naming the complete ones otherwise."""
     run_dir = Path(run_dir)
     tag = tag or latest_tag(run_dir, warn=lambda message: print(message, file=sys.stderr))
     if tag is None:
@@ -229,6 +230,38 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
             f"{folder} is not a complete checkpoint; complete ones in {ckpt_root(run_dir)}: "
             f"{', '.join(complete_tags(run_dir)) or 'none'}"
         )
+    return folder
+
+
+ROTATION_RETRIES = 2  # reads of the newest checkpoint after the one being read was rotated away
+
+
+def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Transformer, str]:
+    """(config, Transformer in eval mode, tag) from a run's checkpoint (the latest complete one by default), on CPU,
+    without DeepSpeed: for generation, analytics and export. Checkpoints of any ep_size give the same model.
+    A checkpoint that a running training rotates away (cadence.keep_last) while it is read is replaced by the newest
+    one when no tag was asked for, and named in the error otherwise."""
+    run_dir = Path(run_dir)
+    retries = ROTATION_RETRIES
+    while True:
+        folder, files = checkpoint_folder(run_dir, tag), []
+        try:
+            files = [p.name for p in folder.iterdir()]
+            return _load_folder(run_dir, folder)
+        except (OSError, ValueError, KeyError):
+            # why this test: a complete checkpoint's files are only ever removed by the rotation, a folder at a time
+            if (folder / COMPLETE).is_file() and all((folder / name).exists() for name in files):
+                raise  # not a rotation: the error names what is wrong
+        why = f"checkpoint {folder} was rotated away by the running training (cadence.keep_last) while it was read"
+        # why not with a tag: RUN:TAG asked for that checkpoint, not for whichever is the newest
+        if tag is not None or not retries:
+            raise FileNotFoundError(f"{why}; complete ones now: {', '.join(complete_tags(run_dir)) or 'none'}")
+        retries -= 1
+        print(f"note: {why}; reading the newest one", file=sys.stderr)
+
+
+def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]:
+    tag = folder.name
     expert_files = sorted(folder.glob(EXPERT_FILES))
     if problem := damage(folder, [MODEL_FILE, *(f.name for f in expert_files)]):
         raise ValueError(f"checkpoint {folder} is damaged: {problem}; use an earlier one ({_others(run_dir, tag)})")

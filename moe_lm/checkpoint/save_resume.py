@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from moe_lm.checkpoint.format import (
     COMPLETE,
+    TAG,
     ckpt_root,
     complete_record,
     complete_tags,
@@ -38,9 +39,11 @@ from moe_lm.checkpoint.format import (
 )
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.errors import RunError
+from moe_lm.output_folder import disk_full, gib
 
 # Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).
 RESUME_MUST_MATCH = ("model", "data")
+CHECKPOINT_TEXT_FILES = (COMPLETE, "config.yaml", "data_ref.json")  # what a save writes beside the .pt files
 
 
 def rank() -> int:
@@ -52,7 +55,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _everywhere(ok: bool) -> bool:
+def everywhere(ok: bool) -> bool:
     """True only if `ok` holds on every rank (so that all ranks take the same branch)."""
     if not dist.is_initialized():
         return ok
@@ -64,7 +67,7 @@ def _everywhere(ok: bool) -> bool:
 def weights_finite(model: torch.nn.Module) -> bool:
     """Every parameter and buffer finite, on every rank (expert shards differ between ranks)."""
     tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
-    return _everywhere(all(bool(t.isfinite().all()) for t in tensors))
+    return everywhere(all(bool(t.isfinite().all()) for t in tensors))
 
 
 def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int) -> str:
@@ -75,30 +78,43 @@ def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep
     """
     root = ckpt_root(run_dir)
     tag = f"step_{step:08d}"
+    failed = None
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
         torch.save(_rng_state(), root / tag / f"rng_rank{rank()}.pt")
-        failed = None
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # why RuntimeError: torch's zip writer reports a full disk as one
         failed = e
-    if not _everywhere(failed is None):
-        if rank() == 0:
-            shutil.rmtree(root / tag, ignore_errors=True)  # this save's own, incomplete folder
-        why = f"{type(failed).__name__}: {failed}" if failed else "another rank failed to write"
+    if everywhere(failed is None) and rank() == 0:
+        try:
+            dump_config(cfg, root / tag / "config.yaml")
+            (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
+            # the binary state files; config.yaml and data_ref.json stay editable text
+            _write_synced(root / tag / COMPLETE, json.dumps(complete_record(root / tag)))
+            _write_synced(root / "latest.tmp", tag)
+            os.replace(root / "latest.tmp", root / "latest")
+        except OSError as e:
+            failed = e
+    if not everywhere(failed is None):
+        if rank() == 0:  # this save's own, incomplete folder; `latest` still names the previous checkpoint
+            shutil.rmtree(root / tag, ignore_errors=True)
+            (root / "latest.tmp").unlink(missing_ok=True)
         raise RunError(
-            f"could not write checkpoint {root / tag} ({why}); the last good checkpoint, "
-            f"{latest_tag(run_dir) or 'none'}, is intact. Free disk space, then run the same command to resume"
+            f"could not write checkpoint {root / tag} ({_why(failed, root)}); it was removed, and the last good "
+            f"checkpoint, {latest_tag(run_dir) or 'none'}, is intact. Free disk space, then run the same command to "
+            "resume"
         ) from failed
     if rank() == 0:
-        dump_config(cfg, root / tag / "config.yaml")
-        (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
-        # the binary state files; config.yaml and data_ref.json stay editable text
-        _write_synced(root / tag / COMPLETE, json.dumps(complete_record(root / tag)))
-        _write_synced(root / "latest.tmp", tag)
-        os.replace(root / "latest.tmp", root / "latest")
         _prune(root, keep_last, tag)
     barrier()
     return tag
+
+
+def _why(failed: BaseException | None, root: Path) -> str:
+    if failed is None:
+        return "another rank failed to write"
+    if disk_full(failed):
+        return f"the disk is full: {gib(shutil.disk_usage(root).free)} free"
+    return f"{type(failed).__name__}: {failed}"
 
 
 def resume(engine, cfg: Config, run_dir: Path, log) -> dict:
@@ -132,12 +148,12 @@ def resume(engine, cfg: Config, run_dir: Path, log) -> dict:
     candidates = [t for t in reversed(complete_tags(run_dir)) if t <= newest]
     for tag in candidates:
         problem = damage(ckpt_root(run_dir) / tag)
-        if _everywhere(problem is None):
+        if everywhere(problem is None):
             try:
                 state = load(engine, run_dir, tag, load_optimizer_states=same_layout)
             except Exception as e:  # a corrupt file surfaces as several exception types
                 problem = f"loading {ckpt_root(run_dir) / tag} failed ({type(e).__name__}: {e})"
-            if _everywhere(problem is None):
+            if everywhere(problem is None):
                 log(f"resumed from {ckpt_root(run_dir) / tag} at step {state['step']}")
                 return state
         log(f"warning: checkpoint {tag} is damaged: {problem or 'on another rank'}; trying the one before it")
@@ -253,13 +269,31 @@ def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) ->
 
 
 def _prune(root: Path, keep_last: int, current: str) -> None:
-    tags = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    """Remove the complete checkpoints older than the newest `keep_last` and the leftovers of interrupted saves:
+    only folders named as moe-lm names them (`step_` + 8 digits) that hold nothing but a checkpoint's own files."""
+    tags = sorted(p for p in root.iterdir() if TAG.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
     complete = [p for p in tags if (p / COMPLETE).is_file()]
     keep = {p.name for p in complete[-keep_last:]} | {current}
     for p in tags:
-        # incomplete folders are leftovers of interrupted saves; older complete ones fall out of keep_last
-        if p.name not in keep and p.name < current:
+        if p.name not in keep and p.name < current and only_checkpoint_files(p):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def only_checkpoint_files(folder: Path) -> bool:
+    """Whether `folder` holds only what a save writes: the state files (those COMPLETE lists, when it exists),
+    config.yaml, data_ref.json and COMPLETE. Anything else is the user's, and keeps the folder from rotation."""
+    try:
+        listed = set(json.loads((folder / COMPLETE).read_text())) if (folder / COMPLETE).is_file() else None
+    except (OSError, ValueError):
+        return False
+    for entry in folder.iterdir():
+        if entry.is_symlink() or not entry.is_file():
+            return False
+        if entry.name in CHECKPOINT_TEXT_FILES:
+            continue
+        if not entry.name.endswith(".pt") or (listed is not None and entry.name not in listed):
+            return False
+    return True
 
 
 def _rng_state() -> dict:

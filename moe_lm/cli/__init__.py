@@ -1,7 +1,8 @@
 """The command line: `moe-lm <command>` (main.py) and the launch/ scripts, one module per command here, each with
 `add_arguments(parser)`, `run(args)` and `main(argv)`. What every command shares with its user: flags of one
-meaning (options.py), output folders checked before any work, and a user error as one line on stderr with exit
-code 2 (argparse's code for bad usage); `--debug` (or MOE_LM_DEBUG=1) shows the traceback.
+meaning (options.py), output folders checked before any work and written whole (moe_lm/output_folder.py), and a
+user error as one line on stderr with exit code 2 (argparse's code for bad usage); `--debug` (or MOE_LM_DEBUG=1)
+shows the traceback.
 
 Importing this package registers the research variants (moe_lm/experiments/variants), so that every command knows
 their config names.
@@ -12,18 +13,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import ModuleType
 
 import moe_lm.experiments.variants  # noqa: F401
 from moe_lm.console import quiet_deepspeed, set_verbose
 from moe_lm.errors import ConfigError, DataError, RunError, UserError
+from moe_lm.output_folder import OutputFolder
 
 quiet_deepspeed()  # why at the front door: transformers imports deepspeed too, when it is installed
 
 USAGE = 2  # exit code of a user error, as argparse uses for bad arguments
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -43,6 +44,13 @@ def run(main: Callable[[], None]) -> None:
         os.environ["MOE_LM_DEBUG"] = "1"
     try:
         main()
+    except KeyboardInterrupt:
+        if debugging():
+            raise
+        # why one line: an output folder is written whole or not at all (moe_lm/output_folder.py), so there is
+        # nothing to report; training handles its first Ctrl-C itself (a checkpoint, then exit 130)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(INTERRUPTED)
     except user_errors() as e:
         if debugging():
             raise
@@ -60,18 +68,10 @@ def fail(message: str) -> None:
     sys.exit(USAGE)
 
 
-def output_dir(path: str | Path, flag: str = "--out") -> Path:
-    """`path` created (with its parents) and checked writable, before anything slow runs."""
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_check"):
-            pass
-    except FileExistsError:
-        raise UserError(f"{flag} {out}: exists and is not a folder; give a folder path") from None
-    except OSError as e:
-        raise UserError(f"{flag} {out}: cannot write there ({e.strerror}); give a writable folder") from None
-    return out
+def output_folder(args: argparse.Namespace, command: str) -> OutputFolder:
+    """The --out folder of a command that writes one, checked before anything slow runs: written whole beside it
+    and renamed into place, never into what moe-lm did not write (moe_lm/output_folder.py)."""
+    return OutputFolder(args.out, command, force=getattr(args, "force", False))
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

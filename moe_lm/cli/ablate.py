@@ -1,6 +1,6 @@
 """Ablate experts: does an expert that specialises in a domain matter for that domain?
 
-    moe-lm ablate --run runs/tiny --out runs/tiny/ablation
+    moe-lm ablate --run runs/tiny --out ablation/tiny
     moe-lm ablate --run runs/tiny --targets 3:5 3:1,2 --controls 5 --out ablation
     moe-lm ablate --run runs/tiny --data my_corpus/ --out ablation_mine
     moe-lm ablate --hf path/to/DeepSeek-V2-Lite --data mmlu.parquet --domain-field subject --out ablation_v2lite
@@ -19,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moe_lm.cli import main_of, output_dir
+from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out
 from moe_lm.cli.subject import add_subject, check_subject
 from moe_lm.errors import UserError, require
@@ -45,12 +45,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.max_documents < 1:
         raise UserError(f"--max-documents must be at least 1, got {args.max_documents}")
-    output_dir(args.out)  # why first: a bad --out should fail before any model is loaded
+    out = output_folder(args, "ablate")  # why first: a bad --out should fail before any model is loaded
     check_subject(args)
     require("matplotlib", "analysis", "moe-lm ablate (its figures)")
     from moe_lm.analysis.ablation_workflow import ablate_experts
 
-    ablate_experts(args)
+    with out.staged() as folder:
+        ablate_experts(argparse.Namespace(**{**vars(args), "out": folder}))
+    print(f"wrote ablation.json, ablation.md and ablation.png to {out.path}")
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """Analyse routing: record which expert every token chose and draw the figures MoE papers report, with baselines.
 
-    moe-lm analyze --run runs/tiny --out runs/tiny/analysis
+    moe-lm analyze --run runs/tiny --out analysis/tiny
     moe-lm analyze --run runs/tiny --data my_corpus/ --out analysis_mine --chart-tokens . , the what
     moe-lm analyze --run runs/tiny --compare runs/tiny:step_00000250 --out analysis       # + router saturation
     moe-lm analyze --hf path/to/DeepSeek-V2-Lite --data corpus/ --out analysis_v2lite     # a released model
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_lm.checkpoint.format import parse_run
-from moe_lm.cli import main_of, output_dir
+from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out
 from moe_lm.cli.subject import add_subject, check_subject
 from moe_lm.errors import UserError, require
@@ -52,12 +52,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    output_dir(args.out)  # why first: a bad --out should fail before any model is loaded
+    out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
     check_subject(args)
     require("matplotlib", "analysis", "moe-lm analyze (its figures)")
     from moe_lm.analysis.routing_workflow import analyze_routing
 
-    analyze_routing(args)
+    with out.staged() as folder:
+        analyze_routing(argparse.Namespace(**{**vars(args), "out": folder}))
+        figures = len(list((folder / "figures").glob("*.png")))
+    print(f"wrote metrics.json, metrics.csv, routing.html and {figures} figures to {out.path}")
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

@@ -3,7 +3,7 @@
     moe-lm estimate --config gpu_1b
     moe-lm estimate --config deepseek_v3_16b --nodes 2 --gpus-per-node 8 parallel.ep_size=16
     moe-lm estimate --config deepseek_v3_671b --nodes 8 --gpus-per-node 8 --intra-gbs 160 --inter-gbs 50
-    moe-lm estimate --config tiny --gpus-per-node 2 parallel.ep_size=2 --trace runs/tiny/analysis/trace
+    moe-lm estimate --config tiny --gpus-per-node 2 parallel.ep_size=2 --trace analysis/tiny/trace
 
 Memory (moe_lm/train/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
 activations counted per token and block from the model's own tensors; compare it with a measured peak

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_lm.cli import main_of, output_dir
+from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out, add_run
 from moe_lm.errors import UserError, install_hint
 
@@ -53,7 +53,7 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     check(args)
-    out = output_dir(args.out)  # why first: a bad --out should fail before minutes of export and loading
+    out = output_folder(args, "eval")  # why first: a bad --out should fail before minutes of export and loading
     if importlib.util.find_spec("lm_eval") is None or importlib.util.find_spec("accelerate") is None:
         raise UserError(f"evaluation needs lm-evaluation-harness and accelerate: {install_hint('eval')}")
     from lm_eval.utils import make_table
@@ -62,13 +62,14 @@ def run(args: argparse.Namespace) -> None:
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    results, written = evaluate_export_or_run(
-        args.model, args.run, out, tasks, args.include_path, limit, args.num_fewshot, args.batch_size, args.device,
-        args.dtype, args.log_samples, args.seed,
-    )  # fmt: skip
+    with out.staged() as folder:
+        results, written = evaluate_export_or_run(
+            args.model, args.run, folder, tasks, args.include_path, limit, args.num_fewshot, args.batch_size,
+            args.device, args.dtype, args.log_samples, args.seed,
+        )  # fmt: skip
     print(make_table(results))
     for path in written:
-        print(f"wrote {path}")
+        print(f"wrote {out.final(path)}")
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from moe_lm.cli import main_of
 from moe_lm.cli.options import add_out
 from moe_lm.errors import UserError, require
+from moe_lm.output_folder import OutputFolder
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -66,9 +67,11 @@ def run(args: argparse.Namespace) -> None:
         exp = dataclasses.replace(exp, steps=args.steps)
     exp = dataclasses.replace(exp, exploratory="; ".join(deviations))
     out = Path(args.out or Path(args.runs) / "reports" / (exp.name + (f"-{args.preset}" if args.preset else "")))
+    report = OutputFolder(out, "experiment", force=args.force)  # why here: refused before hours of training
     print(f"{exp.name}: {exp.claim}\n{len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps; runs in {args.runs}")
     t0 = time.perf_counter()
-    results = run_and_report(exp, Path(args.runs), out, args.boot)
+    with report.staged() as folder:
+        results = run_and_report(exp, Path(args.runs), folder, args.boot)
     print(f"verdict: {results['verdict']}")
     for c in results.get("checks", []):
         print(f"  {c['name']}: {c['verdict']} ({c['why']})")

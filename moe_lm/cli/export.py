@@ -16,7 +16,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moe_lm.cli import main_of, output_dir
+from moe_lm.checkpoint.format import checkpoint_folder
+from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import CONFIG, add_out, add_run, preset_path
 from moe_lm.errors import UserError
 
@@ -36,19 +37,24 @@ def run(args: argparse.Namespace) -> None:
             f"overrides ({' '.join(args.overrides)}) apply to --config only: a run's checkpoint is exported as it "
             "was trained"
         )
-    out = output_dir(args.out)
-    from moe_lm.interop.hf import export_hf, export_run
+    out = output_folder(args, "export")
+    from moe_lm.config import load_config
+    from moe_lm.interop.hf import export_bytes, export_hf, export_run
 
     if args.run:
-        _, said = export_run(*args.run, out, tokenizer_required=False, max_shard_size=args.max_shard_size)
-        print(f"wrote {said} to {out}", file=sys.stderr if said.startswith("no tokenizer") else sys.stdout)
+        checkpoint = checkpoint_folder(*args.run)
+        cfg = load_config(checkpoint / "config.yaml")
+        with out.staged(needed_bytes=export_bytes(cfg.model)) as folder:
+            _, said = export_run(args.run.run, checkpoint.name, folder, tokenizer_required=False,
+                                 max_shard_size=args.max_shard_size)  # fmt: skip
+        print(f"wrote {said} to {out.path}", file=sys.stderr if said.startswith("no tokenizer") else sys.stdout)
     else:
-        from moe_lm.config import load_config
         from moe_lm.model import initial_model
 
         cfg = load_config(preset_path(args.config), args.overrides)
-        export_hf(initial_model(cfg.model, cfg.seed).eval(), out, max_shard_size=args.max_shard_size)
-    print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
+        with out.staged(needed_bytes=export_bytes(cfg.model)) as folder:
+            export_hf(initial_model(cfg.model, cfg.seed).eval(), folder, max_shard_size=args.max_shard_size)
+    print(f"wrote {out.path} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out.path}'))")
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

@@ -4,7 +4,8 @@
 KEY=VALUE ...        dotted overrides of the config (`optim.lr=1e-3 model.moe.n_routed_experts=16`)
 --print-config       print the resolved config (YAML) and exit
 --run RUN[:TAG]      a run folder to read (its newest complete checkpoint, or checkpoint TAG)
---out DIR            the folder the command writes (created; checked writable before anything slow)
+--out DIR            the folder the command writes: checked before anything slow, written whole beside it and renamed
+                     into place; a folder it did not write is refused (--force moves it aside, nothing is deleted)
 --verbose, --debug   the libraries' INFO lines and banners; the traceback of an error
 """
 
@@ -26,7 +27,7 @@ def add_config(ap: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET
     """--config, the overrides and --print-config; with `out` (a dotted key) also --out as a short hand for it."""
     ap.add_argument("--config", default=default, metavar=CONFIG, help="a preset (moe-lm config --list) or a YAML file")
     if out:
-        add_out(ap, f"the folder to write (sets {out})", required=False)
+        add_out(ap, f"the folder to write (sets {out})", required=False, force=False)
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. optim.lr=1e-3")
     ap.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
     ap.set_defaults(out_key=out)
@@ -54,5 +55,12 @@ def add_run(ap, required: bool = True, group=None) -> None:
     )  # fmt: skip
 
 
-def add_out(ap, help: str, required: bool = True, default: str | None = None) -> None:
+def add_out(ap, help: str, required: bool = True, default: str | None = None, force: bool = True) -> None:
+    """--out DIR, and (`force`) --force for a command that writes the folder whole (moe_lm/output_folder.py)."""
     ap.add_argument("--out", required=required, default=default, metavar="DIR", help=help)
+    if force:
+        ap.add_argument(
+            "--force", action="store_true",
+            help="write --out even if it holds files this command did not write: that folder is moved aside to "
+            "DIR.prev-<time> (nothing is deleted)",
+        )  # fmt: skip

@@ -15,7 +15,10 @@ from moe_lm.errors import UserError
 def add_subject(ap: argparse.ArgumentParser) -> None:
     what = ap.add_mutually_exclusive_group(required=True)
     add_run(ap, required=False, group=what)
-    what.add_argument("--hf", metavar="DIR", help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)})")
+    what.add_argument(
+        "--hf", metavar="DIR",
+        help=f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)}); its own .py files (auto_map) never run",
+    )  # fmt: skip
     ap.add_argument(
         "--data", nargs="*", metavar="SOURCE", help="sources as in data.sources: files, folders, parquet, hf:NAME "
         "(default with --run: its validation split)",

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> None:
     from moe_lm.train.loop import train
     from moe_lm.train.stop import PeerLost, Stopped
 
+    final = None
     try:
         final = train(cfg)
     except PeerLost as e:
@@ -66,6 +67,11 @@ def run(args: argparse.Namespace) -> None:
         # why on every path: DeepSpeed's CPU all-reduce buffers in /dev/shm outlive the process (docs/deepspeed.md
         # §6); unlinking a file other ranks still map is safe
         remove_shm_buffers(os.environ.get("MASTER_PORT", ""))
+        if final is None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # why: a failed run of one process leaves no process group behind in a process that goes on (a
+            # notebook, a sweep, the in-process command); with several ranks the process ends, and a barrier
+            # with ranks that failed elsewhere could hang
+            shutdown_distributed()
     shutdown_distributed()
     if int(os.environ.get("RANK", 0)) != 0 or not final:
         return

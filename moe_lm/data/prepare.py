@@ -1,15 +1,17 @@
 """Corpus -> document split -> tokenizer -> token shards, streamed, resumable, with a manifest.
 
 Layout of a prepared data folder (`data.out_dir`):
-    meta.json          domains, vocab size, token counts, and the signature it was built with (written last)
+    meta.json          domains, vocab size, token counts, each split's tokens.bin hash, and the signature it was
+                       built with (written last)
     manifest.json      sources, per-domain documents/bytes/tokens/hash, skips, and every document's name and split
     tokenizer.model    sentencepiece model (trained on the training split only, or the user's), or
     tokenizer/         the user's Hugging Face tokenizer (see tokenizer.py)
     train/, val/       token shards (see shards.py)
 
-The folder is built in `<out_dir>.partial/` and renamed into place at the end. Nothing else is ever deleted: an
-out_dir that overlaps a source, or holds files this project did not write, is refused; a failed build removes
-its own partial folder (which holds a copy of the corpus) and nothing more.
+The folder is built whole beside out_dir (`.<name>.partial-<host>-<pid>/`) and renamed into place at the end
+(moe_lm/output_folder.py). Nothing else is ever deleted: an out_dir that overlaps a source, or holds files this
+project did not write, is refused; a failed or interrupted build removes its own partial folder (which holds a
+copy of the corpus) and nothing more; a second prepare into the same folder is refused while the first runs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
-import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,12 +31,12 @@ from moe_lm.data.documents import DataError, Document, ReadReport
 from moe_lm.data.shards import TokenShard
 from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenize_shards import tokenize_to_shards
-from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer
+from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer, write_training_text
+from moe_lm.output_folder import MARKER, OutputFolder
 
 MIN_DEFAULT_DOMAINS = 4
 # What a finished data folder holds; anything else in out_dir is the user's, and is never deleted.
-OUTPUTS = {"meta.json", "manifest.json", "tokenizer.model", "tokenizer", "train", "val"}
-PARTIAL_MARK = ".moe_lm_partial"  # in <out_dir>.partial/: the folder is ours to remove
+OUTPUTS = {"meta.json", "manifest.json", "tokenizer.model", "tokenizer", "train", "val", MARKER}
 
 
 def iter_documents(cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
@@ -135,25 +135,10 @@ def prepare_data(
             f"{out} was prepared with other settings or sources ({', '.join(signature_changes(built, signature))}); "
             "rebuild it with --force or set data.out_dir elsewhere"
         )
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        if not (tmp / PARTIAL_MARK).is_file():
-            raise DataError(f"{tmp} exists and was not made by prepare_data; move it away (nothing was deleted)")
-        shutil.rmtree(tmp)  # an earlier build's leftover
-    tmp.mkdir(parents=True)
-    (tmp / PARTIAL_MARK).touch()
-    try:
+    # why a folder written whole: a failed or interrupted build (it holds a copy of the corpus) leaves nothing, and
+    # a second prepare into the same folder is refused while this one runs (moe_lm/output_folder.py)
+    with OutputFolder(out, "prepare", flag="data.out_dir=", say=log).staged() as tmp:
         _build(cfg, vocab_size, seed, signature, tmp, log, workers)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # ours: a copy of the corpus, not to be left behind
-        raise
-    (tmp / PARTIAL_MARK).unlink()
-    if out.exists():  # only our own outputs are in it (check_out_dir)
-        for name in OUTPUTS:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-        out.rmdir()
-    os.replace(tmp, out)
     meta = read_meta(out)
     log(f"prepared {out}: " + ", ".join(f"{s} {meta['tokens'][s]:,} tokens" for s in ("train", "val")))
     return out
@@ -217,6 +202,8 @@ def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Pa
         "bos_id": tok.doc_start_id,
         "tokenizer": {"kind": tok.kind, "source": cfg.tokenizer, "bos_id": tok.bos_id, "eos_id": tok.eos_id},
         "tokens": {s: sum(tokens[s].values()) for s in ("train", "val")},
+        # each split's tokens.bin hash, checked whenever a process first reads it (TokenShard; docs/data.md)
+        "tokens_xxh3_128": {s: TokenShard(tmp / s, domains).scan()[0] for s in ("train", "val")},
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
 
@@ -235,10 +222,8 @@ def _tokenizer(cfg: DataConfig, docs_file: Path, split_of: dict, vocab_size: int
         log(f"tokenizing with {cfg.tokenizer} ({tok.kind}, {tok.vocab_size} tokens)")
         return tok
     text_file = tmp / "tokenizer_train.txt"
-    with open(text_file, "w", encoding="utf-8") as f:
-        for doc in _read_docs(docs_file):
-            if split_of[doc.name] == "train":
-                f.write(doc.text if doc.text.endswith("\n") else doc.text + "\n")
+    train_texts = (doc.text for doc in _read_docs(docs_file) if split_of[doc.name] == "train")
+    log(write_training_text(train_texts, text_file))
     log(f"training a {cfg.tokenizer_type} tokenizer with {vocab_size} pieces ...")
     model_path = train_tokenizer(text_file, tmp / "tokenizer", vocab_size, cfg.tokenizer_type, seed)
     text_file.unlink()
@@ -247,9 +232,10 @@ def _tokenizer(cfg: DataConfig, docs_file: Path, split_of: dict, vocab_size: int
 
 
 def _read_docs(path: Path) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line in f:
             obj = json.loads(line)
+            del line  # not kept beside the document while it is used: a long one is large
             yield Document(obj["name"], obj["domain"], obj["text"])
 
 
@@ -301,5 +287,8 @@ def read_meta(data_dir: str | Path) -> dict:
 
 
 def load_split(data_dir: str | Path, split: str) -> TokenShard:
-    """The prepared `split` ("train" or "val") of a data folder."""
-    return TokenShard(Path(data_dir) / split, read_meta(data_dir)["domains"])
+    """The prepared `split` ("train" or "val") of a data folder, its token ids checked against the vocabulary and
+    tokens.bin against the hash meta.json records (folders prepared before the hashes: the ids only)."""
+    meta = read_meta(data_dir)
+    hashes = meta.get("tokens_xxh3_128") or {}
+    return TokenShard(Path(data_dir) / split, meta["domains"], meta["vocab_size"], hashes.get(split))

@@ -5,16 +5,26 @@ On disk, per split folder (train/, val/):
     doc_offsets.npy    int64 [D + 1]: document d is tokens[doc_offsets[d]:doc_offsets[d + 1]]
     doc_domain.npy     int16 [D]: index into the dataset's domain list
     doc_names.json     [D] document names (their origin), for analytics and the manifest
+
+meta.json records each split's tokens.bin hash (xxh3-128); a reader checks it and the largest token id against the
+vocabulary once per file and process (`TokenShard(..., vocab_size=...)`), so a damaged shard is an error naming the
+file before training indexes the embedding with it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from moe_lm.data.documents import DataError
+
+HASH = "xxh3_128"  # as in checkpoints (moe_lm/checkpoint/format.py): fast; it guards against rot, not an adversary
+SCAN_CHUNK = 1 << 23  # tokens per step of the one pass that hashes a shard and finds its largest id
+_verified: set[tuple] = set()  # (tokens.bin, size, mtime, vocab, hash) already scanned in this process
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -33,11 +43,18 @@ class ShardWriter:
         self.domains: list[int] = []
         self.names: list[str] = []
 
-    def add(self, tokens: list[int], domain_id: int, name: str) -> None:
-        np.asarray(tokens, dtype=self.dtype).tofile(self.file)
-        self.offsets.append(self.offsets[-1] + len(tokens))
+    def add(self, parts: Iterable[list[int]], domain_id: int, name: str) -> int:
+        """One document, its token ids in consecutive parts (a long document's, encoded a chunk at a time, so that
+        its ids are never all in memory); returns how many."""
+        n = 0
+        for part in parts:
+            # why write(tobytes()) and not tofile(): tofile costs ~9 us a call, which one call per part would add
+            self.file.write(np.asarray(part, dtype=self.dtype).tobytes())
+            n += len(part)
+        self.offsets.append(self.offsets[-1] + n)
         self.domains.append(domain_id)
         self.names.append(name)
+        return n
 
     def close(self) -> None:
         self.file.close()
@@ -48,9 +65,13 @@ class ShardWriter:
 
 
 class TokenShard:
-    """Read side of one split: `tokens` is a read-only memmap; indices are small arrays."""
+    """Read side of one split: `tokens` is a read-only memmap; indices are small arrays. With `vocab_size`, tokens.bin
+    is scanned once: every id must be below it and, when `content_hash` is given (meta.json's), the file must be the
+    one preparation wrote."""
 
-    def __init__(self, folder: str | Path, domains: list[str]) -> None:
+    def __init__(
+        self, folder: str | Path, domains: list[str], vocab_size: int | None = None, content_hash: str | None = None
+    ) -> None:
         folder = Path(folder)
         self.domains = domains
         self._folder = folder
@@ -70,6 +91,35 @@ class TokenShard:
         if len(self.doc_domain) and not 0 <= self.doc_domain.min() <= self.doc_domain.max() < len(domains):
             raise _corrupt(folder, f"doc_domain.npy names domains outside the {len(domains)} of meta.json")
         self.tokens = np.memmap(folder / "tokens.bin", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0)
+        if vocab_size is not None:
+            self._verify(vocab_size, content_hash)
+
+    def scan(self) -> tuple[str, int]:
+        """tokens.bin's xxh3-128 hash and its largest token id (-1 when empty), in one pass over the memory map."""
+        h, top = xxhash.xxh3_128(), -1
+        for start in range(0, len(self.tokens), SCAN_CHUNK):
+            chunk = self.tokens[start : start + SCAN_CHUNK]
+            h.update(chunk)
+            top = max(top, int(chunk.max()))
+        return h.hexdigest(), top
+
+    def _verify(self, vocab_size: int, content_hash: str | None) -> None:
+        # why once per file and process: a run loads a split more than once (training, the final summary, every
+        # arm of an experiment); an edit changes the size or the modification time, and is scanned again
+        st = (self._folder / "tokens.bin").stat()
+        key = (str((self._folder / "tokens.bin").resolve()), st.st_size, st.st_mtime_ns, vocab_size, content_hash)
+        if key in _verified:
+            return
+        digest, top = self.scan()
+        if top >= vocab_size:
+            raise _corrupt(
+                self._folder, f"tokens.bin holds token id {top}, beyond the vocabulary of {vocab_size} in meta.json"
+            )
+        if content_hash is not None and digest != content_hash:
+            raise _corrupt(
+                self._folder, f"tokens.bin is not the file preparation wrote: its {HASH} hash differs from meta.json's"
+            )
+        _verified.add(key)
 
     @property
     def n_docs(self) -> int:

@@ -2,12 +2,14 @@
 
 The stream (documents.jsonl: one {"name", "domain", "text"} per line, in corpus order) is cut into N contiguous
 byte ranges at line boundaries. Worker i tokenizes its range into shards of its own, one document in memory at a
-time; the parts are then joined in range order, so N workers write the same bytes as one. Workers are spawned, not
-forked: preparation may run inside a training process whose threads a fork would copy mid-flight.
+time (a long one encoded and written in chunks); the parts are then joined in range order, so N workers write the
+same bytes as one. Workers are spawned, not forked: preparation may run inside a training process whose threads a
+fork would copy mid-flight.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -64,10 +66,12 @@ def _tokenize_range(docs_file, start, end, split_of, domains, tok_dir, out) -> d
         f.seek(start)
         while f.tell() < end:
             doc = json.loads(f.readline())
-            ids = [tok.doc_start_id, *tok.encode(doc["text"])]
+            # a long document in chunks (SentencePieceTokenizer.encode_chunks): no encode call and no list of ids
+            # ever holds the whole of it
+            ids = itertools.chain([[tok.doc_start_id]], tok.encode_chunks(doc["text"]))
             split = split_of[doc["name"]]
-            writers[split].add(ids, domains.index(doc["domain"]), doc["name"])
-            tokens[split][doc["domain"]] += len(ids)
+            n = writers[split].add(ids, domains.index(doc["domain"]), doc["name"])
+            tokens[split][doc["domain"]] += n
     for w in writers.values():
         w.close()
     return tokens

@@ -13,15 +13,17 @@ its EOS token, which then separates documents.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sentencepiece as spm
 
 from moe_lm.data.documents import DataError
-from moe_lm.errors import install_hint
+from moe_lm.errors import REMOTE_CODE_OFF, install_hint, remote_code_refused
 
 SPM_FILE = "tokenizer.model"
 HF_FOLDER = "tokenizer"
@@ -29,6 +31,16 @@ CONVENTIONAL_SPECIALS = {
     "bos_token": ("<s>", "<|begin_of_text|>", "<bos>"),
     "eos_token": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"),
 }
+# The sentencepiece trainer skips every line longer than this (in UTF-8 bytes) and every line holding U+2585 (its
+# placeholder for rare characters), and trains on a random INPUT_SENTENCE_SIZE of the lines when there are more.
+MAX_SENTENCE_BYTES = 16384
+INPUT_SENTENCE_SIZE = 2_000_000
+RESERVED = "\u2585".encode()
+# Characters of a long text that one sentencepiece encode call gets at most (plus a word): given a whole text, its
+# working memory is ~50x the text (a 21 MB document: +978 MiB; docs/data.md, long documents).
+ENCODE_CHUNK_CHARS = 1 << 16
+# Where encode_chunks cuts: a space after a character that is not whitespace to sentencepiece, with text after it.
+_CUT = re.compile("(?<=[^ \u2581]) (?=.)", re.S)
 
 
 class Tokenizer:
@@ -48,6 +60,14 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def encode_chunks(self, text: str) -> Iterator[list[int]]:
+        """`encode(text)` in consecutive parts, so that a long document need not be encoded at once; here one part.
+        Why a Hugging Face tokenizer keeps it so: its normalizer, pre-tokenizer and added tokens differ from one
+        tokenizer to the next (a Prepend("▁") normalizer acts once per call, pre-tokenizer regexes and Metaspace
+        schemes vary, a converted sentencepiece model has no pre-tokenizer), so no one cut gives them all the ids
+        of the whole text."""
+        yield self.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -69,8 +89,34 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
 
+    @functools.cached_property
+    def cuts_exactly(self) -> bool:
+        # why on first use: it reads every piece (~8 ms per 4096), which only long documents need
+        return _cuts_exactly(self.sp)
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
+
+    def encode_chunks(self, text: str) -> Iterator[list[int]]:
+        """`encode(text)` in parts of about ENCODE_CHUNK_CHARS characters with exactly the ids of the whole text,
+        for a model `_cuts_exactly` accepts (the BPE models trained here); any other model gets one part.
+
+        Why the same ids: a part ends before a space that follows a non-space, and the next part starts after that
+        space. Without character normalization and with spaces kept, the whole text normalizes to "▁A▁B" (each
+        space a ▁, the dummy prefix one more in front) and the parts to "▁A" and "▁B": the next part's dummy prefix
+        is the space's ▁. BPE then merges neighbours only into vocabulary pieces, best score first and ties to the
+        left; no piece holds a ▁ right after another character, so no merge crosses the cut and each part merges
+        as it does in place (byte fallback is per piece too). Not for unigram models: their Viterbi sums a float32
+        path score along the text, so equally scored segmentations (f|ff, ff|f) are told apart by rounding, which
+        the score before a cut changes (measured: 13 of the 93 chunks of a 6 MB text got other ids)."""
+        start = 0
+        while len(text) - start > ENCODE_CHUNK_CHARS and self.cuts_exactly:
+            cut = _CUT.search(text, start + ENCODE_CHUNK_CHARS)
+            if cut is None:  # no space further on: the rest is one part
+                break
+            yield self.sp.encode(text[start : cut.start()])
+            start = cut.end()
+        yield self.sp.encode(text[start:])
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(list(ids))
@@ -159,6 +205,8 @@ def import_tokenizer(spec: str, dest: Path) -> Tokenizer:
         raise DataError(f"data.tokenizer={spec}: expected a sentencepiece .model or a tokenizer.json file")
     try:
         tok = _auto_tokenizer(src)
+    except DataError:
+        raise
     except Exception as e:  # transformers raises several types for a folder it cannot read
         raise DataError(f"data.tokenizer={spec}: transformers cannot load it as a tokenizer ({e})") from None
     tok.save_pretrained(dest / HF_FOLDER)
@@ -172,7 +220,15 @@ def _auto_tokenizer(src: Path):
     except ImportError as e:
         raise DataError(f"Hugging Face tokenizers need transformers: {install_hint('hf')}") from e
     if src.is_dir():
-        return transformers.AutoTokenizer.from_pretrained(str(src))
+        try:
+            return transformers.AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
+        except ValueError as e:
+            if remote_code_refused(e):
+                raise DataError(
+                    f"the tokenizer in {src} {REMOTE_CODE_OFF}: give a tokenizer class transformers has built in, "
+                    "its tokenizer.json, or a sentencepiece .model"
+                ) from None
+            raise
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(src))
     # A bare tokenizer.json names no BOS/EOS: take the conventional ones among its special tokens.
     specials = {t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values() if t.special}
@@ -183,8 +239,58 @@ def _auto_tokenizer(src: Path):
     return tok
 
 
+def write_training_text(texts: Iterable[str], path: Path) -> str:
+    """Write the training documents to `path` as lines the sentencepiece trainer reads whole; returns a line for the
+    log saying how much of them it will see.
+
+    A line longer than MAX_SENTENCE_BYTES, which the trainer would skip (a single-line document of a JSONL or parquet
+    corpus, say), is cut into pieces that fit: at its last space that fits, the space left out (the trainer's dummy
+    prefix puts back the ▁ it stands for, as encoding sees that word in place), else at the last character boundary
+    that fits. A U+2585 ends a line instead of losing the trainer its whole line. Blank lines, which it skips, are
+    left out."""
+    total = reserved = lines = long_lines = 0
+    with open(path, "wb") as f:
+        for text in texts:
+            data = text.encode("utf-8")
+            total += len(data)
+            reserved += data.count(RESERVED)
+            data = data.replace(RESERVED, b"\n")
+            start = 0
+            while start < len(data):
+                end = data.find(b"\n", start)
+                end = len(data) if end < 0 else end
+                long_lines += end - start > MAX_SENTENCE_BYTES
+                while end - start > MAX_SENTENCE_BYTES:
+                    cut = data.rfind(b" ", start + 1, start + MAX_SENTENCE_BYTES + 1)
+                    skip = 1
+                    if cut < 0:
+                        cut, skip = start + MAX_SENTENCE_BYTES, 0
+                        while data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+                            cut -= 1
+                    f.write(data[start:cut] + b"\n")
+                    lines += 1
+                    start = cut + skip
+                if end > start:
+                    f.write(data[start:end] + b"\n")
+                    lines += 1
+                start = end + 1
+    seen = total - reserved * len(RESERVED)
+    say = f"tokenizer training text: {seen:,} of the training split's {total:,} bytes in {lines:,} lines"
+    if long_lines:
+        say += f" (lines over sentencepiece's {MAX_SENTENCE_BYTES:,}-byte limit, cut to fit: {long_lines:,})"
+    if reserved:
+        say += f"; U+2585 characters left out (sentencepiece reserves it): {reserved:,}"
+    if lines > INPUT_SENTENCE_SIZE:
+        say += (
+            f"; sentencepiece trains on a random {INPUT_SENTENCE_SIZE:,} of the lines, about "
+            f"{seen * INPUT_SENTENCE_SIZE // lines:,} bytes"
+        )
+    return say
+
+
 def train_tokenizer(text_file: Path, model_prefix: Path, vocab_size: int, model_type: str, seed: int = 0) -> Path:
-    """Train on a file of training text (one sentence per line); returns the .model path."""
+    """Train on a file of training text (one sentence per line, as write_training_text writes it); returns the
+    .model path."""
     spm.set_random_generator_seed(seed)
     try:
         spm.SentencePieceTrainer.train(
@@ -200,8 +306,8 @@ def train_tokenizer(text_file: Path, model_prefix: Path, vocab_size: int, model_
             allow_whitespace_only_pieces=True,
             split_digits=True,
             user_defined_symbols=["\n", "\t"],  # training reads lines, so newlines must be declared
-            max_sentence_length=16384,
-            input_sentence_size=2_000_000,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            input_sentence_size=INPUT_SENTENCE_SIZE,
             shuffle_input_sentence=True,
             num_threads=2,
             minloglevel=2,
@@ -215,3 +321,47 @@ def train_tokenizer(text_file: Path, model_prefix: Path, vocab_size: int, model_
             ) from None
         raise DataError(f"sentencepiece could not train a tokenizer on {text_file}: {e}") from e
     return model_prefix.with_suffix(".model")
+
+
+def _cuts_exactly(sp: spm.SentencePieceProcessor) -> bool:
+    """Whether SentencePieceTokenizer.encode_chunks may cut long texts (the argument is in its docstring): a BPE
+    model with whitespace as a piece prefix, no character normalization, a dummy prefix and spaces kept as ▁; no
+    piece holding a space or a ▁ after another character; and ▁ a piece (an unknown one would fuse with an unknown
+    character before it). The settings are read from the model file itself: sentencepiece does not require the
+    protobuf package that its own reader needs."""
+    model = _proto_fields(sp.serialized_model_proto())
+    trainer, norm = _proto_fields(model.get(2, b"")), _proto_fields(model.get(3, b""))
+    if trainer.get(3, 1) != 2 or trainer.get(24, 0):  # model_type (BPE = 2), treat_whitespace_as_suffix
+        return False
+    # precompiled_charsmap (none: identity), add_dummy_prefix, remove_extra_whitespaces, escape_whitespaces
+    if norm.get(2) or not norm.get(3, 1) or norm.get(4, 1) or not norm.get(5, 1):
+        return False
+    pieces = sp.id_to_piece(list(range(sp.get_piece_size())))
+    return sp.piece_to_id("▁") != sp.unk_id() and not any(" " in p or re.search("[^▁]▁", p) for p in pieces)
+
+
+def _proto_fields(message: bytes) -> dict[int, int | bytes]:
+    """The fields of a serialized protobuf message by number (the last value of a repeated one): varints as ints,
+    anything else as its bytes."""
+    fields, i = {}, 0
+    while i < len(message):
+        key, i = _varint(message, i)
+        if key & 7 == 0:
+            fields[key >> 3], i = _varint(message, i)
+            continue
+        if key & 7 == 2:  # length-delimited: bytes, strings, messages
+            n, i = _varint(message, i)
+        else:  # 64- or 32-bit (wire types 1 and 5); groups (3, 4) are not in sentencepiece's model
+            n = 8 if key & 7 == 1 else 4
+        fields[key >> 3], i = message[i : i + n], i + n
+    return fields
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        value |= (data[i] & 0x7F) << shift
+        shift += 7
+        i += 1
+        if data[i - 1] < 0x80:
+            return value, i

@@ -31,6 +31,7 @@ from moe_lm.errors import RunError
 from moe_lm.experiments.final_eval import RESULT, evaluate_run
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
 from moe_lm.experiments.spec import Experiment
+from moe_lm.output_folder import made_by, write_marker
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_INFO = "experiment_run.json"
@@ -130,6 +131,8 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
     if latest_tag(run.folder) != f"step_{exp.steps:08d}":
         set_aside_interrupted(run, log)
         run.folder.mkdir(parents=True, exist_ok=True)
+        if made_by(run.folder) != "train":  # a run folder this runner made, with its own files in it
+            write_marker(run.folder, "train")
         dump_config(run.cfg, run.folder / "launch.yaml")
         (run.folder / RUN_INFO).write_text(json.dumps({"experiment": exp.name, "arm": run.arm, "seed": run.seed}))
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from moe_lm.config import ConfigError
+from moe_lm.config import ConfigError, yaml_problem
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"  # shipped with the package
 EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher", "equivalent")
@@ -102,7 +102,7 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({e})") from None
+        raise ConfigError(f"{path}: invalid YAML, {yaml_problem(e)}") from None
     presets = raw.pop("presets", {}) or {}
     if raw.get("arms_from"):  # a probe: the arms (and their schedule) are the other experiment's
         other = str(raw["arms_from"])

@@ -28,7 +28,7 @@ import torch
 
 from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScalingConfig
 from moe_lm.console import transformers_quiet
-from moe_lm.errors import install_hint
+from moe_lm.errors import REMOTE_CODE_OFF, install_hint, remote_code_refused
 from moe_lm.interop.hf_mtp import add_to_export, mtp_state_from_hf, mtp_tensors_for_hf, read_mtp_layers
 from moe_lm.model import Transformer
 
@@ -39,6 +39,19 @@ def _transformers():
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(f"Hugging Face interop needs transformers: {install_hint('hf')}") from e
     return transformers
+
+
+def hf_config(path: str | Path):
+    """A checkpoint folder's `transformers` config, read without running the folder's own code (one-line error)."""
+    try:
+        return _transformers().AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as e:
+        if remote_code_refused(e):
+            raise ValueError(
+                f"{path}: its config.json {REMOTE_CODE_OFF}; the model types it can be imported from are built into "
+                "transformers: deepseek_v3, glm4_moe"
+            ) from None
+        raise
 
 
 def to_hf_config(cfg: ModelConfig):
@@ -197,6 +210,15 @@ def from_hf_config(hf, mtp_depth: int = 0) -> ModelConfig:
     return ModelConfig(attention="gqa", gqa=gqa, **common)
 
 
+def export_bytes(cfg: ModelConfig) -> int:
+    """About the disk space an export of `cfg` takes: every parameter in fp32 (the MTP modules' included) and a
+    mebibyte for the config and tokenizer files."""
+    from moe_lm.model.architectures import count_params
+
+    count = count_params(cfg)
+    return 4 * (count.total + count.mtp_total) + 2**20
+
+
 def export_hf(
     model: Transformer,
     out_dir: str | Path,
@@ -243,10 +265,10 @@ def import_hf(path: str | Path) -> Transformer:
     weights hold (DeepSeek's layout: layers past num_hidden_layers)."""
     tf = _transformers()
     path = Path(path)
-    hf_cfg = tf.AutoConfig.from_pretrained(path)
+    hf_cfg = hf_config(path)
     mtp_layers = read_mtp_layers(path, hf_cfg.num_hidden_layers, getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)
     cfg = from_hf_config(hf_cfg, mtp_depth=len(mtp_layers))
-    hf_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     hf_state = hf_model.state_dict()
     model = Transformer(cfg)
     ours = model.state_dict()

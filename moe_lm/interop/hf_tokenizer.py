@@ -74,7 +74,7 @@ def starts_documents(folder: Path, tok, texts: list[str]) -> str | None:
     """The first text on which the folder's AutoTokenizer does not give [doc_start_id] + the training ids, or None."""
     from transformers import AutoTokenizer
 
-    auto = AutoTokenizer.from_pretrained(folder)
+    auto = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     for text in texts:
         if auto(text, verbose=False).input_ids != [tok.doc_start_id, *tok.encode(text)]:  # longer than a window: fine
             return text[:40]

@@ -61,6 +61,7 @@ def harness_lm(export_dir: str | Path, batch_size: int | str = 1, device: str = 
         batch_size=batch_size,
         device=device,
         dtype=dtype,
+        trust_remote_code=False,  # lm-eval's default, said here: moe-lm never runs a folder's own code
     )
     check_start_token(lm, start, export_dir)
     return lm

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moe_lm.checkpoint.format import latest_tag
 from moe_lm.config import Config, ConfigError, config_to_dict
-from moe_lm.interop.hf import from_hf_config, import_hf
+from moe_lm.interop.hf import from_hf_config, hf_config, import_hf
 from moe_lm.model import Transformer
 
 
@@ -19,9 +19,7 @@ def start_from(cfg: Config, run_dir: Path, log) -> tuple[Config, Transformer | N
     own checkpoint. MTP modules the checkpoint holds are loaded up to model.mtp.depth; deeper ones start afresh."""
     path = cfg.train.init_from.removeprefix("hf:")
     try:
-        import transformers
-
-        model_cfg = from_hf_config(transformers.AutoConfig.from_pretrained(path))
+        model_cfg = from_hf_config(hf_config(path))
     except (OSError, ValueError) as e:
         raise ConfigError(f"train.init_from={cfg.train.init_from}: cannot load it ({e})") from None
     keep = ("experts_impl", "bias_update_speed", "seq_aux_alpha", "aux_alpha")

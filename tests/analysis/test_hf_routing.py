@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
 from moe_lm.routing.recorder import RoutingRecorder
+from tests.helpers.hf import answer_yes_if_asked, remote_code_folder
 from tests.helpers.runs import WORDS, make_text
 
 COMMON = dict(
@@ -203,3 +204,16 @@ def test_ablate_experts_cli_on_the_checkpoint(checkpoint, cli, tmp_path):
     [row] = result["ablations"]
     assert row["layer"] == layer and row["experts"] == [1, 2] and set(row["by_domain"]) == set(subjects)
     assert result["subject"]["model_type"] == kind and (tmp_path / "a" / "ablation.png").is_file()
+
+
+@pytest.mark.parametrize("command", ["analyze", "ablate"])
+def test_a_model_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(tmp_path, cli, monkeypatch, command):
+    folder = remote_code_folder(tmp_path / "custom")
+    asked = answer_yes_if_asked(monkeypatch)
+    (tmp_path / "doc.txt").write_text(make_text("cooking", 0))
+    proc = cli(command, "--hf", folder, "--data", tmp_path / "doc.txt", "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: --hf {folder}: its config.json asks to run the folder's own Python code")
+    assert "trust_remote_code is off" in line and ", ".join(SUPPORTED) in line
+    assert not asked and not (folder / "RAN").exists()

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
+import os
+import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from moe_lm.config import DataConfig
+from moe_lm.data import prepare
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.documents import DataError, ReadReport
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.sources import iter_source
-from tests.helpers.runs import write_folder_corpus
+from moe_lm.errors import UserError
+from moe_lm.output_folder import MARKER
+from tests.helpers.runs import VOCAB, tiny_train_cfg, write_folder_corpus
 
 
 def prepare_cli(cli, tmp_path, *overrides):
@@ -48,17 +57,18 @@ def test_out_dir_with_foreign_files_is_refused_even_with_force(cli, tmp_path):
     assert (out / "thesis.tex").read_text() == "not ours"
 
 
-def test_a_failed_build_leaves_no_partial_copy_and_keeps_a_foreign_partial(cli, tmp_path):
+def test_a_failed_build_leaves_no_partial_copy_and_leaves_a_users_look_alike_alone(cli, tmp_path):
     corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
     out = tmp_path / "out"
     proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}", "model.vocab_size=60000")
     assert proc.returncode != 0 and "vocab" in proc.stderr.lower()
-    assert not (tmp_path / "out.partial").exists() and not out.exists()
-    (tmp_path / "out.partial").mkdir()
-    (tmp_path / "out.partial" / "mine.txt").write_text("a user's folder that happens to have this name")
-    proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}")
-    assert proc.returncode != 0 and "was not made by prepare_data" in proc.stderr
-    assert (tmp_path / "out.partial" / "mine.txt").is_file()
+    assert not list(tmp_path.glob(".out.partial-*")) and not out.exists()
+    look_alikes = ("out.partial", f".out.partial-{socket.gethostname()}-1")  # a user's: no marker in them
+    for name in look_alikes:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("a user's folder that happens to have this name")
+    assert prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={out}").returncode == 0
+    assert all((tmp_path / name / "mine.txt").is_file() for name in look_alikes)
 
 
 def test_force_replaces_only_our_own_outputs(tmp_path):
@@ -67,12 +77,54 @@ def test_force_replaces_only_our_own_outputs(tmp_path):
     prepare_data(cfg, vocab_size=300, log=lambda s: None)
     prepare_data(cfg, vocab_size=300, force=True, log=lambda s: None)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        MARKER,
         "manifest.json",
         "meta.json",
         "tokenizer.model",
         "train",
         "val",
     ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]  # the earlier build: ours, deleted
+
+
+def test_a_second_prepare_into_the_same_folder_is_refused_while_the_first_runs(tmp_path, monkeypatch):
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
+    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "out"), val_fraction=0.25)
+    build, second = prepare._build, []
+
+    def build_while_another_starts(*a, **k):
+        build(*a, **k)
+        with pytest.raises(UserError, match=r"being written by another moe-lm process \(pid \d+") as refused:
+            prepare_data(cfg, vocab_size=300, force=True, log=lambda s: None)
+        second.append(str(refused.value))
+
+    monkeypatch.setattr(prepare, "_build", build_while_another_starts)
+    prepare_data(cfg, vocab_size=300, log=lambda s: None)
+    assert second and load_split(cfg.out_dir, "train").n_docs > 0  # the first one finished intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]
+
+
+@pytest.mark.parametrize("fault", ["full disk", "ctrl-c"])
+def test_a_full_disk_or_ctrl_c_during_prepare_is_one_line_and_leaves_nothing(cli, tmp_path, monkeypatch, fault):
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
+    tokenize = prepare.tokenize_to_shards
+
+    def fails_part_way(docs_file, split_of, domains, tok_dir, out_dir, workers):
+        tokenize(docs_file, split_of, domains, tok_dir, out_dir, workers)
+        if fault == "ctrl-c":
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(out_dir) / "meta.json"))
+
+    monkeypatch.setattr(prepare, "tokenize_to_shards", fails_part_way)
+    proc = prepare_cli(cli, tmp_path, f"data.sources=[{corpus}]", f"data.out_dir={tmp_path / 'out'}")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(("error", "interrupted"))]
+    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
+    if fault == "ctrl-c":
+        assert proc.returncode == 130 and lines[0] == "interrupted (Ctrl-C)"
+    else:
+        assert proc.returncode == 2 and f"data.out_dir={tmp_path / 'out'}: the disk filled up" in lines[0]
+        assert "needed" in lines[0] and "nothing was left behind" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
 def test_an_edited_source_is_not_up_to_date(tmp_path):
@@ -135,3 +187,60 @@ def test_prepare_cli_meta_names_its_signature(cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     signature = json.loads((tmp_path / "out" / "meta.json").read_text())["signature"]
     assert signature["source_files"] and signature["sources"] == [str(corpus)]
+
+
+def copy_prepared(tiny_data, tmp_path) -> Path:
+    """A copy of the shared tiny prepared folder, to damage (the shared one stays as it was)."""
+    copy = tmp_path / "prepared"
+    shutil.copytree(tiny_data.out_dir, copy)
+    return copy
+
+
+def set_token(folder: Path, split: str, value: int) -> int:
+    """Overwrite the last token of a split's tokens.bin in place (the file keeps its size); returns the old id."""
+    tokens = np.memmap(folder / split / "tokens.bin", mode="r+", dtype=json.loads((folder / split / "shard.json")
+                       .read_text())["dtype"])  # fmt: skip
+    old = int(tokens[-1])
+    tokens[-1] = value
+    tokens.flush()
+    del tokens
+    return old
+
+
+def test_a_token_id_beyond_the_vocabulary_stops_training_at_start_naming_the_shard(tiny_data, tmp_path, train):
+    """A DataError is the command's one line `error: ...` (exit code 2), not the embedding's IndexError mid-run.
+    why `train` and not the command in this process: a start that fails after joining the process group leaves
+    the group to the next training in this process, whose environment the command's runner puts back."""
+    data = copy_prepared(tiny_data, tmp_path)
+    set_token(data, "train", VOCAB + 7)  # the file keeps its size: only the id is wrong
+    with pytest.raises(DataError) as err:
+        train(tiny_train_cfg(dataclasses.replace(tiny_data, out_dir=str(data)), tmp_path / "run"))
+    message = str(err.value)
+    assert message.startswith(f"token shard {data / 'train'} is damaged (tokens.bin holds token id {VOCAB + 7}")
+    assert f"vocabulary of {VOCAB}" in message and "--force" in message and "\n" not in message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_changed_token_inside_the_vocabulary_fails_the_recorded_hash(tiny_data, tmp_path):
+    data = copy_prepared(tiny_data, tmp_path)
+    meta = json.loads((data / "meta.json").read_text())
+    for split in ("train", "val"):  # preparation recorded each split's tokens.bin hash
+        assert meta["tokens_xxh3_128"][split] == xxhash.xxh3_128((data / split / "tokens.bin").read_bytes()).hexdigest()
+    load_split(data, "val")
+    old = set_token(data, "val", 0)
+    assert old != 0  # a valid id, another one than was written
+    with pytest.raises(DataError, match=r"tokens.bin is not the file preparation wrote: its xxh3_128 hash") as err:
+        load_split(data, "val")
+    assert str(data / "val") in str(err.value) and "--force" in str(err.value)
+
+
+def test_a_folder_prepared_before_the_hashes_loads_and_its_ids_are_still_checked(tiny_data, tmp_path):
+    data = copy_prepared(tiny_data, tmp_path)
+    meta = json.loads((data / "meta.json").read_text())
+    meta.pop("tokens_xxh3_128", None)  # as a folder prepared before the hashes
+    (data / "meta.json").write_text(json.dumps(meta))
+    set_token(data, "train", 1)  # inside the vocabulary: nothing to compare it with
+    assert load_split(data, "train").n_docs > 0
+    set_token(data, "train", VOCAB)
+    with pytest.raises(DataError, match=f"tokens.bin holds token id {VOCAB}, beyond the vocabulary of {VOCAB}"):
+        load_split(data, "train")

@@ -15,6 +15,7 @@ from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.interop.hf_tokenizer import export_tokenizer
+from tests.helpers.hf import answer_yes_if_asked, remote_code_folder
 from tests.helpers.runs import write_folder_corpus
 from tests.helpers.tokenizers import TEXT, bpe_json, prepare_with
 
@@ -165,3 +166,17 @@ def test_a_run_on_a_hugging_face_tokenizer_trains_generates_and_exports(tmp_path
     assert auto("the bond yield").input_ids == [ours.bos_id, *ours.encode("the bond yield")]
     generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (ours.bos_id, ours.eos_id)
+
+
+def test_a_tokenizer_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(tmp_path, cli, monkeypatch):
+    folder = remote_code_folder(tmp_path / "custom")
+    asked = answer_yes_if_asked(monkeypatch)
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=4)
+    proc = cli("prepare", "--config", "tiny", "model.vocab_size=300", f"data.sources=[{corpus}]",
+               f"data.tokenizer={folder}", "--out", tmp_path / "data", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.splitlines()[-1]  # after the reading pass's progress bar, which a terminal erases
+    assert "Traceback" not in proc.stderr
+    assert line.startswith(f"error: the tokenizer in {folder} asks to run the folder's own Python code (auto_map)")
+    assert "trust_remote_code is off" in line and "tokenizer.json" in line
+    assert not asked and not (folder / "RAN").exists()

@@ -1,6 +1,6 @@
 """The declared designs themselves: every preset of every experiment definition stays within the runner's epoch
 limit on the embedded corpus (the >1-epoch pitfall: a larger model's loss would measure memorisation), and the
-runner refuses a design past it."""
+runner refuses a design past it; a definition file that is not plain YAML is one line naming it."""
 
 from __future__ import annotations
 
@@ -49,3 +49,14 @@ def test_every_declared_design_stays_within_the_epoch_limit(tmp_path):
     longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=steps))
     with pytest.raises(RunError, match=r"4.5 passes over .* training split .* fewer steps, or more data"):
         runner.check_epochs(longer, exp, arm)
+
+
+@pytest.mark.parametrize("tagged", ["arms: !!python/object/apply:os.system [echo ran]", "claim: !mine tagged"])
+def test_a_yaml_tag_in_a_definition_is_one_line_naming_the_file(tmp_path, cli, tagged):
+    path = tmp_path / "tagged.yaml"
+    path.write_text(f"config: ../tiny.yaml\n{tagged}\n")
+    proc = cli("experiment", path, "--runs", tmp_path / "runs")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: {path}: invalid YAML, line 2, column ")
+    assert "could not determine a constructor for the tag" in line

@@ -1,6 +1,10 @@
-"""Tiny models with non-trivial routing and tiny transformers configs, for the interop tests."""
+"""Tiny models with non-trivial routing and tiny transformers configs, for the interop tests; a folder with code of its
+own, for the loaders that must not run it."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import transformers
@@ -44,3 +48,23 @@ def native_deepseek_config(**overrides):
         max_position_embeddings=64,
     )
     return transformers.DeepseekV3Config(**{**base, **overrides})
+
+
+def remote_code_folder(folder: Path) -> Path:
+    """A model and tokenizer folder of a type transformers does not know, whose config.json and
+    tokenizer_config.json point (auto_map) at a .py file that writes `folder / "RAN"` when it is imported."""
+    folder.mkdir(parents=True)
+    auto = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
+    (folder / "config.json").write_text(json.dumps({"model_type": "custom_moe", "auto_map": auto}))
+    tokenizer = {"tokenizer_class": "CustomTokenizer", "auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    (folder / "custom.py").write_text('import pathlib\npathlib.Path(__file__).with_name("RAN").write_text("ran")\n')
+    return folder
+
+
+def answer_yes_if_asked(monkeypatch) -> list:
+    """A user at a terminal who answers transformers' "Do you wish to run the custom code?" with y (transformers
+    calls input() for it whether or not stdin is a terminal); returns the questions asked."""
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")
+    return asked

@@ -13,7 +13,7 @@ import moe_lm.experiments.variants  # noqa: F401  (registers the research varian
 from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
 from moe_lm.model import Transformer, build_model
-from tests.helpers.hf import native_deepseek_config, random_model
+from tests.helpers.hf import answer_yes_if_asked, native_deepseek_config, random_model, remote_code_folder
 from tests.helpers.tiny import tiny_model_cfg
 
 
@@ -192,3 +192,13 @@ def test_export_cli_from_a_training_run(tiny_data, trained_run, cli, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = torch.randint(0, 300, (2, 16))
     assert (hf(tokens).logits - logits(model, tokens)).abs().max().item() <= 1e-4
+
+
+def test_importing_a_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(tmp_path, monkeypatch):
+    """import_hf, which train.init_from=hf:PATH uses (through the same config reader)."""
+    folder = remote_code_folder(tmp_path / "custom")
+    asked = answer_yes_if_asked(monkeypatch)
+    with pytest.raises(ValueError, match=r"its config.json asks to run the folder's own Python code") as err:
+        import_hf(folder)
+    assert "\n" not in str(err.value) and "deepseek_v3, glm4_moe" in str(err.value)
+    assert not asked and not (folder / "RAN").exists()

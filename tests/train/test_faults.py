@@ -303,6 +303,65 @@ def test_a_second_process_on_the_same_run_folder_is_refused(tiny_data, tmp_path,
     train(cfg)  # free again
 
 
+def test_a_users_folder_as_train_out_dir_is_refused_before_anything_is_written(tiny_data, tmp_path, train, cli):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own config")
+    cfg = tiny_train_cfg(tiny_data, mine, max_steps=2)
+    with pytest.raises(RunError, match="holds files that are not a run \\(config.yaml\\); nothing was written"):
+        train(cfg)
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml"] and (mine / "config.yaml").read_text() == (
+        "my own config"
+    )
+    dump_config(cfg, tmp_path / "cfg.yaml")  # the command: one line
+    proc = cli("train", "--config", tmp_path / "cfg.yaml")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nothing was written" in proc.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
+    # the failed command left no process group behind: the same process trains next (a notebook, a sweep)
+    again = cli("train", "--config", tmp_path / "cfg.yaml", "--out", tmp_path / "fresh")
+    assert again.returncode == 0 and latest_tag(tmp_path / "fresh"), again.stderr[-3000:]
+    with pytest.raises(RunError, match="lies inside the prepared data folder"):
+        train(tiny_train_cfg(tiny_data, Path(tiny_data.out_dir) / "run", max_steps=2))
+    assert not (Path(tiny_data.out_dir) / "run").exists()
+
+
+def test_an_empty_folder_is_a_new_run_and_a_failed_start_empties_it_again(tiny_data, tmp_path, train, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = tiny_train_cfg(tiny_data, empty, max_steps=2)
+
+    def fails(*a, **k):
+        raise RuntimeError("a failure after the run folder was set up")
+
+    monkeypatch.setattr(loop, "_start", fails)
+    with pytest.raises(RuntimeError, match="after the run folder"):
+        train(cfg)
+    assert empty.is_dir() and list(empty.iterdir()) == []
+    monkeypatch.undo()
+    train(cfg)
+    assert latest_tag(empty) and json.loads((empty / ".moe-lm.json").read_text())["command"] == "train"
+
+
+def test_rotation_removes_only_its_own_checkpoint_folders(tmp_path, train, copied_run):
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_00000002.bak").mkdir()
+    (ckpts / "step_00000002.bak" / "notes.txt").write_text("the user's copy")
+    (ckpts / "step_00000001").mkdir()  # a name save would write, holding a file it does not
+    (ckpts / "step_00000001" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (ckpts / "step_00000001" / "notes.txt").write_text("mine")
+    (ckpts / "step_00000003").mkdir()  # an interrupted save's leftover: only a save's files
+    (ckpts / "step_00000003" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    train(with_train(cfg, max_steps=8, keep_last=1))
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == [
+        "step_00000001",
+        "step_00000002.bak",
+        "step_00000008",
+    ]
+    assert (ckpts / "step_00000002.bak" / "notes.txt").read_text() == "the user's copy"
+    assert (ckpts / "step_00000001" / "notes.txt").read_text() == "mine"
+
+
 # ---- 8. a full disk during a save ------------------------------------------------------------------------------
 
 
@@ -319,10 +378,37 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(tin
         return real(obj, path, *a, **k)
 
     monkeypatch.setattr(save_resume.torch, "save", disk_full)
-    with pytest.raises(RunError, match="No space left on device.*step_00000002, is intact"):
+    with pytest.raises(RunError, match="the disk is full.*step_00000002, is intact"):
         train(cfg)
     assert latest_tag(tmp_path / "run") == "step_00000002"
     assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()  # its partial folder removed
+
+
+def test_torchs_writer_failing_on_a_full_disk_is_one_line_and_the_half_written_checkpoint_goes(
+    tiny_data, tmp_path, train, monkeypatch, cli
+):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    real, calls = save_resume.torch.save, {"n": 0}
+
+    def zip_writer_on_a_full_disk(obj, path, *a, **k):  # what torch raises for ENOSPC, after a partial write
+        if str(path).endswith("rng_rank0.pt"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                Path(path).write_bytes(b"PK\x03\x04")
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0 PytorchStreamWriter failed "
+                    "writing file data/0: file write failed"
+                )
+        return real(obj, path, *a, **k)
+
+    monkeypatch.setattr(save_resume.torch, "save", zip_writer_on_a_full_disk)
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    proc = cli("train", "--config", tmp_path / "cfg.yaml")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-3000:]
+    assert "step_00000004" in errors[0] and "the disk is full" in errors[0] and "step_00000002, is intact" in errors[0]
+    assert latest_tag(tmp_path / "run") == "step_00000002"
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()
 
 
 # ---- 9. no garbage ---------------------------------------------------------------------------------------------
