@@ -13,7 +13,7 @@ CONFIG ?= tiny
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
-.PHONY: setup test test-fast train data bench lint clean megablocks gpu-check gpu-wheels serve-check
+.PHONY: setup test test-fast train data bench lint clean megablocks gpu-check gpu-wheels serve-check gguf-check
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,20 @@ $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install $(VLLM_PIP_ARGS) "$(VLLM_SPEC)"
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+# llama.cpp check (docs/serving.md): moe-lm's GGUF exports run in llama.cpp through llama-cpp-python, built from
+# source (its sdist vendors llama.cpp) with the default CPU flags in its own venv: about 20 min on a 2-core machine,
+# once. The check itself takes about a minute.
+LLAMA_VENV ?= .venv-llama
+LLAMA_SPEC ?= llama-cpp-python==0.3.36
+
+gguf-check: setup $(LLAMA_VENV)/.installed
+	$(BIN)/python launch/gguf_check.py --llama-python $(LLAMA_VENV)/bin/python
+
+$(LLAMA_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_SPEC)" numpy
 	touch $@
 
 # Optional GPU expert backend (model.moe.experts_impl=megablocks), on a CUDA machine only. --no-deps: MegaBlocks

@@ -103,8 +103,13 @@ class OutputFolder:
     """The folder `path` that `command` writes, checked at once (before anything slow runs); `staged()` gives the
     folder to write into and puts it in place when the block ends without an error. `say` prints what was moved."""
 
-    def __init__(self, path: str | Path, command: str, force: bool = False, flag: str = "--out", say=print):
+    def __init__(
+        self, path: str | Path, command: str, force: bool = False, flag: str = "--out", say=print, file: bool = False
+    ):
+        """`file`: `path` is one file (`export --gguf`), written in the staging folder and renamed into place; an
+        existing file is replaced only with `force` (moved aside)."""
         self.path, self.command, self.force, self.flag, self.say = Path(path), command, force, flag, say
+        self.file = file
         self.stage: Path | None = None
         self.check()
 
@@ -117,7 +122,12 @@ class OutputFolder:
         path = self.path
         if path.is_symlink():
             raise self._refuse("is a symlink; give the real folder (moe-lm does not write through links)")
-        if path.exists() and not path.is_dir():
+        if self.file and path.is_dir():
+            raise self._refuse("is a folder; give a file path")
+        if self.file and path.exists() and not self.force:
+            raise self._refuse(f"exists; give a new file, or --force to move it aside to {path.name}.prev-<time> "
+                               "(nothing is deleted)")  # fmt: skip
+        if not self.file and path.exists() and not path.is_dir():
             raise self._refuse("exists and is not a folder; give a folder path")
         inside = enclosing_folder(path)
         if inside:
@@ -178,7 +188,10 @@ class OutputFolder:
             raise self._refuse(f"needs about {gib(needed_bytes)} and {gib(free)} is free there; free space or give "
                                "another disk (nothing was written)")  # fmt: skip
         try:
-            yield stage
+            yield stage / self.path.name if self.file else stage
+            if self.file:
+                self._put_file_in_place(stage)
+                return
             files = sorted(str(p.relative_to(stage)) for p in stage.rglob("*") if p.name != MARKER and
                            (p.is_file() or p.is_symlink()))  # fmt: skip
             write_marker(stage, self.command, files)
@@ -195,6 +208,12 @@ class OutputFolder:
                     "needed); nothing was left behind. Free space or give another disk, then run the same command"
                 ) from None
             raise
+
+    def _put_file_in_place(self, stage: Path) -> None:
+        if self.path.exists():
+            self.say(f"moved the file that was at {self.path} to {moved_aside(self.path)} (nothing was deleted)")
+        os.rename(stage / self.path.name, self.path)
+        shutil.rmtree(stage)
 
     def _put_in_place(self, stage: Path) -> None:
         path = self.path

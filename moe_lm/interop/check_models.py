@@ -1,0 +1,107 @@
+"""Small models built to tell engines apart, for the checks that run our exports in other engines (vLLM:
+launch/serve_check.py, llama.cpp: launch/gguf_check.py): weights large enough that positions and routing change the
+logits, non-zero routing biases, grouped routing; and the measures those checks compare."""
+
+from __future__ import annotations
+
+import math
+
+PROMPTS = 4  # prompts per model
+PROMPT_LEN = 40  # tokens per prompt (positions far enough apart for the rotary layout to matter)
+WEIGHT_SCALE = 5.0  # matrices times this: attention far from uniform, so a wrong rotary layout shows
+
+
+def check_model(attention: str, yarn: bool = False, vocab_size: int = 256, q_lora_rank: int = 32):
+    """A small model with vLLM-friendly sizes: attention head size 32 (the CPU kernel's smallest), MoE layers with
+    grouped routing, non-zero routing biases and weights large enough that positions change the logits.
+    `q_lora_rank` 0: MLA with a plain query projection."""
+    import torch
+
+    from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
+    from moe_lm.model import Transformer
+
+    rope_scaling = RopeScalingConfig()
+    if yarn:  # DeepSeek-V3's shape of YaRN (mscale = mscale_all_dim = 1), at a small scale
+        rope_scaling = RopeScalingConfig("yarn", 4.0, 32, mscale=1.0, mscale_all_dim=1.0)  # 32 * 4 = max_seq_len
+
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        inter_dim=96,
+        first_k_dense_replace=1,
+        attention=attention,
+        max_seq_len=128,
+        rope_scaling=rope_scaling,
+        # MLA: q/k head 16 + 16 = 32; vLLM's MHA path pads v to the q/k head size
+        mla=MLAConfig(
+            q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
+        ),
+        gqa=GQAConfig(n_kv_heads=2, head_dim=32, partial_rotary_factor=0.5),
+        moe=MoEConfig(
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            moe_inter_dim=32,
+        ),
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(WEIGHT_SCALE)
+        for router in model.routers():  # biases that change which experts are chosen
+            router.e_score_correction_bias.normal_(0.0, 0.05)
+    return model
+
+
+def check_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """PROMPTS random token-id prompts of PROMPT_LEN tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (PROMPTS, PROMPT_LEN), generator=g).tolist()
+
+
+def prompt_logprobs(model, prompts: list[list[int]]) -> list[list[float]]:
+    """Our log p(token i | tokens < i) for i >= 1 of every prompt ([n_prompts][len - 1])."""
+    import torch
+
+    tokens = torch.tensor(prompts)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens).logits.double(), dim=-1)
+    return logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1).tolist()
+
+
+def _apply_rope_interleaved(x, cos, sin):
+    """apply_rope with the other pairing (x_{2i} with x_{2i+1}), from the same cos/sin [S, R]."""
+    import torch
+
+    c, s = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+
+
+def wrong_layout_logprobs(model, prompts: list[list[int]]) -> list[list[float]]:
+    """The logprobs an engine would give with the other rotary pairing than the export's weights are written for.
+
+    why this equals it: such an engine applies pairing P' to rows written for P; permuting both q and k back to our
+    layout (exact: q.k is invariant) leaves our weights under the other pairing."""
+    from unittest import mock
+
+    import moe_lm.model.attention as attention
+
+    with mock.patch.object(attention, "apply_rope", _apply_rope_interleaved):
+        return prompt_logprobs(model, prompts)
+
+
+def max_abs_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    """max |a - b| over all prompt tokens; inf when the shapes differ or a value is missing."""
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b, strict=True)):
+        return math.inf
+    return max((abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)), default=0.0)
