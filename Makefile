@@ -13,7 +13,7 @@ CONFIG ?= tiny
 # extra dotted overrides for `make train`, e.g. make train ARGS="train.max_steps=200"
 ARGS ?=
 
-.PHONY: setup test test-fast train data bench lint clean megablocks gpu-check gpu-wheels serve-check gguf-check
+.PHONY: setup test test-fast train data bench lint clean megablocks gpu-check gpu-wheels gpu-carry serve-check gguf-check
 
 setup: $(VENV)/.installed
 
@@ -87,24 +87,34 @@ $(LLAMA_VENV)/.installed:
 megablocks: setup
 	$(BIN)/pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
 
-# On a GPU machine (even one without network): set up from the wheels in .whl/, run the GPU tests, the MoE layer
-# benchmark and a short training run of configs/gpu_1b.yaml, and write logs and a summary into OUT.
+# On a GPU machine (even one without network), in one call of at most 420 s (moe_lm/gpu_check.py, docs/gpu.md §5):
+# install what is missing from the carried wheels, then the GPU tests, the MoE layer in bf16, a short gpu_1b run and
+# the whole step against HF; OUT receives summary.txt, results.json and logs.tgz. Without a GPU it says so (exit 1).
 OUT ?= gpu_check_out
 gpu-check:
-	launch/gpu_check.sh --out $(OUT)
+	$(PYTHON) -m moe_lm.gpu_check --out $(OUT)
 
-# On this (networked, CPU) machine: the wheels a bare GPU machine lacks, for its Python (GPU_PY, default 3.12).
-# DeepSpeed publishes no wheel: pip builds a pure-Python one from its source (no ops are compiled).
+# On this (networked, CPU) machine: what a bare GPU machine lacks, in .gpu_carry/ (carried beside the tree):
+# the wheels for its Python (GPU_PY) in whl/ (DeepSpeed publishes none: pip builds a pure-Python one from its
+# source, no ops compiled; MegaBlocks' sources, optional, in whl/src), and the token shards gpu-check's training
+# step reads in data/. Prints the payload's size; fails above 48 MiB with the tree.
 GPU_PY ?= 3.12
+CARRY ?= .gpu_carry
 gpu-wheels: setup
-	mkdir -p .whl/src
-	$(BIN)/pip wheel --no-deps -w .whl "deepspeed==$$($(BIN)/python -c 'import deepspeed; print(deepspeed.__version__)')"
-	$(BIN)/pip download --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+	mkdir -p $(CARRY)/whl/src
+	$(BIN)/pip wheel --no-deps -w $(CARRY)/whl "deepspeed==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("deepspeed"))')"
+	$(BIN)/pip download --only-binary=:all: --no-deps --python-version $(GPU_PY) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl hjson pydantic pydantic-core annotated-types typing-inspection sentencepiece msgpack py-cpuinfo \
-		ninja einops
-	$(BIN)/pip download --no-deps --no-binary :all: --no-build-isolation -d .whl/src megablocks==0.10.0 \
+		-d $(CARRY)/whl hjson pydantic pydantic-core annotated-types typing-inspection
+	$(BIN)/pip download --no-deps --no-binary :all: --no-build-isolation -d $(CARRY)/whl/src megablocks==0.10.0 \
 		stanford-stk==0.7.1 || echo "megablocks sources not downloaded (optional)"
+
+gpu-carry: gpu-wheels
+	$(BIN)/python -m moe_lm.gpu_check --carry-data $(CARRY)
+	@tree=$$(git archive HEAD | wc -c); carry=$$(du -sb $(CARRY) | cut -f1); \
+	total=$$(( (tree + carry) / 1048576 )); \
+	echo "payload: tree $$((tree / 1048576)) MiB + $(CARRY) $$((carry / 1048576)) MiB = $$total MiB (limit 48)"; \
+	test $$total -le 48
 
 # Maintainers only: rebuild the embedded default corpus from this installation (then pin the printed sha256 in
 # moe_lm/data/default_corpus.py; every loss measured on the old corpus changes).
