@@ -12,6 +12,14 @@ class DataError(ValueError):
     """Input data that cannot be read or used; the message names the file or source."""
 
 
+class NotFound(DataError, FileNotFoundError):
+    """A file, folder or checkpoint the user named is not there (a FileNotFoundError too, for callers catching one)."""
+
+
+class MissingKey(DataError, KeyError):
+    """A file lacks an entry it must hold, a tensor or a key (a KeyError too)."""
+
+
 class RunError(RuntimeError):
     """A run that cannot start or go on; the message says why and what to do (no traceback needed)."""
 

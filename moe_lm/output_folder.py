@@ -122,6 +122,9 @@ class OutputFolder:
         path = self.path
         if path.is_symlink():
             raise self._refuse("is a symlink; give the real folder (moe-lm does not write through links)")
+        cwd = Path.cwd().resolve()  # why: `.` or `..` has no name to write beside, and moving it aside moves us
+        if path.exists() and (path.resolve() == cwd or path.resolve() in cwd.parents):
+            raise self._refuse("is the current folder or holds it; give a folder of its own (e.g. a new subfolder)")
         if self.file and path.is_dir():
             raise self._refuse("is a folder; give a file path")
         if self.file and path.exists() and not self.force:

@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from moe_lm.errors import DataError
+
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
 GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
 
@@ -27,11 +29,11 @@ class HFMoEModel(nn.Module):
         super().__init__()
         kind = hf_model.config.model_type
         if kind not in SUPPORTED:
-            raise ValueError(f"model_type {kind!r} is not supported for routing analytics; supported: {SUPPORTED}")
+            raise DataError(f"model_type {kind!r} is not supported for routing analytics; supported: {SUPPORTED}")
         self.hf = hf_model
         self.gates = {int(m[1]): mod for name, mod in hf_model.named_modules() if (m := GATE.match(name))}
         if not self.gates:
-            raise ValueError(f"found no MoE gate modules (model.layers.<l>.mlp.gate) in this {kind} model")
+            raise DataError(f"found no MoE gate modules (model.layers.<l>.mlp.gate) in this {kind} model")
         first = next(iter(self.gates.values()))
         # why a config-shaped namespace: the recorder reads our Transformer's cfg.moe for the same two numbers
         self.cfg = SimpleNamespace(

@@ -14,38 +14,41 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_lm.analysis import metrics as M
+from moe_lm.analysis import metrics
 from moe_lm.analysis.report_files import write_report
 from moe_lm.analysis.trace import Trace
 from moe_lm.data.tokenizer import Tokenizer
+from moe_lm.errors import ConfigError
 
 MAX_DEFAULT_FIGURE_LAYERS = 8
 
 
 def domain_jsd(experts: np.ndarray, domain: np.ndarray, trace: Trace) -> np.ndarray:
     """Pairwise JSD (bits) between the expert-assignment distributions of the domains present in `domain`."""
-    return M.domain_jsd(M.domain_expert_counts(experts, domain, len(trace.domains), trace.n_experts))
+    return metrics.domain_jsd(metrics.domain_expert_counts(experts, domain, len(trace.domains), trace.n_experts))
 
 
 def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffled_domain: np.ndarray) -> dict:
     """Every per-layer number of the report; `shuffled_domain` is the N2 baseline's labels (drawn once)."""
     experts = np.asarray(trace.experts(layer))
-    counts = M.expert_counts(experts, trace.n_experts)
-    shares = M.domain_shares(experts, trace.domain, len(trace.domains), trace.n_experts)
+    counts = metrics.expert_counts(experts, trace.n_experts)
+    shares = metrics.domain_shares(experts, trace.domain, len(trace.domains), trace.n_experts)
     jsd = domain_jsd(experts, trace.domain, trace)
     return {
-        "maxvio_global": M.max_vio(counts),
+        "maxvio_global": metrics.max_vio(counts),
         "load": counts.tolist(),
-        "load_entropy": M.load_entropy(counts),
-        "dead_experts": M.dead_experts(counts),
-        "repetition": M.repetition_with_ci(experts, trace.doc, n_boot),
+        "load_entropy": metrics.load_entropy(counts),
+        "dead_experts": metrics.dead_experts(counts),
+        "repetition": metrics.repetition_with_ci(experts, trace.doc, n_boot),
         "domain_token_share": shares["token_share"].tolist(),
         "domain_relative_load": shares["relative_load"].tolist(),
         "domain_jsd_bits": jsd.tolist(),
-        "mean_domain_jsd_bits": M.mean_pairwise(jsd),
-        "mean_domain_jsd_bits_token_shuffled_N2": M.mean_pairwise(domain_jsd(experts, shuffled_domain, trace)),
-        "vocabulary_specialisation": M.vocabulary_specialisation(experts, trace.token, trace.n_experts, min_count),
-        "coactivation": M.coactivation(experts, trace.n_experts).tolist(),
+        "mean_domain_jsd_bits": metrics.mean_pairwise(jsd),
+        "mean_domain_jsd_bits_token_shuffled_N2": metrics.mean_pairwise(domain_jsd(experts, shuffled_domain, trace)),
+        "vocabulary_specialisation": metrics.vocabulary_specialisation(
+            experts, trace.token, trace.n_experts, min_count
+        ),
+        "coactivation": metrics.coactivation(experts, trace.n_experts).tolist(),
     }
 
 
@@ -71,7 +74,7 @@ def figure_layers(layers: list[int], chosen: list[int] | None = None) -> list[in
     if chosen:
         unknown = sorted(set(chosen) - set(layers))
         if unknown:
-            raise ValueError(f"--layers {unknown} are not MoE layers of this model (those are {layers})")
+            raise ConfigError(f"--layers {unknown} are not MoE layers of this model (those are {layers})")
         return sorted(set(chosen))
     if len(layers) <= MAX_DEFAULT_FIGURE_LAYERS:
         return list(layers)
@@ -130,25 +133,25 @@ def uniform_baseline(trace: Trace) -> dict:
     """N0: what a uniform random top-k router would give on this many tokens."""
     E, K = trace.n_experts, trace.k
     return {
-        **M.repetition_baseline(E, K),
+        **metrics.repetition_baseline(E, K),
         "token_share": K / E,
         "assignment_share": 1 / E,
         "coactivation": (K - 1) / (E - 1) if E > 1 else 0.0,
         "load_entropy": log(E),
         "mean_domain_jsd_bits": 0.0,
-        "maxvio_floor": M.max_vio_floor(trace.n, E, K, trials=50),
+        "maxvio_floor": metrics.max_vio_floor(trace.n, E, K, trials=50),
     }
 
 
 def all_layer_metrics(trace: Trace, drawn: list[int], min_count: int, n_boot: int) -> dict[str, dict]:
     """`layer_metrics` of every MoE layer (keyed by str(layer)), with the preferred tokens of the `drawn` ones."""
-    shuffled = M.shuffle_domains_within_token(trace.token, trace.domain)  # one N2 draw for every layer
+    shuffled = metrics.shuffle_domains_within_token(trace.token, trace.domain)  # one N2 draw for every layer
     layers = {}
     for layer in trace.layers:
         lm = layer_metrics(trace, layer, min_count, n_boot, shuffled)
         if layer in drawn:  # why only these: the tables are what is read per layer, and they are long
             experts = np.asarray(trace.experts(layer))
-            lm["preferred_tokens"] = M.preferred_tokens(experts, trace.token, trace.n_experts, min_count)
+            lm["preferred_tokens"] = metrics.preferred_tokens(experts, trace.token, trace.n_experts, min_count)
         layers[str(layer)] = lm
     return layers
 
@@ -159,9 +162,11 @@ def init_metrics(init_trace: Trace, layers: list[int], n_experts: int, min_count
     for layer in layers:
         experts = np.asarray(init_trace.experts(layer))
         result[str(layer)] = {
-            "repetition": M.repetition(experts, init_trace.doc),
-            "mean_domain_jsd_bits": M.mean_pairwise(domain_jsd(experts, init_trace.domain, init_trace)),
-            "vocabulary_specialisation": M.vocabulary_specialisation(experts, init_trace.token, n_experts, min_count),
+            "repetition": metrics.repetition(experts, init_trace.doc),
+            "mean_domain_jsd_bits": metrics.mean_pairwise(domain_jsd(experts, init_trace.domain, init_trace)),
+            "vocabulary_specialisation": metrics.vocabulary_specialisation(
+                experts, init_trace.token, n_experts, min_count
+            ),
         }
     return result
 
@@ -174,7 +179,7 @@ def token_shares(trace: Trace, token_ids: dict[str, int]) -> dict[str, dict]:
         rows, count = [], 0
         for layer in trace.layers:
             experts = np.asarray(trace.experts(layer))
-            share, count = M.token_expert_share(experts, trace.token, token_id, trace.n_experts)
+            share, count = metrics.token_expert_share(experts, trace.token, token_id, trace.n_experts)
             rows.append(share)
         if count == 0:
             continue
@@ -186,7 +191,7 @@ def saturation_metrics(trace: Trace, compare_trace: Trace, label: str) -> dict:
     """Router saturation against another checkpoint's trace of the same tokens, per layer (str keys), with the
     label of that checkpoint and the K/E of two independent random routers."""
     per_layer = {
-        str(layer): M.saturation(np.asarray(trace.experts(layer)), np.asarray(compare_trace.experts(layer)))
+        str(layer): metrics.saturation(np.asarray(trace.experts(layer)), np.asarray(compare_trace.experts(layer)))
         for layer in trace.layers
     }
     return {"against": label, **per_layer, "baseline": trace.k / trace.n_experts}

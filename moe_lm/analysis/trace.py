@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moe_lm.errors import ConfigError, NotFound
 from moe_lm.model import Transformer
 from moe_lm.routing.recorder import RoutingRecorder
 
@@ -48,7 +49,7 @@ class Trace:
         self.folder = Path(folder)
         meta_path = self.folder / "meta.json"
         if not meta_path.is_file():
-            raise FileNotFoundError(f"{self.folder} is not a complete trace (no meta.json)")
+            raise NotFound(f"{self.folder} is not a complete trace (no meta.json)")
         self.meta = json.loads(meta_path.read_text())
         self.n = self.meta["n_tokens"]
         self.layers: list[int] = self.meta["layers"]
@@ -197,7 +198,7 @@ def record_trace(
     """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`.
     `progress`: a progress bar (a string labels it), counting the tokens given when `docs` is a list."""
     if model.cfg.attn_mask != "causal":
-        raise ValueError("recording needs a causal model (padding would leak into a bidirectional prefix)")
+        raise ConfigError("recording needs a causal model (padding would leak into a bidirectional prefix)")
     model.eval()
     recorder = RoutingRecorder(model)
     E, K = model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok

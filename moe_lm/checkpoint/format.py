@@ -32,6 +32,7 @@ import xxhash
 
 from moe_lm.config import Config, load_config
 from moe_lm.data.tokenizer import data_tokenizer_sha256
+from moe_lm.errors import DataError, MissingKey, NotFound
 from moe_lm.model import Transformer, build_model
 
 COMPLETE = "COMPLETE"
@@ -101,7 +102,7 @@ def damage(folder: Path, names: Iterable[str] | None = None) -> str | None:
     return None
 
 
-class UnsafeCheckpoint(ValueError):
+class UnsafeCheckpoint(DataError):
     """A checkpoint file holds objects a weights-only load refuses (a pickle can run code): nothing of it was run."""
 
 
@@ -122,7 +123,7 @@ def safe_load(path: Path, allowed: Iterable = (), mmap: bool = False):
             "than moe-lm's training"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:  # torch's errors for a truncated or garbled file
-        raise ValueError(f"{path} does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise DataError(f"{path} does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
 def saved_world_size(folder: Path) -> int:
@@ -184,7 +185,7 @@ def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.T
     for key, by_expert in pieces.items():
         expected = layout[key].shape[0]
         if sorted(by_expert) != list(range(expected)):
-            raise KeyError(f"checkpoint has experts {sorted(by_expert)} of {key}, expected 0..{expected - 1}")
+            raise MissingKey(f"checkpoint has experts {sorted(by_expert)} of {key}, expected 0..{expected - 1}")
         out[key] = torch.stack([by_expert[e] for e in range(expected)])
     return out
 
@@ -206,7 +207,7 @@ def resolve_data(cfg: Config, folder: Path) -> Config:
     ref = json.loads(ref_file.read_text())
     now = data_tokenizer_sha256(ref["data_dir"])
     if ref["tokenizer_sha256"] and now and now != ref["tokenizer_sha256"]:
-        raise ValueError(
+        raise DataError(
             f"the tokenizer in {ref['data_dir']} (tokenizer.model or tokenizer/) is not the one this checkpoint was "
             "trained with (the data was prepared again, or the file was edited or damaged); restore it from a copy "
             "(an export of this run holds one) or prepare the data again with the run's config.yaml"
@@ -223,10 +224,10 @@ def checkpoint_folder(run_dir: str | Path, tag: str | None = None) -> Path:
     run_dir = Path(run_dir)
     tag = tag or latest_tag(run_dir, warn=lambda message: print(message, file=sys.stderr))
     if tag is None:
-        raise FileNotFoundError(f"no complete checkpoint in {ckpt_root(run_dir)} (train first, or check the path)")
+        raise NotFound(f"no complete checkpoint in {ckpt_root(run_dir)} (train first, or check the path)")
     folder = ckpt_root(run_dir) / tag
     if not (folder / COMPLETE).is_file():
-        raise FileNotFoundError(
+        raise NotFound(
             f"{folder} is not a complete checkpoint; complete ones in {ckpt_root(run_dir)}: "
             f"{', '.join(complete_tags(run_dir)) or 'none'}"
         )
@@ -255,7 +256,7 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
         why = f"checkpoint {folder} was rotated away by the running training (cadence.keep_last) while it was read"
         # why not with a tag: RUN:TAG asked for that checkpoint, not for whichever is the newest
         if tag is not None or not retries:
-            raise FileNotFoundError(f"{why}; complete ones now: {', '.join(complete_tags(run_dir)) or 'none'}")
+            raise NotFound(f"{why}; complete ones now: {', '.join(complete_tags(run_dir)) or 'none'}")
         retries -= 1
         print(f"note: {why}; reading the newest one", file=sys.stderr)
 
@@ -264,7 +265,7 @@ def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]
     tag = folder.name
     expert_files = sorted(folder.glob(EXPERT_FILES))
     if problem := damage(folder, [MODEL_FILE, *(f.name for f in expert_files)]):
-        raise ValueError(f"checkpoint {folder} is damaged: {problem}; use an earlier one ({_others(run_dir, tag)})")
+        raise DataError(f"checkpoint {folder} is damaged: {problem}; use an earlier one ({_others(run_dir, tag)})")
     cfg = resolve_data(load_config(folder / "config.yaml"), folder)
     # DeepSpeed's model files hold tensors, containers and strings only: no allowlist needed
     state = _module_state(safe_load(folder / MODEL_FILE), folder / MODEL_FILE)
@@ -277,7 +278,7 @@ def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]
     model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
     bad = [name for name, p in model.named_parameters() if not p.isfinite().all()]
     if bad:
-        raise ValueError(
+        raise DataError(
             f"checkpoint {folder} holds non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
             f"the run diverged; use an earlier checkpoint ({_others(run_dir, tag)})"
         )
@@ -286,7 +287,7 @@ def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]
 
 def _module_state(saved, path: Path) -> dict:
     if not isinstance(saved, dict) or not isinstance(saved.get("module"), dict):
-        raise ValueError(f"{path} is not a DeepSpeed model-state file (no 'module' state dict in it)")
+        raise DataError(f"{path} is not a DeepSpeed model-state file (no 'module' state dict in it)")
     return saved["module"]
 
 

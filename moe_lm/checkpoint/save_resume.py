@@ -40,6 +40,7 @@ from moe_lm.checkpoint.format import (
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.errors import RunError
 from moe_lm.output_folder import disk_full, gib
+from moe_lm.parallel.engine import Engine
 
 # Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).
 RESUME_MUST_MATCH = ("model", "data")
@@ -70,7 +71,7 @@ def weights_finite(model: torch.nn.Module) -> bool:
     return everywhere(all(bool(t.isfinite().all()) for t in tensors))
 
 
-def save(engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int) -> str:
+def save(engine: Engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int) -> str:
     """Save on every rank; rank 0 then marks it complete, moves the pointer, and prunes old checkpoints.
 
     The caller checks the model is healthy first (`weights_finite`). A failed write (a full disk, say) removes
@@ -117,7 +118,7 @@ def _why(failed: BaseException | None, root: Path) -> str:
     return f"{type(failed).__name__}: {failed}"
 
 
-def resume(engine, cfg: Config, run_dir: Path, log) -> dict:
+def resume(engine: Engine, cfg: Config, run_dir: Path, log) -> dict:
     """Restore the run's latest loadable checkpoint into `engine`; returns the state the loop saved with it (step,
     samples consumed, training seconds), or step and samples 0 for a new run.
 
@@ -252,7 +253,7 @@ def weights_only_everywhere(allowed: list):
             os.environ[FORCE_WEIGHTS_ONLY] = before
 
 
-def load(engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
+def load(engine: Engine, run_dir: Path, tag: str, load_optimizer_states: bool = True) -> dict:
     """Restore engine state and this rank's RNG from checkpoint `tag`; returns the client state."""
     root = ckpt_root(run_dir)
     verify_safe(root / tag)  # why first: it names a refused file, and DeepSpeed has not half-loaded anything yet

@@ -2,7 +2,8 @@
 `add_arguments(parser)`, `run(args)` and `main(argv)`. What every command shares with its user: flags of one
 meaning (options.py), output folders checked before any work and written whole (moe_lm/output_folder.py), and a
 user error as one line on stderr with exit code 2 (argparse's code for bad usage); `--debug` (or MOE_LM_DEBUG=1)
-shows the traceback.
+shows the traceback. A user error is one of the project's own types (moe_lm/errors.py), which the loaders raise
+with their messages; any other exception is a bug and ends with its traceback (exit code 1), so that it is reported.
 
 Importing this package registers the research variants (moe_lm/experiments/variants), so that every command knows
 their config names.
@@ -28,9 +29,9 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """The exception types that carry a message for the user rather than a bug report."""
-    # why FileNotFoundError/ValueError/KeyError: the project's loaders raise them with messages naming the file
-    return (UserError, ConfigError, DataError, RunError, FileNotFoundError, ValueError, KeyError)
+    """The exception types that carry a message for the user rather than a bug report: the project's own
+    (moe_lm/errors.py). Anything else is a bug, and shows its traceback."""
+    return (UserError, ConfigError, DataError, RunError)
 
 
 def debugging() -> bool:

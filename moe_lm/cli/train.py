@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import socket
 import sys
 import traceback
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from moe_lm.cli import debugging, main_of
 from moe_lm.cli.options import add_config, load
 from moe_lm.console import verbose
 from moe_lm.errors import UserError
+from moe_lm.parallel.ports import free_port
 
 if TYPE_CHECKING:
     from moe_lm.train.stop import PeerLost
@@ -89,7 +89,7 @@ def launch(args: argparse.Namespace) -> NoReturn:
 
     beside = Path(sys.executable).with_name("deepspeed")  # why: this interpreter's, also when not on PATH
     launcher = str(beside) if beside.is_file() else "deepspeed"
-    cmd = [launcher, "--num_gpus", str(args.nproc), "--master_port", str(_free_port())]
+    cmd = [launcher, "--num_gpus", str(args.nproc), "--master_port", str(free_port())]
     if not verbose():
         cmd.append("--quiet")
     cmd += ["--module", "moe_lm.cli.train", "--config", args.config, *(["--out", args.out] if args.out else [])]
@@ -98,12 +98,6 @@ def launch(args: argparse.Namespace) -> NoReturn:
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")  # why: else each process announces that it found no GPU
     os.execvpe(cmd[0], [*cmd, *args.overrides], env)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report_dead_peer(e: PeerLost) -> NoReturn:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from moe_lm.data.shards import TokenShard
+from moe_lm.errors import DataError
 
 
 class TrainWindows:
@@ -21,9 +22,7 @@ class TrainWindows:
         self.seed = seed
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise ValueError(
-                f"the training split has {len(self.tokens)} tokens, fewer than one window of {seq_len + 1}"
-            )
+            raise DataError(f"the training split has {len(self.tokens)} tokens, fewer than one window of {seq_len + 1}")
         self._perm_epoch, self._perm = -1, None
 
     def sample(self, i: int) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_lm.analysis import metrics as M
+from moe_lm.analysis import metrics
 from moe_lm.experiments.final_eval import ARRAYS, domain_jsd_of
 from moe_lm.experiments.runner import Run
 
@@ -28,7 +28,7 @@ class ArmData:
             return float(np.mean(self.runs[s].result["attention_rank"]["erank"]))
         counts = a["expert_counts"][docs]  # [docs, layers, E]
         if name == "maxvio_global":
-            return float(np.mean([M.max_vio(counts[:, j].sum(0)) for j in range(counts.shape[1])]))
+            return float(np.mean([metrics.max_vio(counts[:, j].sum(0)) for j in range(counts.shape[1])]))
         n_domains = int(a["domain"].max()) + 1
         if name == "domain_jsd":
             return float(

@@ -24,11 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moe_lm.analysis import metrics as M
+from moe_lm.analysis import metrics
 from moe_lm.analysis.attention_probe import erank_by_layer
 from moe_lm.checkpoint.format import load_model
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
+from moe_lm.errors import ConfigError
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, git_commit, training_code
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import initial_model, reads_prefix
@@ -100,7 +101,7 @@ def scoring_objective(cfg, score_from: int, run_dir: Path):
     if score_from > 1:
         return PrefixLM(score_from, reads_prefix(cfg.model))
     if reads_prefix(cfg.model):
-        raise ValueError(f"{run_dir}: a prefix-mask or encoder-decoder model needs score_from > 1 (its prefix)")
+        raise ConfigError(f"{run_dir}: a prefix-mask or encoder-decoder model needs score_from > 1 (its prefix)")
     return NEXT_TOKEN
 
 
@@ -177,10 +178,10 @@ def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: in
             model(batch[:, :-1])
             domain_of = np.repeat(shard.doc_domain[[d for d, _ in part]], len(part[0][1]) - 1)
             for layer in layers:
-                counts[layer] += M.domain_expert_counts(
+                counts[layer] += metrics.domain_expert_counts(
                     recorder.last[layer][0].numpy(), domain_of, len(counts[layer]), E
                 )
-    return {layer: M.mean_pairwise(M.domain_jsd(c)) for layer, c in counts.items()}
+    return {layer: metrics.mean_pairwise(metrics.domain_jsd(c)) for layer, c in counts.items()}
 
 
 def probe_windows(cfg, n: int) -> torch.Tensor:
@@ -215,17 +216,17 @@ def summarise(nll: np.ndarray, count: np.ndarray, domain: np.ndarray, domains: l
 def routing_summary(counts_NLE, doc_domain, n_domains, layers, token, token_domain, token_experts) -> dict:
     """Per MoE layer: MaxVio_global (and its finite-sample floor), mean pairwise domain JSD, and the JSD left once
     domain labels are shuffled among occurrences of the same token id (N2: what token identity alone explains)."""
-    shuffled = M.shuffle_domains_within_token(token, token_domain)
+    shuffled = metrics.shuffle_domains_within_token(token, token_domain)
     E, K = counts_NLE.shape[2], token_experts.shape[2]
     out = {}
     for j, layer in enumerate(layers):
         experts = token_experts[:, j]
         out[f"layer_{layer}"] = {
-            "maxvio_global": M.max_vio(counts_NLE[:, j].sum(0)),
-            "maxvio_floor": M.max_vio_floor(len(token), E, K),
+            "maxvio_global": metrics.max_vio(counts_NLE[:, j].sum(0)),
+            "maxvio_floor": metrics.max_vio_floor(len(token), E, K),
             "domain_jsd": domain_jsd_of(counts_NLE[:, j], doc_domain, n_domains),
-            "domain_jsd_shuffled": M.mean_pairwise(
-                M.domain_jsd(M.domain_expert_counts(experts, shuffled, n_domains, E))
+            "domain_jsd_shuffled": metrics.mean_pairwise(
+                metrics.domain_jsd(metrics.domain_expert_counts(experts, shuffled, n_domains, E))
             ),
         }
     return out
@@ -235,4 +236,4 @@ def domain_jsd_of(counts_NE: np.ndarray, doc_domain: np.ndarray, n_domains: int)
     """Mean pairwise JSD (bits) between the domains' expert distributions, from per-document counts."""
     per_domain = np.zeros((n_domains, counts_NE.shape[1]))
     np.add.at(per_domain, doc_domain, counts_NE)
-    return M.mean_pairwise(M.domain_jsd(per_domain))
+    return metrics.mean_pairwise(metrics.domain_jsd(per_domain))

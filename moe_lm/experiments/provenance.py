@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moe_lm.errors import NotFound
+
 PACKAGE = Path(__file__).resolve().parents[1]
 # the training command and every package it reaches, walked whole (it imports some of them inside functions)
 TRAINING_ENTRIES = ("moe_lm.cli.train", "moe_lm.train", "moe_lm.model", "moe_lm.ops", "moe_lm.data", "moe_lm.parallel",
@@ -52,7 +54,7 @@ def data_fingerprint(data_dir: str | Path) -> str:
     folder = Path(data_dir)
     manifest = folder / "manifest.json"
     if not manifest.is_file():
-        raise FileNotFoundError(f"{folder} has no manifest.json: prepare the data first (moe-lm prepare)")
+        raise NotFound(f"{folder} has no manifest.json: prepare the data first (moe-lm prepare)")
     h = hashlib.sha256()
     for d in sorted(json.loads(manifest.read_text())["documents"], key=lambda d: (d["domain"], d["name"])):
         h.update(f"{d['domain']}\t{d['name']}\t{d['split']}\t{d['sha256']}\n".encode())

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moe_lm.errors import DataError
+
 
 def t_cdf(t: float, df: int) -> float:
     """P(T <= t) for Student's t with df degrees of freedom, through the regularized incomplete beta function."""
@@ -69,7 +71,7 @@ def paired_deltas(a: dict[int, float], b: dict[int, float], what: str = "") -> t
     partner run is missing: pairing by position would pair different seeds)."""
     alone = sorted(set(a) ^ set(b))
     if alone:
-        raise ValueError(f"{what}: seeds {alone} are in one arm only; run the missing seeds (--seeds) first")
+        raise DataError(f"{what}: seeds {alone} are in one arm only; run the missing seeds (--seeds) first")
     seeds = sorted(a)
     return seeds, [a[s] - b[s] for s in seeds]
 

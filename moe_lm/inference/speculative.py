@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lm.errors import ConfigError
 from moe_lm.inference.sampling import Sampling, draw
 from moe_lm.model import Transformer
 from moe_lm.model.attention import KVCache, decode_mask, rope_cos_sin
@@ -102,12 +103,12 @@ def speculative_generate(
     verified by the main model; plus the acceptance statistics."""
     D = len(model.mtp) if depth is None else depth
     if not 1 <= D <= len(model.mtp):
-        raise ValueError(
+        raise ConfigError(
             f"speculative decoding with MTP needs 1..{len(model.mtp)} modules (the model has "
             f"{len(model.mtp)}; train with model.mtp.depth > 0), got {D}"
         )
     if model.cfg.attn_mask != "causal":
-        raise ValueError("speculative decoding with MTP needs a causal model")
+        raise ConfigError("speculative decoding with MTP needs a causal model")
     gen = torch.Generator().manual_seed(seed)
     stats = SpeculativeStats(proposed=[0] * D, accepted=[0] * D)
     cache, drafter = KVCache(), _Drafter(model, D)

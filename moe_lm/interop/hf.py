@@ -28,7 +28,7 @@ import torch
 
 from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScalingConfig
 from moe_lm.console import transformers_quiet
-from moe_lm.errors import REMOTE_CODE_OFF, install_hint, remote_code_refused
+from moe_lm.errors import REMOTE_CODE_OFF, ConfigError, DataError, MissingKey, install_hint, remote_code_refused
 from moe_lm.interop.hf_mtp import add_to_export, mtp_state_from_hf, mtp_tensors_for_hf, read_mtp_layers
 from moe_lm.model import Transformer
 
@@ -47,7 +47,7 @@ def hf_config(path: str | Path):
         return _transformers().AutoConfig.from_pretrained(path, trust_remote_code=False)
     except ValueError as e:
         if remote_code_refused(e):
-            raise ValueError(
+            raise DataError(
                 f"{path}: its config.json {REMOTE_CODE_OFF}; the model types it can be imported from are built into "
                 "transformers: deepseek_v3, glm4_moe"
             ) from None
@@ -156,7 +156,7 @@ def from_hf_config(hf, mtp_depth: int = 0) -> ModelConfig:
     bound only: transformers' DeepseekV3Config says 1 by default, with or without the weights)."""
     kind = hf.model_type
     if kind not in ("deepseek_v3", "glm4_moe"):
-        raise ValueError(f"cannot import model_type {kind!r}: supported are deepseek_v3 and glm4_moe")
+        raise DataError(f"cannot import model_type {kind!r}: supported are deepseek_v3 and glm4_moe")
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     problems = []
     rope_scaling = _rope_scaling(hf, rope, problems)
@@ -169,7 +169,7 @@ def from_hf_config(hf, mtp_depth: int = 0) -> ModelConfig:
     if getattr(hf, "use_qk_norm", False):
         problems.append("use_qk_norm=True")
     if problems:
-        raise ValueError(f"this {kind} checkpoint uses features moe-lm does not implement: {'; '.join(problems)}")
+        raise DataError(f"this {kind} checkpoint uses features moe-lm does not implement: {'; '.join(problems)}")
     moe = MoEConfig(
         n_routed_experts=hf.n_routed_experts,
         n_shared_experts=hf.n_shared_experts,
@@ -234,11 +234,11 @@ def export_hf(
     tf = _transformers()
     cfg = model.cfg
     if cfg.arch != "decoder":
-        raise ValueError(
+        raise ConfigError(
             f"model.arch={cfg.arch}: HF DeepseekV3/Glm4Moe are decoder-only; an encoder-decoder cannot be exported"
         )
     if cfg.attn_mask != "causal":
-        raise ValueError(
+        raise ConfigError(
             f"model.attn_mask={cfg.attn_mask}: HF DeepseekV3/Glm4Moe are causal only; this model cannot be exported"
         )
     hf_cfg = to_hf_config(cfg)
@@ -282,13 +282,13 @@ def import_hf(path: str | Path) -> Transformer:
     for key in ours:
         if key.startswith("mtp."):
             if key not in state and ours[key].numel():
-                raise KeyError(f"{path}: MTP layer {cfg.n_layers + int(key.split('.')[1])} has no tensor for {key!r}")
+                raise MissingKey(f"{path}: MTP layer {cfg.n_layers + int(key.split('.')[1])} has no tensor for {key!r}")
             continue
         hf_key = _to_hf_key(key)
         if hf_key not in hf_state:
             if ours[key].numel() == 0:
                 continue
-            raise KeyError(f"{path}: checkpoint has no tensor {hf_key!r} (needed for our {key!r})")
+            raise MissingKey(f"{path}: checkpoint has no tensor {hf_key!r} (needed for our {key!r})")
         state[key] = hf_state[hf_key].float()
     if cfg.attention == "mla" and getattr(hf_cfg, "rope_interleave", False):
         _deinterleave_rope(state, cfg)

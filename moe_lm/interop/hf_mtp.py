@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from moe_lm.errors import DataError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 MTP_FILE = "model-mtp.safetensors"
@@ -75,7 +77,7 @@ def read_mtp_layers(path: Path, n_layers: int, declared: int) -> dict[int, dict[
             break
         quantized = [k for k in keys if k.endswith("_scale_inv")]
         if quantized:
-            raise ValueError(
+            raise DataError(
                 f"{path}: MTP layer {n_layers + j} is stored in FP8 ({quantized[0]}); convert the checkpoint to "
                 "bf16 first (DeepSeek's fp8_cast_bf16.py)"
             )

@@ -21,19 +21,17 @@ import fnmatch
 import json
 from pathlib import Path
 
-from moe_lm.errors import install_hint
+from moe_lm.errors import DataError, NotFound, UserError, install_hint
 
 
 def document_start_id(export_dir: str | Path) -> int:
     """The token every training document began with, as export_hf wrote it (config.json's `bos_token_id`)."""
     config = Path(export_dir) / "config.json"
     if not config.is_file():
-        raise FileNotFoundError(
-            f"{config} not found: --model takes a folder written by `moe-lm export` (or give --run RUN)"
-        )
+        raise NotFound(f"{config} not found: --model takes a folder written by `moe-lm export` (or give --run RUN)")
     start = json.loads(config.read_text()).get("bos_token_id")
     if start is None:
-        raise ValueError(
+        raise DataError(
             f"{config} names no bos_token_id: the export has no tokenizer (exported with --config?); export a run "
             "with moe-lm export --run RUN, which writes its tokenizer and start token"
         )
@@ -49,7 +47,7 @@ def harness_lm(export_dir: str | Path, batch_size: int | str = 1, device: str = 
 
     start = document_start_id(export_dir)
     if not (Path(export_dir) / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(
+        raise NotFound(
             f"{export_dir} holds no Hugging Face tokenizer (tokenizer_config.json); re-export the run with "
             "moe-lm export --run RUN (its log says why a tokenizer was not converted)"
         )
@@ -82,7 +80,7 @@ def check_start_token(lm, start: int, where: str | Path = "the export") -> None:
         else:  # why: loglikelihood() special-cases an empty context with prefix_token_id
             ctx, cont = [lm.prefix_token_id], lm.tok_encode(continuation, add_special_tokens=False)
         if ctx + cont != [start, *plain]:
-            raise ValueError(
+            raise DataError(
                 f"lm-eval would score {context + continuation!r} as {(ctx + cont)[:4]}..., not [{start}] + the text's "
                 f"ids {plain[:3]}... (every training document began with token {start}): the tokenizer in {where} "
                 "does not add it; re-export the run with moe-lm export --run RUN"
@@ -103,7 +101,7 @@ def resolve_tasks(specs: list[str], include_path: str | Path | None = None):
         else:
             matched = [spec] if spec in known or Path(spec).is_file() else []
         if not matched:
-            raise KeyError(
+            raise UserError(
                 f"--tasks {spec}: no such lm-eval task (`lm-eval ls tasks` lists them); give a task name, a glob "
                 "pattern, a task YAML file, or --include-path FOLDER holding the YAML that defines it"
             )

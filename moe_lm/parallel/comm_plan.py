@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_lm.errors import ConfigError, DataError
+
 KINDS = ("self", "intra", "inter")
 INDEX_BYTES = 8  # the dispatcher sends each slot's local expert id as int64
 
@@ -60,7 +62,7 @@ class Layout:
         require_ep_divides(self.ep_size, n_experts, self.world)
         g, ep = self.gpus_per_node, self.ep_size
         if ep > g and ep % g or ep < g and g % ep:
-            raise ValueError(
+            raise ConfigError(
                 f"ep_size {ep} and {g} GPUs per node: one must divide the other, or expert-parallel groups "
                 "straddle nodes unevenly"
             )
@@ -181,7 +183,7 @@ def split_by_rank(idx_NK: np.ndarray, ep_size: int, seq_len: int) -> list[np.nda
     """A trace's tokens as a run would spread them: sequences of seq_len tokens dealt to the ranks in turn."""
     n_seq = len(idx_NK) // seq_len
     if n_seq < ep_size:
-        raise ValueError(f"the trace holds {len(idx_NK)} tokens: fewer than one {seq_len}-token sequence per rank")
+        raise DataError(f"the trace holds {len(idx_NK)} tokens: fewer than one {seq_len}-token sequence per rank")
     seqs = idx_NK[: n_seq * seq_len].reshape(n_seq, seq_len, -1)
     return [seqs[r::ep_size].reshape(-1, idx_NK.shape[1]) for r in range(ep_size)]
 
@@ -232,7 +234,7 @@ def place_experts(load: np.ndarray, layout: Layout, n_group: int, redundant: int
     routing intact): groups onto nodes, then inside each node replicas and packing onto its GPUs; global otherwise."""
     E, R = len(load), layout.ep_size
     if redundant % R:
-        raise ValueError(f"redundant slots ({redundant}) must be a multiple of ep_size ({R}): every GPU holds as many")
+        raise ConfigError(f"redundant slots ({redundant}) must be a multiple of ep_size ({R}): every GPU holds as many")
     nodes = sorted(set(layout.ep_nodes()))
     n_nodes, per_node = len(nodes), R // len(nodes)
     if n_group % n_nodes:  # groups cannot be kept whole on nodes: one global pool
@@ -339,7 +341,7 @@ def trace_plan(trace, cfg, layout: Layout, redundant: int, dispatch_elem: int, c
     moe, nodes = cfg.model.moe, layout.ep_nodes()
     E, R = moe.n_routed_experts, layout.ep_size
     if (trace.n_experts, trace.k) != (E, moe.num_experts_per_tok):
-        raise ValueError(
+        raise DataError(
             f"the trace {trace.folder} routes to {trace.k} of {trace.n_experts} experts but the config to "
             f"{moe.num_experts_per_tok} of {E}: plan with the config of the model that recorded it"
         )

@@ -20,9 +20,11 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
-from moe_lm.config import Config
+from moe_lm.config import OptimConfig, ParallelConfig, TrainConfig
 from moe_lm.console import library_prints, quiet_deepspeed
 from moe_lm.ops.cpu_kernels import environment_ninja
+from moe_lm.parallel.engine import Engine
+from moe_lm.parallel.ports import free_port
 
 
 def init_distributed() -> None:
@@ -30,10 +32,9 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     quiet_deepspeed()  # again: importing deepspeed reset its logger's level
     # why environment_ninja: on CPU DeepSpeed builds its shared-memory communication op with torch's loader
     with library_prints(), environment_ninja():  # why library_prints: that op prints a line on every start
@@ -171,17 +172,17 @@ def device() -> torch.device:
     return torch.device(acc.device_name(), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def use_bf16(cfg: Config, dev: torch.device) -> bool:
+def use_bf16(p: ParallelConfig, dev: torch.device) -> bool:
     # why fp32 on CPU: bf16 matmuls are not faster there (docs/deepspeed.md §5) and fp32 keeps CPU runs exact.
-    return cfg.parallel.dtype == "bf16" or (cfg.parallel.dtype == "auto" and dev.type == "cuda")
+    return p.dtype == "bf16" or (p.dtype == "auto" and dev.type == "cuda")
 
 
-def deepspeed_config(cfg: Config, bf16: bool) -> dict:
-    t, p = cfg.train, cfg.parallel
+def deepspeed_config(t: TrainConfig, o: OptimConfig, p: ParallelConfig, bf16: bool) -> dict:
+    """The engine's config from the sections it reads: batch shape (train), clipping (optim), ZeRO (parallel)."""
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_clipping": o.grad_clip,
         "zero_optimization": {
             "stage": p.zero_stage,
             # docs/deepspeed.md §3: the settings under which ZeRO-2 reduces MoE gradients correctly.
@@ -208,12 +209,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_engine(model: torch.nn.Module, cfg: Config):
+def build_engine(model: torch.nn.Module, o: OptimConfig, t: TrainConfig, p: ParallelConfig) -> Engine:
     """Wrap the plain model in a DeepSpeed engine with AdamW and the derived config."""
     dev = device()
-    bf16 = use_bf16(cfg, dev)
+    bf16 = use_bf16(p, dev)
     model = model.to(dev)
-    o = cfg.optim
     groups = param_groups(model, o.weight_decay)
     if any(is_moe_param(p) for p in model.parameters()):
         # expert parameters get their own groups so ZeRO reduces them over the expert-data-parallel group only
@@ -222,5 +222,5 @@ def build_engine(model: torch.nn.Module, cfg: Config):
     optimizer = torch.optim.AdamW(
         groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=dev.type == "cuda"
     )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, bf16))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(t, o, p, bf16))
     return engine

@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from moe_lm.model import Transformer
-from moe_lm.routing import stats as M
+from moe_lm.parallel.engine import Engine
+from moe_lm.routing import stats
 from moe_lm.routing.recorder import RoutingRecorder
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, loss_sums
 
 
 @torch.no_grad()
 def evaluate(
-    engine,
+    engine: Engine,
     model: Transformer,
     evalsets: dict[str, torch.Tensor],
     micro: int,
@@ -69,12 +70,12 @@ def evaluate(
                     if layer not in recorder.last:  # an MTP depth with no position to predict in a short window
                         continue
                     experts = recorder.last[layer][0].cpu().numpy()
-                    counts[i, d] += M.expert_counts(experts, E)
+                    counts[i, d] += stats.expert_counts(experts, E)
                     if not model.window_aligned_routing:  # e.g. an encoder-decoder's stacks: counts only
                         continue
                     # an MTP block routes the first S - k positions of each window; a decoder block all S
                     doc = _documents(tokens[:, : len(experts) // len(tokens)], doc_start_id)
-                    t, same_first, overlap = M.repetition_hits(experts, doc)
+                    t, same_first, overlap = stats.repetition_hits(experts, doc)
                     pairs[i] += len(t), same_first.sum(), overlap.sum()
     loss, mtp_loss, counts, pairs, scored = (_sum_over_ranks(a, dev) for a in (loss, mtp_loss, counts, pairs, scored))
     engine.train()
@@ -91,8 +92,8 @@ def evaluate(
         result[f"mtp_loss/depth_{k}"] = loss_sum / max(n, 1)
     for i, layer in enumerate(layers):
         n_pairs = max(pairs[i, 0], 1)
-        result[f"maxvio_global/layer_{layer}"] = M.max_vio(counts[i].sum(0))
-        result[f"domain_jsd/layer_{layer}"] = M.mean_pairwise(M.domain_jsd(counts[i]))
+        result[f"maxvio_global/layer_{layer}"] = stats.max_vio(counts[i].sum(0))
+        result[f"domain_jsd/layer_{layer}"] = stats.mean_pairwise(stats.domain_jsd(counts[i]))
         result[f"same_first/layer_{layer}"] = pairs[i, 1] / n_pairs
         result[f"topk_overlap/layer_{layer}"] = pairs[i, 2] / n_pairs
     return {k: float(v) for k, v in result.items()}

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
 from moe_lm.model import Transformer, build_model, count_params, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
+from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
@@ -51,7 +51,7 @@ class _Run:
     run_dir: Path
     tracker: Tracker
     windows: TrainWindows
-    engine: Any
+    engine: Engine
     model: Transformer
     objective: Objective
     throughput: Throughput
@@ -129,7 +129,7 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     model = apply_expert_parallel(model, cfg.parallel.ep_size)  # every rank: the same model
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
     model = apply_compile(model, cfg.performance.compile)
-    engine = build_engine(model, cfg)
+    engine = build_engine(model, cfg.optim, cfg.train, cfg.parallel)
     t = cfg.train
     G = t.micro_batch_size * t.grad_accum_steps * world
     peak, peak_source = peak_flops(dev, cfg.logging.peak_tflops)
@@ -190,7 +190,12 @@ def _count_bad_step(run: _Run, applied: bool, loss: float, step_done: int) -> No
 
 
 def train_step(
-    engine, model: Transformer, micro_batches, lr: float, mtp_weight: float = 0.0, objective: Objective = NEXT_TOKEN
+    engine: Engine,
+    model: Transformer,
+    micro_batches,
+    lr: float,
+    mtp_weight: float = 0.0,
+    objective: Objective = NEXT_TOKEN,
 ) -> tuple[dict, bool]:
     """One optimizer step over this rank's micro-batches [micro, seq_len + 1]. Returns the losses averaged over all
     micro-batches and ranks ({"loss": the main head's CE, "aux_loss", "mtp_loss/depth_k" per MTP depth}) and
@@ -223,7 +228,9 @@ def _micro_batches(run: _Run, first: int):
         yield run.windows.batch(first + (m * run.world + run.rank) * t.micro_batch_size, t.micro_batch_size).to(dev)
 
 
-def _evaluate(engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, step: int) -> dict:
+def _evaluate(
+    engine: Engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, step: int
+) -> dict:
     micro, score_from = cfg.train.micro_batch_size, cfg.cadence.eval_score_from
     result = evaluate(engine, model, evalsets, micro, dev, doc_start_id, objective_for(cfg), score_from)
     tracker.log({"kind": "eval", "step": step, **result})
@@ -231,7 +238,7 @@ def _evaluate(engine, model, evalsets, cfg: Config, dev, doc_start_id: int, trac
     return result
 
 
-def _log_train(tracker: Tracker, engine, model: Transformer, row: dict, counts: list[torch.Tensor]) -> None:
+def _log_train(tracker: Tracker, engine: Engine, model: Transformer, row: dict, counts: list[torch.Tensor]) -> None:
     grad_norm = engine.get_global_grad_norm()
     row = {"kind": "train", **row, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
     if dispatchers(model):

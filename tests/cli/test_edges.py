@@ -99,3 +99,17 @@ def test_every_script_ends_a_user_error_in_one_line_with_exit_code_2(cli, comman
     assert len(errors) == 1, proc.stderr[-2000:]
     debug = cli.script(script, *args, "--debug")  # the traceback is there when asked for
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_a_bug_inside_a_command_shows_its_traceback_not_a_user_error(cli, trained_run, tmp_path, monkeypatch):
+    import moe_lm.interop.hf as hf
+
+    def planted(*args, **kwargs):
+        return {}["a key the code forgot"]  # a programming error, as a bug would raise it
+
+    monkeypatch.setattr(hf, "export_run", planted)
+    proc = cli("export", "--run", trained_run(), "--out", tmp_path / "export")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" in proc.stderr and "KeyError: 'a key the code forgot'" in proc.stderr
+    assert "error: a key the code forgot" not in proc.stderr
+    assert not (tmp_path / "export").exists()  # the output folder is still written whole or not at all

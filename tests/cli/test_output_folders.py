@@ -99,11 +99,17 @@ def test_analyze_leaves_a_users_metrics_alone(cli, trained_run, tmp_path):
     assert (out / "metrics.json").read_text() == "my metrics" and (out / "routing.html").read_text() == "my page"
 
 
-def test_a_symlink_as_out_is_refused(cli, trained_run, tmp_path):
+def test_a_symlink_or_the_current_folder_as_out_is_refused(cli, trained_run, tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     one_line_error(cli("export", "--run", trained_run(), "--out", tmp_path / "link"), "symlink")
     assert list((tmp_path / "real").iterdir()) == []
+    (tmp_path / "real" / "mine.txt").write_text("the user's")
+    for out in (".", ".."):  # --force would move the folder we stand in
+        proc = cli("export", "--run", trained_run(), "--out", out, "--force", cwd=tmp_path / "real")
+        one_line_error(proc, "current folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert [p.name for p in (tmp_path / "real").iterdir()] == ["mine.txt"]
 
 
 def test_a_full_disk_during_export_leaves_nothing_and_says_what_is_needed(cli, trained_run, tmp_path, monkeypatch):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 from moe_lm.parallel.deepspeed_setup import remove_shm_buffers
+from moe_lm.parallel.ports import free_port
 from tests.helpers.commands import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,12 +27,6 @@ DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 # why one thread per rank: N ranks on a machine of few cores, each with a thread per core, oversubscribe it many
 # times over (an 8-rank job ran 4x slower on 2 cores); a user's launcher on a real cluster sets this too
 RANK_THREADS = {"OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed(n: int, port: int | str, *args) -> list[str]:
