@@ -1,5 +1,5 @@
 """The config reference (docs/config.md), generated from the config classes: every key with its type, default and
-meaning, the meaning taken from the comment above the field in moe_lm/config.py (its single source)."""
+meaning, the meaning taken from the comment above the field in moe_lm/config/schema.py (its single source)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moe_lm import config as C
+from moe_lm.config import schema
+from moe_lm.config.choices import CHOICES
 
 HEADER = """# Config reference
 
-Every key of the config tree, generated from the config classes in `moe_lm/config.py` (`moe-lm config --reference`;
-a test keeps this file current). Set keys in a YAML preset (`--config NAME|FILE`, a preset may start from another
-with `base: other.yaml`) or as dotted overrides on the command line (`optim.lr=1e-3`). `moe-lm config --config X
-[overrides]` prints a resolved config. Keys renamed when the training section was split still load, with a note:
-{moved}.
+Every key of the config tree, generated from the config classes in `moe_lm/config/schema.py` (`moe-lm config
+--reference`; a test keeps this file current). Set keys in a YAML preset (`--config NAME|FILE`, a preset may start
+from another with `base: other.yaml`) or as dotted overrides on the command line (`optim.lr=1e-3`). `moe-lm config
+--config X [overrides]` prints a resolved config. Keys renamed when the training section was split still load, with
+a note, until moe-lm {until} (then the old spelling is an error naming the new one): {moved}.
 """
 
 
 def field_comments() -> dict[tuple[str, str], str]:
     """(class name, field name) -> the comment lines right above the field, joined."""
-    source = Path(inspect.getsourcefile(C)).read_text()
+    source = Path(inspect.getsourcefile(schema)).read_text()
     lines = source.splitlines()
     out = {}
     for node in ast.walk(ast.parse(source)):
@@ -43,7 +45,7 @@ def field_comments() -> dict[tuple[str, str], str]:
 def reference() -> str:
     comments, hints = field_comments(), typing.get_type_hints(C.Config)
     moved = ", ".join(f"`{old}` → `{new}`" for old, new in C.MOVED.items())
-    parts = [HEADER.format(moved=moved)]
+    parts = [HEADER.format(moved=moved, until=".".join(map(str, C.MOVED_UNTIL)))]
     for f in dataclasses.fields(C.Config):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
@@ -72,7 +74,7 @@ def _section(path: str, cls: type, comments: dict) -> list[str]:
 
 
 def _type(tp: Any, key: str) -> str:
-    if key in C._CHOICES:
+    if key in CHOICES:
         return "one of " + ", ".join(f"`{c}`" for c in C.choices(key))
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(f"`{c}`" for c in typing.get_args(tp))

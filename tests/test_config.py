@@ -137,9 +137,9 @@ def test_dump_round_trips(tmp_path):
 def test_keys_moved_out_of_train_still_load_with_a_one_line_note(tmp_path, capsys, monkeypatch):
     """Configs and run folders written before train was split into train/cadence/objective/performance load
     unchanged; each old spelling is noted once, and giving both spellings is refused."""
-    import moe_lm.config
+    from moe_lm.config import moved_keys
 
-    monkeypatch.setattr(moe_lm.config, "_noted", set())
+    monkeypatch.setattr(moved_keys, "_noted", set())
     old = tmp_path / "old.yaml"
     old.write_text("train: {max_steps: 5, log_interval: 7, objective: lm, loss_chunk: 16}\n")
     cfg = load_config(old, ["train.eval_interval=9", "train.compile=true"])
@@ -167,3 +167,16 @@ def test_research_variant_names_are_refused_until_registered(process):
     )
     out = process.python(code).stdout  # from the repository root
     assert "model.attn_mask = 'prefix' is not known; known: causal" in out and "moe_lm.experiments.variants" in out
+
+
+def test_moved_keys_end_at_their_release_with_the_new_spelling(tmp_path, monkeypatch):
+    from moe_lm.config import MOVED_UNTIL, moved_keys
+
+    assert moved_keys.release() < MOVED_UNTIL  # this release: they still load (the test above)
+    old = tmp_path / "old.yaml"
+    old.write_text("train: {max_steps: 5, log_interval: 7}\n")
+    monkeypatch.setattr(moved_keys, "release", lambda: MOVED_UNTIL)
+    with pytest.raises(ConfigError, match=r"train.log_interval was renamed cadence.log_interval, .*write cadence"):
+        load_config(old)
+    with pytest.raises(ConfigError, match="train.compile was renamed performance.compile"):
+        load_config(None, ["train.compile=true"])

@@ -146,4 +146,4 @@ def test_every_key_has_a_meaning_in_the_reference():
 
     rows = [line for line in reference().splitlines() if line.startswith("| `")]
     empty = [row.split("|")[1].strip() for row in rows if not row.rstrip(" |").split("|")[-1].strip()]
-    assert rows and not empty, f"keys without a comment above their field in moe_lm/config.py: {empty}"
+    assert rows and not empty, f"keys without a comment above their field in moe_lm/config/schema.py: {empty}"

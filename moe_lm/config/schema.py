@@ -1,27 +1,17 @@
-"""One typed config tree: a YAML preset plus dotted overrides, loaded once and handed out in sections.
+"""The config tree's schema: every section as a dataclass, each field with the comment that is its documentation
+(docs/config.md is generated from these comments: moe_lm/config_docs.py), and the cross-field rules (`validate`).
 
-    cfg = load_config("configs/tiny.yaml", ["optim.lr=3e-4", "model.moe.n_routed_experts=16"])
-    model = Transformer(cfg.model)          # each component receives its own section only
-
-Unknown keys and values of the wrong type are errors that name the dotted path. Values are coerced by the
-field's declared type, because YAML reads `1e-3` as a string. `validate()` checks cross-field rules.
+Loading (presets, `base:` chains, dotted overrides) is moe_lm/config/loading.py; the names some keys accept are
+moe_lm/config/choices.py; renamed keys, moe_lm/config/moved_keys.py; the typed decoder, moe_lm/config/decode.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import sys
-import types
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-
+from moe_lm.config.choices import CHOICES, require_choice
 from moe_lm.errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------- model
@@ -237,8 +227,8 @@ class ModelConfig:
             )
         self.moe.validate(f"{path}.moe")
         self.mtp.validate(f"{path}.mtp")
-        _require_choice("model.arch", self.arch, f"{path}.arch")
-        _require_choice("model.attn_mask", self.attn_mask, f"{path}.attn_mask")
+        require_choice("model.arch", self.arch, f"{path}.arch")
+        require_choice("model.attn_mask", self.attn_mask, f"{path}.attn_mask")
 
 
 # ------------------------------------------------------------------------------------------- data/train
@@ -394,7 +384,7 @@ class ObjectiveConfig:
     def validate(self, path: str = "objective") -> None:
         _require(self.prefix_len >= 0, f"{path}.prefix_len", f"must be >= 0, got {self.prefix_len}")
         _require(0 < self.mlm_prob < 1, f"{path}.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
-        _require_choice("objective.name", self.name, f"{path}.name")
+        require_choice("objective.name", self.name, f"{path}.name")
 
 
 @dataclass
@@ -505,7 +495,7 @@ class Config:
             ("model.attn_mask", self.model.attn_mask),
             ("objective.name", self.objective.name),
         ):
-            rule = _CHOICES[key][value]
+            rule = CHOICES[key][value]
             if rule is not None:
                 rule(self)
 
@@ -522,38 +512,6 @@ def require_ep_divides(ep_size: int, n_routed_experts: int, world: int | None = 
                  f"({n_routed_experts})")  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------ extension point
-
-# The names a key accepts beyond the core's, each with the cross-field rule a config using it must pass. Research
-# variants add theirs when imported (moe_lm/experiments/variants): the core never imports them.
-_CHOICES: dict[str, dict[str, Callable[[Config], None] | None]] = {
-    "model.arch": {"decoder": None},
-    "model.attn_mask": {"causal": None},
-    "objective.name": {"lm": None},
-}
-VARIANTS_MODULE = "moe_lm.experiments.variants"
-
-
-def register_choice(key: str, name: str, rule: Callable[[Config], None] | None = None) -> None:
-    """Let config key `key` (one of _CHOICES) accept `name`; `rule(cfg)` raises ConfigError for a config that uses
-    it wrongly (naming the key to change)."""
-    _CHOICES[key][name] = rule
-
-
-def choices(key: str) -> list[str]:
-    """The names `key` accepts now (the core's, and those of every variant imported so far)."""
-    return list(_CHOICES[key])
-
-
-def _require_choice(key: str, value: str, shown: str) -> None:
-    _require(
-        value in _CHOICES[key],
-        shown,
-        f"= {value!r} is not known; known: {', '.join(_CHOICES[key])} (research variants register more when "
-        f"{VARIANTS_MODULE} is imported: the moe-lm command and launch/ scripts do)",
-    )
-
-
 def config_warnings(cfg: Config) -> list[str]:
     """What a valid config probably does not mean to do (the run says so at start; --print-config shows it)."""
     warnings = []
@@ -565,223 +523,6 @@ def config_warnings(cfg: Config) -> list[str]:
             "lower optim.warmup_steps"
         )
     return warnings
-
-
-# ----------------------------------------------------------------------------------------- load / dump
-
-
-PRESETS = Path(__file__).resolve().parent / "configs"  # shipped with the package
-
-
-def presets() -> list[str]:
-    """The names of the presets shipped with the package (`--config NAME`)."""
-    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
-
-
-def preset_path(name: str) -> Path:
-    """A preset's file, or the YAML file `name` is a path to (relative to the working directory)."""
-    if name in presets():
-        return PRESETS / f"{name}.yaml"
-    path = Path(name)
-    if path.is_file():
-        return path
-    raise ConfigError(f"--config {name}: no such file, and no preset of that name (presets: {', '.join(presets())})")
-
-
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML preset (or the defaults when `path` is None), apply `key.sub=value` overrides, validate.
-
-    A preset may start from another with `base: other.yaml` (relative to its own folder): its keys are merged over
-    the base's, section by section.
-    """
-    raw = read_preset(Path(path)) if path is not None else {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({yaml_problem(e)})") from None
-        _set_dotted(raw, _new_spelling(key.strip(), "an override"), parsed)
-    cfg = from_dict(Config, raw)
-    cfg.validate()
-    return cfg
-
-
-def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The raw mapping of a preset file with its `base:` chain merged in; errors name the file (and line)."""
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path} (presets live in configs/)")
-    if path.resolve() in chain:
-        raise ConfigError(f"{path}: `base:` chain loops back to itself ({' -> '.join(map(str, chain))})")
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML, {yaml_problem(e)}") from None
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
-    raw = _moved_keys(loaded or {}, str(path))
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
-    return _merge(read_preset(path.parent / base, (*chain, path.resolve())), raw)
-
-
-# Keys that moved when the training section was split (old spelling -> new). Configs, experiment definitions and
-# run folders written before keep loading; each old spelling is noted once per process.
-MOVED = {
-    **{f"train.{k}": f"cadence.{k}" for k in ("log_interval", "eval_interval", "eval_batches", "ckpt_interval")},
-    "train.keep_last": "cadence.keep_last",
-    "train.objective": "objective.name",
-    "train.prefix_len": "objective.prefix_len",
-    "train.mlm_prob": "objective.mlm_prob",
-    "logging.wandb_console": "logging.verbose",
-    **{f"train.{k}": f"performance.{k}" for k in ("activation_checkpointing", "compile", "loss_chunk")},
-}
-_noted: set[str] = set()
-
-
-def _new_spelling(key: str, where: str) -> str:
-    new = MOVED.get(key)
-    if new is None:
-        return key
-    if key not in _noted and os.environ.get("RANK", "0") == "0":
-        _noted.add(key)
-        print(f"note: {key} is now {new} ({where}; the old key still works: rename it)", file=sys.stderr)
-    return new
-
-
-def _moved_keys(raw: dict[str, Any], where: str) -> dict[str, Any]:
-    """`raw` (one file's sections) with the old spellings of MOVED keys put where they live now."""
-    raw = dict(raw)
-    for old in MOVED:
-        section, key = old.split(".")
-        if not isinstance(raw.get(section), dict) or key not in raw[section]:
-            continue
-        new_section, new_key = _new_spelling(old, where).split(".")
-        raw[section] = dict(raw[section])
-        target = raw.setdefault(new_section, {})
-        if not isinstance(target, dict):
-            raise ConfigError(f"{where}: '{new_section}' must be a mapping of keys")
-        if new_key in target:
-            raise ConfigError(f"{where}: both {old} and {new_section}.{new_key} are set; keep {new_section}.{new_key}")
-        raw[new_section] = {**target, new_key: raw[section].pop(key)}
-    return raw
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def yaml_problem(e: yaml.YAMLError) -> str:
-    """Where and what, in one line (PyYAML's own message adds the offending line and a caret below it)."""
-    mark = getattr(e, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + str(getattr(e, "problem", None) or e)
-
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def dump_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (it loads back to an equal config)."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass `cls` from a nested dict, coercing each value by the field's type."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{path}.{key}" if path else str(key)
-        if key not in fields:
-            raise ConfigError(f"unknown config key '{dotted}'; valid keys here: {', '.join(fields)}")
-        kwargs[key] = _coerce(hints[key], value, dotted)
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(arg, value, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: cannot accept {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
-        return value
-    if origin in (list, tuple):
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        if isinstance(value, str | int | float):
-            value = [value]
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        return origin(_coerce(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return int(as_float)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, dict | list):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return str(value)
-    raise ConfigError(f"{path}: unsupported field type {tp!r}")
-
-
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override '{key}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
-        node = child
-    node[parts[-1]] = value
 
 
 def _require(ok: bool, key: str, message: str) -> None:
