@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,7 @@ CORE = (
     "routing",
     "config",
     "errors",
+    "output_folder",
 )
 MAX_FUNCTION_LINES = 70
 
@@ -191,3 +193,19 @@ def test_tests_reach_the_running_machinery_through_their_fixtures():
     offenders = [f"{p.relative_to(ROOT)}:{where}" for p in sorted((ROOT / "tests").rglob("test_*.py"))
                  for where in machinery_used(p)]  # fmt: skip
     assert not offenders, "use the fixtures (tests/README.md):\n" + "\n".join(offenders)
+
+
+def test_the_readme_layout_block_is_the_tree_and_names_the_core():
+    """Every room of the package (a sub-package or a top-level module) has its line in the README's layout block,
+    and no line names a room that is gone; the README names the same core rooms as CORE."""
+    text = ROOT.joinpath("README.md").read_text()
+    block = text.split("## Layout")[1].split("```")[1]
+    listed = {line.split()[0].rstrip("/") for line in block.splitlines() if line.startswith("moe_lm/")}
+    rooms = {
+        f"moe_lm/{p.name}"
+        for p in PACKAGE.iterdir()
+        if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")
+    }
+    assert listed - {"moe_lm/configs"} == rooms  # configs/: the presets, data rather than code
+    named = re.search(r"The DeepSeek-V3 trainer is the core \(([^)]*)\)", text)
+    assert named and [r.strip() for r in named[1].replace("\n", " ").split(",")] == list(CORE)

@@ -4,7 +4,6 @@ ablation.png and ablation.md. `moe-lm ablate` (moe_lm/cli/ablate.py) parses the 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -15,6 +14,7 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.ablation import ablation_study
 from moe_lm.analysis.budget import budget_document_count, print_sample_lines
+from moe_lm.analysis.requests import AblationRequest, SubjectRequest
 from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import record_trace
 from moe_lm.data.prepare import load_split
@@ -23,21 +23,21 @@ from moe_lm.errors import UserError
 Target = tuple[int, list[int]]  # (MoE layer, experts routed around together)
 
 
-def ablate_experts(args: argparse.Namespace) -> dict:
-    """The ablation the flags of `moe-lm ablate` ask for (checked there: the subject flags, a positive
-    --max-documents); writes ablation.json, ablation.png and ablation.md into --out, prints the table and returns
-    the result."""
-    out = Path(args.out)  # a fresh folder the command line renames into place (moe_lm/output_folder.py)
-    subject = load_subject(args)
-    docs, domains = documents(subject, args)
-    docs, samples = budget_document_count(docs, len(domains), args.max_documents)
-    print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {args.max_documents}, equal shares):")
+def ablate_experts(req: AblationRequest) -> dict:
+    """The ablation a request asks for (`moe-lm ablate` builds it from its flags, having checked them); writes
+    ablation.json, ablation.png and ablation.md into `req.out` (created), prints the table and returns the result."""
+    out = Path(req.out)
+    out.mkdir(parents=True, exist_ok=True)
+    subject = load_subject(req.subject)
+    docs, domains = documents(subject, req.subject)
+    docs, samples = budget_document_count(docs, len(domains), req.max_documents)
+    print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {req.max_documents}, equal shares):")
     print_sample_lines(samples, domains, unit="documents")
     model, seq_len = subject.model, subject.seq_len
-    check_targets(args.targets or [], model.moe_layer_ids(), model.cfg.moe.n_routed_experts)
-    targets = args.targets or specialised_targets(model, docs, domains, seq_len, out)
-    print(f"routing around {len(targets)} targets with {args.controls} controls each, on {len(docs)} documents")
-    result = ablation_study(model, docs, domains, targets, seq_len, args.controls, args.n_boot)
+    check_targets(list(req.targets), model.moe_layer_ids(), model.cfg.moe.n_routed_experts)
+    targets = list(req.targets) or specialised_targets(model, docs, domains, seq_len, out)
+    print(f"routing around {len(targets)} targets with {req.controls} controls each, on {len(docs)} documents")
+    result = ablation_study(model, docs, domains, targets, seq_len, req.controls, req.n_boot)
     result["subject"] = subject.source
     result["sampling"] = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
     write_ablation(result, domains, out)
@@ -45,13 +45,13 @@ def ablate_experts(args: argparse.Namespace) -> dict:
     return result
 
 
-def documents(subject: Subject, args: argparse.Namespace) -> tuple[list[tuple[int, np.ndarray]], list[str]]:
+def documents(subject: Subject, what: SubjectRequest) -> tuple[list[tuple[int, np.ndarray]], list[str]]:
     """(domain index, token ids) per document, and the domain names: --data, or the run's validation split."""
-    if not args.data:
+    if not what.data:
         shard = load_split(subject.cfg.data.out_dir, "val")
         return [(int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs)], shard.domains
     domains: list[str] = []
-    docs = list(user_documents(args.data, subject.tok, domains, args.text_field, args.domain_field))
+    docs = list(user_documents(list(what.data), subject.tok, domains, what.text_field, what.domain_field))
     return docs, domains
 
 

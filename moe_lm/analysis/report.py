@@ -9,6 +9,7 @@ report_files.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import log
 from pathlib import Path
 
@@ -221,26 +222,33 @@ def page_samples(trace: Trace, tok: Tokenizer, n_tokens: int) -> list[dict]:
     return samples
 
 
-def build_report(
-    trace: Trace,
-    out: Path,
-    tok: Tokenizer,
-    tokens: list[str],
-    init_trace: Trace | None = None,
-    compare_trace: Trace | None = None,
-    compare_label: str = "",
-    metrics_rows: list[dict] | None = None,
-    min_count: int = 20,
-    n_boot: int = 500,
-    html_tokens: int = 250,
-    layers_to_draw: list[int] | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class ReportRequest:
+    """What a routing report is made of: the trained model's trace and its tokenizer, the tokens to chart, and the
+    baselines' traces."""
+
+    trace: Trace
+    tok: Tokenizer
+    tokens: list[str]  # tokens whose routing across layers is charted
+    init_trace: Trace | None = None  # the same tokens through the untrained model (baseline N1)
+    compare_trace: Trace | None = None  # another checkpoint on the same tokens (router saturation)
+    compare_label: str = ""
+    metrics_rows: list[dict] | None = None  # the run's metrics.jsonl rows (load over training), if any
+    min_count: int = 20  # minimum occurrences for vocabulary specialisation
+    n_boot: int = 500  # bootstrap resamples of the confidence intervals
+    html_tokens: int = 250  # tokens per domain on the HTML page
+    layers_to_draw: list[int] | None = None
+
+
+def build_report(req: ReportRequest, out: Path) -> dict:
     """Compute the report (`routing_metrics`) and write it into `out` (`write_report`: metrics.json, metrics.csv,
     figures/*.png, routing.html); returns the metrics. `metrics_rows`: the run's metrics.jsonl rows, if any."""
     result = routing_metrics(
-        trace, tok, tokens, init_trace, compare_trace, compare_label, min_count, n_boot, layers_to_draw
-    )
-    write_report(result, out, tok, page_samples(trace, tok, html_tokens), metrics_rows, min_count)
+        req.trace, req.tok, req.tokens, req.init_trace, req.compare_trace, req.compare_label, req.min_count,
+        req.n_boot, req.layers_to_draw,
+    )  # fmt: skip
+    write_report(result, out, req.tok, page_samples(req.trace, req.tok, req.html_tokens), req.metrics_rows,
+                 req.min_count)  # fmt: skip
     return result
 
 

@@ -5,7 +5,6 @@ log and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -15,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.analysis.budget import budget_documents, print_sample_lines
-from moe_lm.analysis.report import build_report, figure_layers
+from moe_lm.analysis.report import ReportRequest, build_report, figure_layers
+from moe_lm.analysis.requests import RoutingRequest, SubjectRequest
 from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.checkpoint.format import RunRef, load_model
@@ -26,58 +26,58 @@ from moe_lm.errors import UserError
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
 
 
-def analyze_routing(args: argparse.Namespace) -> dict:
-    """The whole analysis the flags of `moe-lm analyze` ask for (checked there: the subject flags, a
-    positive --max-tokens); writes trace*/, figures/, routing.html, metrics.json and metrics.csv into --out and
-    returns the metrics."""
-    out = Path(args.out)  # a fresh folder the command line renames into place (moe_lm/output_folder.py)
-    subject = load_subject(args)
-    docs, domains, source = budgeted_documents(subject, args)
-    common = dict(seq_len=subject.seq_len, batch_size=args.batch_size)
+def analyze_routing(req: RoutingRequest) -> dict:
+    """The whole analysis a request asks for (`moe-lm analyze` builds it from its flags, having checked them);
+    writes trace*/, figures/, routing.html, metrics.json and metrics.csv into `req.out` (created) and returns the
+    metrics."""
+    out = Path(req.out)
+    out.mkdir(parents=True, exist_ok=True)
+    subject = load_subject(req.subject)
+    docs, domains, source = budgeted_documents(subject, req.subject, req.max_tokens)
+    common = dict(seq_len=subject.seq_len, batch_size=req.batch_size)
     trace = record_trained(subject, docs, domains, source, out, common)
-    init_trace = None if args.no_init_baseline else record_untrained(subject, docs, domains, source, out, common)
+    init_trace = None if not req.init_baseline else record_untrained(subject, docs, domains, source, out, common)
     compare_trace, label = None, ""
-    if args.compare:
-        compare_trace, label = record_compared(args.compare, docs, domains, source, out, common)
+    if req.compare:
+        compare_trace, label = record_compared(req.compare, docs, domains, source, out, common)
     rows = training_metrics(subject.run)
-    drawn = figure_layers(trace.layers, args.layers)
+    drawn = figure_layers(trace.layers, list(req.layers) if req.layers is not None else None)
     print(f"figures and preferred-token tables for MoE layers {drawn} (--layers to choose)")
-    result = build_report(
-        trace, out, subject.tok, args.chart_tokens, init_trace, compare_trace, label, rows, args.min_count,
-        layers_to_draw=drawn,
-    )  # fmt: skip
-    if args.wandb:
+    report = ReportRequest(trace, subject.tok, list(req.chart_tokens), init_trace, compare_trace, label, rows,
+                           req.min_count, layers_to_draw=drawn)  # fmt: skip
+    result = build_report(report, out)
+    if req.wandb:
         log_to_wandb(subject, out, result)
     print_summary(result)
     return result
 
 
-def budgeted_documents(subject: Subject, args: argparse.Namespace) -> tuple[Documents, list[str], dict]:
+def budgeted_documents(subject: Subject, what: SubjectRequest, max_tokens: int) -> tuple[Documents, list[str], dict]:
     """The documents to analyse under --max-tokens (spread equally over the domains, reported on the console),
     the domain names, and the trace's `source` (where the documents came from and what each domain gave)."""
-    stream, domains, source = document_stream(subject, args)
+    stream, domains, source = document_stream(subject, what, max_tokens)
     try:
-        docs, samples = budget_documents(stream, domains, args.max_tokens)
+        docs, samples = budget_documents(stream, domains, max_tokens)
     except DataError as e:
         raise UserError(f"--data: {e}") from None
     if not docs:
         raise UserError(f"no tokens to analyse in {source['data']}")
     total = sum(s.tokens for s in samples)
-    print(f"analysing {total:,} tokens of {len(domains)} domains (--max-tokens {args.max_tokens:,}, equal shares):")
+    print(f"analysing {total:,} tokens of {len(domains)} domains (--max-tokens {max_tokens:,}, equal shares):")
     print_sample_lines(samples, domains)
     source["sampling"] = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
     return docs, domains, source
 
 
 def document_stream(
-    subject: Subject, args: argparse.Namespace
+    subject: Subject, what: SubjectRequest, max_tokens: int
 ) -> tuple[Iterable[tuple[int, np.ndarray]], list[str], dict]:
     """(domain index, token ids) of --data, or of the run's validation split, lazily; the domain names (for --data
     filled as the stream is read) and the `source` naming the documents."""
-    if args.data:
+    if what.data:
         domains: list[str] = []
-        stream = user_documents(args.data, subject.tok, domains, args.text_field, args.domain_field, args.max_tokens)
-        return stream, domains, {"data": args.data}
+        stream = user_documents(list(what.data), subject.tok, domains, what.text_field, what.domain_field, max_tokens)
+        return stream, domains, {"data": list(what.data)}
     shard = load_split(subject.cfg.data.out_dir, "val")
     stream = ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
     return stream, list(shard.domains), {"data": f"{subject.cfg.data.out_dir} (validation split)"}

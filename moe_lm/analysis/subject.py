@@ -3,7 +3,6 @@ documents; shared by `moe-lm analyze` and `moe-lm ablate`."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel, parameter_count
+from moe_lm.analysis.requests import SubjectRequest
 from moe_lm.checkpoint.format import load_model
 from moe_lm.config import Config
 from moe_lm.data.documents import ReadReport
@@ -107,9 +107,9 @@ def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
     return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source)
 
 
-def load_subject(args: argparse.Namespace) -> Subject:
-    """The Subject the (checked) flags name: --hf or --run; a clear error (and exit) for what cannot be loaded."""
+def load_subject(what: SubjectRequest) -> Subject:
+    """The Subject a request names: its hf folder or its run; a clear error for what cannot be loaded."""
     try:
-        return hf_subject(args.hf, args.dtype, args.device, args.seq_len) if args.hf else run_subject(args.run)
+        return hf_subject(what.hf, what.dtype, what.device, what.seq_len) if what.hf else run_subject(what.run)
     except OSError as e:  # a folder transformers cannot read: the user's to fix, not a bug
         raise UserError(str(e)) from None

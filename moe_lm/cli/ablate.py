@@ -19,9 +19,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from moe_lm.analysis.requests import AblationRequest
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out
-from moe_lm.cli.subject import add_subject, check_subject
+from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
 
 
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace) -> None:
     from moe_lm.analysis.ablation_workflow import ablate_experts
 
     with out.staged() as folder:
-        ablate_experts(argparse.Namespace(**{**vars(args), "out": folder}))
+        ablate_experts(AblationRequest(subject_request(args), folder, tuple(args.targets or ()), args.controls,
+                                       args.max_documents, args.n_boot))  # fmt: skip
     print(f"wrote ablation.json, ablation.md and ablation.png to {out.path}")
 
 

@@ -20,13 +20,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest
 from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out
-from moe_lm.cli.subject import add_subject, check_subject
+from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
-
-CHART_TOKENS = [".", ",", "the", "(", "def", "\n", "what"]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -36,7 +35,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--compare", type=parse_run, metavar="RUN[:TAG]",
         help="another checkpoint routed on the same tokens: router saturation",
     )  # fmt: skip
-    ap.add_argument("--chart-tokens", nargs="*", default=CHART_TOKENS, metavar="TOKEN",
+    ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN",
                     help="tokens whose routing across layers is charted")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=200_000, help="tokens recorded, spread equally over the domains")
     ap.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass")
@@ -58,7 +57,20 @@ def run(args: argparse.Namespace) -> None:
     from moe_lm.analysis.routing_workflow import analyze_routing
 
     with out.staged() as folder:
-        analyze_routing(argparse.Namespace(**{**vars(args), "out": folder}))
+        analyze_routing(
+            RoutingRequest(
+                subject_request(args),
+                folder,
+                args.max_tokens,
+                args.batch_size,
+                args.compare,
+                tuple(args.chart_tokens),
+                args.min_count,
+                not args.no_init_baseline,
+                tuple(args.layers) if args.layers is not None else None,
+                args.wandb,
+            )  # fmt: skip
+        )
         figures = len(list((folder / "figures").glob("*.png")))
     print(f"wrote metrics.json, metrics.csv, routing.html and {figures} figures to {out.path}")
 

@@ -58,15 +58,14 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"evaluation needs lm-evaluation-harness and accelerate: {install_hint('eval')}")
     from lm_eval.utils import make_table
 
-    from moe_lm.interop.lm_eval import evaluate_export_or_run
+    from moe_lm.interop.lm_eval import EvalRequest, evaluate_export_or_run
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     with out.staged() as folder:
-        results, written = evaluate_export_or_run(
-            args.model, args.run, folder, tasks, args.include_path, limit, args.num_fewshot, args.batch_size,
-            args.device, args.dtype, args.log_samples, args.seed,
-        )  # fmt: skip
+        request = EvalRequest(tuple(tasks), args.model, args.run, args.include_path, limit, args.num_fewshot,
+                              args.batch_size, args.device, args.dtype, args.log_samples, args.seed)  # fmt: skip
+        results, written = evaluate_export_or_run(request, folder)
     print(make_table(results))
     for path in written:
         print(f"wrote {out.final(path)}")

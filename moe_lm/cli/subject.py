@@ -8,6 +8,7 @@ import glob
 from pathlib import Path
 
 from moe_lm.analysis.hf_routing import SUPPORTED
+from moe_lm.analysis.requests import SubjectRequest
 from moe_lm.cli.options import add_run
 from moe_lm.errors import UserError
 
@@ -28,6 +29,13 @@ def add_subject(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
     ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
     ap.add_argument("--seq-len", type=int, default=1024, help="with --hf: window length (capped by the model's)")
+
+
+def subject_request(args: argparse.Namespace) -> SubjectRequest:
+    """The subject flags as the analyses take them."""
+    return SubjectRequest(run=args.run, hf=args.hf, data=tuple(args.data or ()), text_field=args.text_field,
+                          domain_field=args.domain_field, dtype=args.dtype, device=args.device,
+                          seq_len=args.seq_len)  # fmt: skip
 
 
 def check_subject(args: argparse.Namespace) -> None:

@@ -203,11 +203,17 @@ def from_hf_config(hf, mtp_depth: int = 0) -> ModelConfig:
             qk_rope_head_dim=hf.qk_rope_head_dim,
             v_head_dim=hf.v_head_dim,
         )
-        return ModelConfig(attention="mla", mla=mla, **common)
+        return _checked(ModelConfig(attention="mla", mla=mla, **common))
     factor = float(rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     gqa = GQAConfig(n_kv_heads=hf.num_key_value_heads, head_dim=head_dim, partial_rotary_factor=factor)
-    return ModelConfig(attention="gqa", gqa=gqa, **common)
+    return _checked(ModelConfig(attention="gqa", gqa=gqa, **common))
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
+    """A model config read from a checkpoint, held to the same rules as a loaded one (a boundary of the config)."""
+    cfg.validate()
+    return cfg
 
 
 def export_bytes(cfg: ModelConfig) -> int:

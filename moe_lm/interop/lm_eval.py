@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from moe_lm.checkpoint.format import RunRef
 from moe_lm.errors import DataError, NotFound, UserError, install_hint
 
 
@@ -136,22 +138,36 @@ def evaluate(
     )
 
 
-def evaluate_export_or_run(
-    model_dir: str | Path | None, run, out: Path, tasks: list[str], include_path: str | None = None,
-    limit: int | float | None = None, num_fewshot: int | None = None, batch_size: int | str = 1,
-    device: str = "cpu", dtype: str = "auto", log_samples: bool = False, seed: int = 0,
-) -> tuple[dict, list[Path]]:  # fmt: skip
-    """Evaluate an export (`model_dir`), or a run's checkpoint (`run`, a RunRef) exported with its tokenizer into a
-    temporary folder under `out`; writes results.json (and samples) into `out`. Returns (results, files)."""
+@dataclass(frozen=True)
+class EvalRequest:
+    """`moe-lm eval`: lm-eval tasks on an export (`model_dir`) or on a run's checkpoint (`run`, a RunRef)."""
+
+    tasks: tuple[str, ...]  # task names, globs or task YAML files
+    model_dir: str | Path | None = None
+    run: RunRef | None = None  # the checkpoint is exported with its tokenizer first
+    include_path: str | None = None  # a folder of task YAMLs
+    limit: int | float | None = None  # examples per task (a count, or a fraction below 1)
+    num_fewshot: int | None = None
+    batch_size: int | str = 1  # or "auto"
+    device: str = "cpu"
+    dtype: str = "auto"
+    log_samples: bool = False
+    seed: int = 0  # of few-shot sampling
+
+
+def evaluate_export_or_run(req: EvalRequest, out: Path) -> tuple[dict, list[Path]]:
+    """Evaluate the request's export, or its run's checkpoint exported with its tokenizer into a temporary folder
+    under `out`; writes results.json (and samples) into `out`. Returns (results, files)."""
     import sys
     import tempfile
     from contextlib import nullcontext
 
     from moe_lm.interop.hf import export_run
 
+    model_dir, run = req.model_dir, req.run
     if model_dir is not None:
         document_start_id(model_dir)  # why first: a folder that is no export is named before the task index is built
-    manager, tasks = resolve_tasks(tasks, include_path)
+    manager, tasks = resolve_tasks(list(req.tasks), req.include_path)
     # why under out: a big model's export needs the room the user chose for results, not /tmp's
     folder = tempfile.TemporaryDirectory(dir=out, prefix=".export-") if run else nullcontext(model_dir)
     with folder as model_dir:
@@ -160,8 +176,8 @@ def evaluate_export_or_run(
             tag, said = export_run(run.run, run.tag, Path(model_dir))  # why required: no evaluation without it
             print(f"exported {run.run}:{tag} with {said}", file=sys.stderr)
             source = f"{run.run}:{tag}"
-        lm = harness_lm(model_dir, batch_size, device, dtype)
-        results = evaluate(lm, manager, tasks, limit, num_fewshot, log_samples, seed)
+        lm = harness_lm(model_dir, req.batch_size, req.device, req.dtype)
+        results = evaluate(lm, manager, tasks, req.limit, req.num_fewshot, req.log_samples, req.seed)
     results["moe_lm"] = {"model": source, "tasks": tasks, "start_token_id": lm.prefix_token_id}
     return results, write_results(results, out)
 

@@ -54,8 +54,7 @@ class Transformer(KeepsFp32Buffers):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        cfg.validate()
-        self.cfg = cfg
+        self.cfg = cfg  # validated where it was loaded (config/loading.py, train/loop.py, interop/hf.py)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
