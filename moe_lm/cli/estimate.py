@@ -5,9 +5,9 @@
     moe-lm estimate --config deepseek_v3_671b --nodes 8 --gpus-per-node 8 --intra-gbs 160 --inter-gbs 50
     moe-lm estimate --config tiny --gpus-per-node 2 parallel.ep_size=2 --trace analysis/tiny/trace
 
-Memory (moe_lm/train/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
+Memory (moe_lm/planning/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
 activations counted per token and block from the model's own tensors; compare it with a measured peak
-(peak_mem_gib in every train row on CUDA). Communication (moe_lm/parallel/comm_plan.py): the dispatcher's bytes
+(peak_mem_gib in every train row on CUDA). Communication (moe_lm/planning/comm_plan.py): the dispatcher's bytes
 per GPU and step, within the node and across nodes, expected under uniform routing with and without the group
 limit (and for a recorded routing trace), the time they take at the given bandwidths, the compute time at the
 given MFU, and their ratio: how much of the all-to-all must hide behind compute. The same as
@@ -42,7 +42,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def layout_of(args, ep_size: int):
-    from moe_lm.parallel.comm_plan import Layout
+    from moe_lm.planning.comm_plan import Layout
 
     nodes, gpn, world = args.nodes, args.gpus_per_node, args.world
     if nodes < 1 or (gpn is not None and gpn < 1) or (world is not None and world < 1):
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> None:
 
 def print_memory(name: str, cfg, world: int) -> None:
     from moe_lm.model import count_params
-    from moe_lm.train.memory import GB, estimate
+    from moe_lm.planning.memory import GB, estimate
 
     n, m, t = count_params(cfg.model), estimate(cfg, world), cfg.train
     recompute = cfg.performance.activation_checkpointing
@@ -88,7 +88,7 @@ def print_memory(name: str, cfg, world: int) -> None:
 
 def print_communication(args, cfg, layout) -> None:
     from moe_lm.model import train_flops_per_token
-    from moe_lm.parallel.comm_plan import Links, trace_plan, uniform_step
+    from moe_lm.planning.comm_plan import Links, trace_plan, uniform_step
 
     links = Links(args.intra_gbs, args.inter_gbs, args.peak_tflops, args.mfu)
     elem = 4 if cfg.parallel.dtype == "fp32" else 2

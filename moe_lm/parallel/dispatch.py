@@ -11,7 +11,7 @@ Per MoE layer call:
 3. The receiving rank runs its local experts over all received slots and sums each row's weighted outputs.
 4. The reverse exchange returns one row per pair, added back to its token.
 
-Bytes are counted per destination as the planner counts them (moe_lm/parallel/comm_plan.py): to this rank itself
+Bytes are counted per destination as the planner counts them (moe_lm/parallel/traffic.py): to this rank itself
 (a copy), to another rank of the same node, or to another node, so node-limited routing's saving can be read off.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
-from moe_lm.parallel.comm_plan import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
+from moe_lm.parallel.traffic import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
 
 
 class AllToAllDispatcher:

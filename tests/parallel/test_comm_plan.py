@@ -13,7 +13,7 @@ import torch
 from moe_lm.analysis.trace import TraceWriter
 from moe_lm.config import MoEConfig
 from moe_lm.model.router import Router
-from moe_lm.parallel.comm_plan import (
+from moe_lm.planning.comm_plan import (
     KINDS,
     Layout,
     contiguous_placement,

@@ -14,7 +14,8 @@ import torch
 from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import dump_config
 from moe_lm.interop.hf import export_hf
-from moe_lm.parallel.comm_plan import KINDS, trace_pairs
+from moe_lm.parallel.traffic import KINDS
+from moe_lm.planning.comm_plan import trace_pairs
 from tests.helpers.runs import tiny_train_cfg
 from tests.workers.dist_ep import expert_parallel_cases
 from tests.workers.dist_reshard import fixed_tokens, resharded_logits

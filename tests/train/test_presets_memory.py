@@ -10,7 +10,7 @@ import torch
 
 from moe_lm.config import load_config
 from moe_lm.model import build_model, count_params
-from moe_lm.train.memory import BF16, FP32, estimate
+from moe_lm.planning.memory import BF16, FP32, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 

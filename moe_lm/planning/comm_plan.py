@@ -7,10 +7,10 @@ ep_size / GPUs-per-node nodes, each holding a contiguous block of experts. With 
 nodes, every group lies on one node and group-limited routing is node-limited routing: a token's experts lie on at
 most `topk_group` nodes (DeepSeek-V3 §3.2.2: 8 groups on 8 nodes, at most 4 per token).
 
-Bytes are those of moe_lm.parallel.dispatch, which counts with the same two functions: a token travels once to
-every rank holding at least one of its K experts (a "pair"), with its K gate weights and local expert ids, and
-one row per pair comes back. A pair to the token's own rank is a memory copy ("self"), to another rank of the
-same node "intra", to another node "inter".
+Bytes are those of moe_lm.parallel.dispatch, which counts with the same two functions (moe_lm/parallel/traffic.py):
+a token travels once to every rank holding at least one of its K experts (a "pair"), with its K gate weights and
+local expert ids, and one row per pair comes back. A pair to the token's own rank is a memory copy ("self"), to
+another rank of the same node "intra", to another node "inter".
 
 Two ways to get the pairs:
 - `uniform_pairs`: expected values when every token picks `topk_group` groups uniformly at random and its K experts
@@ -31,19 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.errors import ConfigError, DataError
-
-KINDS = ("self", "intra", "inter")
-INDEX_BYTES = 8  # the dispatcher sends each slot's local expert id as int64
-
-
-def dispatch_row_bytes(dim: int, k: int, elem: int) -> int:
-    """Bytes of one dispatched pair: the token's row, and for its K slots a gate weight and a local expert id."""
-    return dim * elem + k * (elem + INDEX_BYTES)
-
-
-def combine_row_bytes(dim: int, elem: int) -> int:
-    """Bytes of one combined pair: the weighted sum of the pair's expert outputs, sent back to the token's rank."""
-    return dim * elem
+from moe_lm.parallel.traffic import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
 
 
 @dataclass(frozen=True)
@@ -70,10 +58,6 @@ class Layout:
     def ep_nodes(self) -> list[int]:
         """The node of each rank of an expert-parallel group (node-relative: the first node is 0)."""
         return [r // self.gpus_per_node for r in range(self.ep_size)]
-
-
-def pair_kind(src: int, dst: int, nodes: list[int]) -> str:
-    return "self" if src == dst else "intra" if nodes[src] == nodes[dst] else "inter"
 
 
 def p_hit(experts: np.ndarray, n_experts: int, k: int, n_group: int = 1, topk_group: int = 1) -> float:
