@@ -21,10 +21,12 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from moe_lm.bench import from_flags
 from moe_lm.bench.timing import Stat, interleave, markdown_table, summarize
 from moe_lm.errors import UserError
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy
@@ -53,15 +55,26 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def measure(args: argparse.Namespace) -> dict[str, float]:
-    """One process's measurement of chunk args.child: peak bytes above the inputs, and seconds per step."""
-    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+@dataclass(frozen=True)
+class LossBench:
+    """What one measurement reads: the head's shape, where and in what type, how many timed steps."""
+
+    tokens: int
+    dim: int
+    vocab: int
+    device: str
+    dtype: str
+    iters: int
+
+
+def measure(bench: LossBench, chunk: int) -> dict[str, float]:
+    """One process's measurement of `chunk` (0: the plain loss): peak bytes above the inputs, seconds per step."""
+    dev, dtype = torch.device(bench.device), getattr(torch, bench.dtype)
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(args.tokens, args.dim, generator=gen).to(dev, dtype).requires_grad_()
-    w = (torch.randn(args.vocab, args.dim, generator=gen) * args.dim**-0.5).to(dev, dtype).requires_grad_()
-    labels = torch.randint(0, args.vocab, (args.tokens,), generator=gen).to(dev)
+    h = torch.randn(bench.tokens, bench.dim, generator=gen).to(dev, dtype).requires_grad_()
+    w = (torch.randn(bench.vocab, bench.dim, generator=gen) * bench.dim**-0.5).to(dev, dtype).requires_grad_()
+    labels = torch.randint(0, bench.vocab, (bench.tokens,), generator=gen).to(dev)
     labels[::10] = IGNORE
-    chunk = args.child
 
     def step() -> None:
         if chunk:
@@ -83,7 +96,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         step()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     times = []
-    for _ in range(args.iters):
+    for _ in range(bench.iters):
         t0 = time.perf_counter()
         step()
         if dev.type == "cuda":
@@ -92,10 +105,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     return {"peak": peak, "seconds": statistics.median(times)}
 
 
-def in_child(args: argparse.Namespace, chunk: int) -> dict[str, float]:
+def in_child(bench: LossBench, chunk: int) -> dict[str, float]:
     """`measure` of `chunk` in a fresh process (this package's `loss --child`): its peak memory is its own."""
-    flags = [f"--tokens={args.tokens}", f"--dim={args.dim}", f"--vocab={args.vocab}", f"--device={args.device}",
-             f"--dtype={args.dtype}", f"--iters={args.iters}", f"--child={chunk}"]  # fmt: skip
+    flags = [f"--tokens={bench.tokens}", f"--dim={bench.dim}", f"--vocab={bench.vocab}", f"--device={bench.device}",
+             f"--dtype={bench.dtype}", f"--iters={bench.iters}", f"--child={chunk}"]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "moe_lm.bench", "loss", *flags], capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"error: chunk {chunk} failed:\n{out.stderr[-2000:]}")
@@ -122,13 +135,14 @@ def run(args: argparse.Namespace) -> None:
     if min(args.chunks) < 0 or min(args.tokens, args.dim, args.vocab, args.rounds, args.iters) < 1:
         raise UserError("--chunks must be >= 0 (0: the plain loss); --tokens, --dim, --vocab, --rounds, --iters >= 1")
     if args.child is not None:
-        print(json.dumps(measure(args)))
+        print(json.dumps(measure(from_flags(LossBench, args), args.child)))
         return
     print(
         f"{args.tokens} tokens x dim {args.dim} x vocab {args.vocab}, {args.dtype} on {args.device}: {args.rounds} "
         f"rounds, one process per measurement"
     )
-    measures = {name(c): (lambda c=c: in_child(args, c)) for c in args.chunks}
+    bench = from_flags(LossBench, args)
+    measures = {name(c): (lambda c=c: in_child(bench, c)) for c in args.chunks}
     stats = summarize(interleave(measures, args.rounds))
     print(f"(one fp32 [tokens, vocab] tensor is {args.tokens * args.vocab * 4 / 2**30:.2f} GiB)")
     print(table(stats, name(args.chunks[0])))

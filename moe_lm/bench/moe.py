@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from moe_lm.bench import from_flags
 from moe_lm.bench.timing import markdown_row, markdown_table, no_sync, time_interleaved
 from moe_lm.config import ModelConfig, MoEConfig
 from moe_lm.errors import UserError
@@ -60,29 +61,42 @@ def hf_moe(cfg: ModelConfig, ours: MoE, impl: str, dtype: torch.dtype, device: s
     return hf.to(device=device, dtype=dtype)
 
 
-def implementations(shape: Shape, args: argparse.Namespace, megablocks: bool) -> dict[str, torch.nn.Module]:
+@dataclass(frozen=True)
+class MoEBench:
+    """What the layer benchmark's helpers read: where, in what type, on how many tokens, how many rounds."""
+
+    device: str
+    dtype: str
+    tokens: int
+    seq_len: int
+    reps: int
+    warmup: int
+    no_hf: bool
+
+
+def implementations(shape: Shape, bench: MoEBench, megablocks: bool) -> dict[str, torch.nn.Module]:
     """Every implementation timed at `shape`, with the same weights: ours (its configured experts_impl), the loop
     over experts, a dense MLP as wide as the active experts (1 shared + k), MegaBlocks and HF where asked for."""
     dim, inter, E, k, n_group, topk_group = shape
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, bench.dtype)
     moe_cfg = MoEConfig(n_routed_experts=E, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
                         moe_inter_dim=inter, n_shared_experts=1, routed_scaling_factor=2.5)  # fmt: skip
     cfg = ModelConfig(dim=dim, moe=moe_cfg)
 
     def moe(impl: str | None = None) -> MoE:
         layer = MoE(replace(cfg, moe=replace(moe_cfg, experts_impl=impl)) if impl else cfg)
-        return layer.to(device=args.device, dtype=dtype).train()
+        return layer.to(device=bench.device, dtype=dtype).train()
 
     ours, loop = moe(), moe("loop")
     loop.load_state_dict(ours.state_dict())
-    dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=args.device, dtype=dtype)
+    dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=bench.device, dtype=dtype)
     fns: dict[str, torch.nn.Module] = {"ours": ours, "dense": dense, "loop": loop}
     if megablocks:
         fns["megablocks"] = moe("megablocks")
         fns["megablocks"].load_state_dict(ours.state_dict())
-    if not args.no_hf:
-        fns["hf_eager"] = hf_moe(cfg, ours, "eager", dtype, args.device)
-        fns["hf_grouped"] = hf_moe(cfg, ours, "grouped_mm", dtype, args.device)
+    if not bench.no_hf:
+        fns["hf_eager"] = hf_moe(cfg, ours, "eager", dtype, bench.device)
+        fns["hf_grouped"] = hf_moe(cfg, ours, "grouped_mm", dtype, bench.device)
     return fns
 
 
@@ -97,17 +111,17 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Call
     return step
 
 
-def time_shape(shape: Shape, args: argparse.Namespace, megablocks: bool) -> dict[str, float]:
+def time_shape(shape: Shape, bench: MoEBench, megablocks: bool) -> dict[str, float]:
     """Median forward+backward milliseconds of every implementation at `shape`, interleaved round-robin."""
-    layers = implementations(shape, args, megablocks)
-    dtype = getattr(torch, args.dtype)
-    x = torch.randn(args.tokens // args.seq_len, args.seq_len, shape[0], device=args.device, dtype=dtype)
+    layers = implementations(shape, bench, megablocks)
+    dtype = getattr(torch, bench.dtype)
+    x = torch.randn(bench.tokens // bench.seq_len, bench.seq_len, shape[0], device=bench.device, dtype=dtype)
     grad = torch.randn_like(x)
     sync = torch.cuda.synchronize if x.is_cuda else no_sync
     if x.is_cuda:
         torch.cuda.reset_peak_memory_stats()  # the peak printed after the row: the timing's, models and inputs held
     fns = {name: fwd_bwd(layer, x, grad) for name, layer in layers.items()}
-    stats = time_interleaved(fns, args.reps, args.warmup, sync=sync)
+    stats = time_interleaved(fns, bench.reps, bench.warmup, sync=sync)
     return {name: 1e3 * s.median for name, s in stats.items()}
 
 
@@ -144,6 +158,7 @@ def run(args: argparse.Namespace) -> None:
     args.tokens = args.tokens or (16384 if on_gpu else 4096)
     if args.seq_len < 1 or args.tokens < args.seq_len or args.reps < 1 or args.warmup < 0:
         raise UserError("--seq-len and --reps must be >= 1, --tokens >= --seq-len, --warmup >= 0")
+    request = from_flags(MoEBench, args)
     torch.manual_seed(0)
     print(
         f"# torch {torch.__version__}, device {args.device}, {args.dtype}, threads {torch.get_num_threads()}, "
@@ -155,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
     megablocks = on_gpu and _megablocks_available()
     print(markdown_table(columns(megablocks)))
     for shape in shapes:
-        t = time_shape(shape, args, megablocks)
+        t = time_shape(shape, request, megablocks)
         print(markdown_row(row(shape, t, megablocks)), flush=True)
         dim, inter, k = shape[0], shape[1], shape[3]
         # fwd + bwd = 3 x the forward's 2 FLOPs per multiply-add, over the active expert width (1 shared + k)

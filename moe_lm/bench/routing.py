@@ -14,6 +14,7 @@ import argparse
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import transformers
 
 from moe_lm.analysis.hf_routing import HFMoEModel
 from moe_lm.analysis.trace import document_chunks, record_trace
+from moe_lm.bench import from_flags
 from moe_lm.bench.timing import time_interleaved
 from moe_lm.errors import UserError
 
@@ -42,17 +44,31 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
 
 
-def random_model(args: argparse.Namespace) -> HFMoEModel:
+@dataclass(frozen=True)
+class RoutingBench:
+    """What the model and the arms read: the random DeepseekV3's shape, where and in what type, the windows."""
+
+    hidden: int
+    layers: int
+    experts: int
+    k: int
+    seq_len: int
+    batch_size: int
+    dtype: str
+    device: str
+
+
+def random_model(bench: RoutingBench) -> HFMoEModel:
     cfg = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=args.experts, num_experts_per_tok=args.k,
-        moe_intermediate_size=args.hidden // 2, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
-        kv_lora_rank=args.hidden // 4, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
-        max_position_embeddings=args.seq_len,
+        vocab_size=VOCAB, hidden_size=bench.hidden, intermediate_size=3 * bench.hidden, num_hidden_layers=bench.layers,
+        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=bench.experts, num_experts_per_tok=bench.k,
+        moe_intermediate_size=bench.hidden // 2, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+        kv_lora_rank=bench.hidden // 4, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+        max_position_embeddings=bench.seq_len,
     )  # fmt: skip
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, bench.dtype)
     return HFMoEModel(
-        transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False).to(args.device).eval()
+        transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False).to(bench.device).eval()
     )
 
 
@@ -65,7 +81,7 @@ def random_documents(tokens: int) -> Documents:
     return docs
 
 
-def arms(model: HFMoEModel, docs: Documents, args: argparse.Namespace, work: Path) -> dict[str, Callable[[], None]]:
+def arms(model: HFMoEModel, docs: Documents, bench: RoutingBench, work: Path) -> dict[str, Callable[[], None]]:
     """The plain forward over the documents' batches, and `record_trace` over the same (writing into `work`)."""
 
     def forward(batch) -> None:
@@ -73,15 +89,15 @@ def arms(model: HFMoEModel, docs: Documents, args: argparse.Namespace, work: Pat
         for b, c in enumerate(batch):
             tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
         model(tokens)
-        if args.device.startswith("cuda"):
+        if bench.device.startswith("cuda"):
             torch.cuda.synchronize()
 
     @torch.no_grad()
     def plain() -> None:
         batch = []
-        for chunk in document_chunks(docs, args.seq_len):
+        for chunk in document_chunks(docs, bench.seq_len):
             batch.append(chunk)
-            if len(batch) == args.batch_size:
+            if len(batch) == bench.batch_size:
                 forward(batch)
                 batch = []
         if batch:
@@ -89,7 +105,7 @@ def arms(model: HFMoEModel, docs: Documents, args: argparse.Namespace, work: Pat
 
     def record() -> None:
         shutil.rmtree(work / "trace", ignore_errors=True)
-        record_trace(model, docs, work / "trace", ["a", "b", "c"], args.seq_len, args.batch_size, progress=False)
+        record_trace(model, docs, work / "trace", ["a", "b", "c"], bench.seq_len, bench.batch_size, progress=False)
 
     return {"plain forward": plain, "recording": record}
 
@@ -100,11 +116,12 @@ def run(args: argparse.Namespace) -> None:
             "--hidden, --layers, --experts, --k, --tokens, --seq-len, --batch-size and --rounds must be >= 1"
         )
     torch.manual_seed(0)
-    model = random_model(args)
+    bench = from_flags(RoutingBench, args)
+    model = random_model(bench)
     docs = random_documents(args.tokens)
     work = Path(tempfile.mkdtemp(prefix="bench_routing_"))
     try:
-        fns = arms(model, docs, args, work)
+        fns = arms(model, docs, bench, work)
         fns["plain forward"]()  # warm-up
         stats = time_interleaved(fns, args.rounds)
     finally:
