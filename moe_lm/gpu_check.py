@@ -121,7 +121,7 @@ def step_environment(carry: Path, dry_run: bool) -> dict[str, str]:
 
 def install_wheels(carry: Path, env: dict, logs: Path) -> dict:
     """The carried wheels of what this Python lacks, into SITE (never from the network)."""
-    missing = [m for m in WHEELS if not importable(m, env)]
+    missing = not_importable(WHEELS, env)
     record = {"missing": missing}
     if missing:
         wheels = sorted((carry / "whl").glob("*.whl"))
@@ -129,13 +129,15 @@ def install_wheels(carry: Path, env: dict, logs: Path) -> dict:
                str(SITE), *map(str, wheels)]  # fmt: skip
         with open(logs / "install.log", "w") as log:
             record["rc"] = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=120).returncode
-        record["still_missing"] = [m for m in missing if not importable(m, env)]
+        record["still_missing"] = not_importable(missing, env)
     return record
 
 
-def importable(module: str, env: dict) -> bool:
-    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
-    return subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+def not_importable(modules: list[str], env: dict) -> list[str]:
+    """Those of `modules` this Python cannot find with `env` (one interpreter asks for all of them)."""
+    code = f"import importlib.util; print(' '.join(m for m in {modules!r} if importlib.util.find_spec(m) is None))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return out.stdout.split()
 
 
 def cuda_visible(env: dict) -> bool:

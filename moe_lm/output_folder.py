@@ -95,6 +95,11 @@ def size_of(folder: Path) -> int:
     return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def some(names: list[str], n: int = 5) -> str:
+    """The first `n` of `names` for an error message, with "..." when there are more."""
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -141,8 +146,7 @@ class OutputFolder:
         if owner in FOLDER_KINDS and owner != self.command:
             raise self._refuse(f"is a {FOLDER_KINDS[owner]}; give another folder (nothing was written)")
         if path.is_dir() and owner != self.command and any(path.iterdir()) and not self.force:
-            names = sorted(p.name for p in path.iterdir())
-            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            shown = some(sorted(p.name for p in path.iterdir()))
             raise self._refuse(
                 f"holds files that moe-lm {self.command} did not write ({shown}); give a new or empty folder, or "
                 f"--force to move that folder aside to {path.name}.prev-<time> (nothing was deleted)"

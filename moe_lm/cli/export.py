@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> None:
 
     cfg, tag = None, None
     if args.run:
-        tag = checkpoint_folder(*args.run).name  # resolved once: a running training may rotate `latest` on
-        cfg = load_config(checkpoint_folder(args.run.run, tag) / "config.yaml")
+        checkpoint = checkpoint_folder(*args.run)  # resolved once: a running training may rotate `latest` on
+        tag, cfg = checkpoint.name, load_config(checkpoint / "config.yaml")
     elif args.config:
         cfg = load_config(preset_path(args.config), args.overrides)
     if out is not None:

@@ -32,7 +32,7 @@ from moe_lm.data.shards import TokenShard
 from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenize_shards import tokenize_to_shards
 from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer, write_training_text
-from moe_lm.output_folder import MARKER, OutputFolder
+from moe_lm.output_folder import MARKER, OutputFolder, some
 
 MIN_DEFAULT_DOMAINS = 4
 # What a finished data folder holds; anything else in out_dir is the user's, and is never deleted.
@@ -109,8 +109,8 @@ def check_out_dir(cfg: DataConfig) -> None:
         foreign = sorted(p.name for p in out.iterdir() if p.name not in OUTPUTS)
         if foreign:
             raise DataError(
-                f"data.out_dir={cfg.out_dir} holds files that are not prepared data ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}); nothing there was deleted. Pick an empty or new folder"
+                f"data.out_dir={cfg.out_dir} holds files that are not prepared data ({some(foreign)}); nothing there "
+                "was deleted. Pick an empty or new folder"
             )
 
 

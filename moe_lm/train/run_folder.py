@@ -18,7 +18,7 @@ from pathlib import Path
 from moe_lm.checkpoint.format import ckpt_root
 from moe_lm.checkpoint.save_resume import barrier, everywhere, rank
 from moe_lm.errors import RunError
-from moe_lm.output_folder import FOLDER_KINDS, enclosing_folder, made_by, write_marker
+from moe_lm.output_folder import FOLDER_KINDS, enclosing_folder, made_by, some, write_marker
 
 LOCK = ".lock"
 
@@ -84,8 +84,11 @@ def check_run_folder(run_dir: Path) -> None:
     # why .lock aside: a starting run holds it a moment before its marker is down; _lock then names the holder
     names = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK) if run_dir.is_dir() else []
     if owner != "train" and names:
-        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-        what = f"is a {FOLDER_KINDS[owner]}" if owner in FOLDER_KINDS else f"holds files that are not a run ({shown})"
+        what = (
+            f"is a {FOLDER_KINDS[owner]}"
+            if owner in FOLDER_KINDS
+            else f"holds files that are not a run ({some(names)})"
+        )
         raise RunError(
             f"train.out_dir={run_dir} {what}; nothing was written there. Give a new or empty folder (a run folder is "
             "one moe-lm train made)"
