@@ -39,7 +39,12 @@ COMPLETE = "COMPLETE"
 TAG = re.compile(r"step_\d{8}")  # a checkpoint's folder name, as save writes it: step_ + the step in 8 digits
 MODEL_FILE = "mp_rank_00_model_states.pt"
 EXPERT_FILES = "layer_*_expert_*_mp_rank_00_model_states.pt"
-ZERO_FILES = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"  # one per data-parallel rank (bf16_ prefix in bf16)
+# with pipeline stages (parallel.pp_size > 1) each stage s writes mp_rank_<s> files: its non-expert weights, and its
+# experts numbered by the stage's own MoE layers (layer_0 is each stage's first); see `model_keys`
+STAGE_MODEL_FILES = "mp_rank_*_model_states.pt"
+STAGE_EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"
+# one per data-parallel rank and pipeline stage (bf16_ prefix in bf16)
+ZERO_FILES = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
 STACKED = ("gate_up_proj", "down_proj")
 PER_EXPERT = re.compile(r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$")
 
@@ -127,7 +132,8 @@ def safe_load(path: Path, allowed: Iterable = (), mmap: bool = False):
 
 
 def saved_world_size(folder: Path) -> int:
-    """The number of ranks a checkpoint was saved by: DeepSpeed writes one ZeRO optimizer-state file per rank."""
+    """The number of ranks a checkpoint was saved by: DeepSpeed writes one ZeRO optimizer-state file per rank (per
+    data-parallel rank of each pipeline stage)."""
     return len(list(Path(folder).glob(ZERO_FILES)))
 
 
@@ -263,14 +269,20 @@ def load_model(run_dir: str | Path, tag: str | None = None) -> tuple[Config, Tra
 
 def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]:
     tag = folder.name
-    expert_files = sorted(folder.glob(EXPERT_FILES))
-    if problem := damage(folder, [MODEL_FILE, *(f.name for f in expert_files)]):
-        raise DataError(f"checkpoint {folder} is damaged: {problem}; use an earlier one ({_others(run_dir, tag)})")
     cfg = resolve_data(load_config(folder / "config.yaml"), folder)
+    staged = cfg.parallel.pp_size > 1
+    model_files = sorted(folder.glob(STAGE_MODEL_FILES)) if staged else [folder / MODEL_FILE]
+    expert_files = sorted(folder.glob(STAGE_EXPERT_FILES if staged else EXPERT_FILES))
+    if problem := damage(folder, [f.name for f in model_files + expert_files]):
+        raise DataError(f"checkpoint {folder} is damaged: {problem}; use an earlier one ({_others(run_dir, tag)})")
     # DeepSpeed's model files hold tensors, containers and strings only: no allowlist needed
-    state = _module_state(safe_load(folder / MODEL_FILE), folder / MODEL_FILE)
+    state = {}
+    for model_file in model_files:
+        state.update(_module_state(safe_load(model_file), model_file))
     for expert_file in expert_files:
         state.update(safe_load(expert_file))
+    if staged:
+        state = model_keys(state, cfg.model.n_layers)
     if cfg.model.moe.experts_impl == "megablocks":
         # why: offline tools run on CPU, and the weights do not depend on the expert backend
         cfg.model.moe.experts_impl = "grouped"
@@ -283,6 +295,26 @@ def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]
             f"the run diverged; use an earlier checkpoint ({_others(run_dir, tag)})"
         )
     return cfg, model.eval(), tag
+
+
+def model_keys(pipeline_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """A pipeline checkpoint's keys -> the plain model's (moe_lm/parallel/pipeline.py numbers the layers): the tied
+    embedding `tied_modules.embed.embed_tokens.*`, block i at pipeline layer i + 1 (`<i+1>.block.*`), and the
+    final norm, output head and MTP modules at layer n_layers + 1. Each key carries its global pipeline layer, so
+    the stage-local numbering of the expert files does not enter."""
+    head = f"{n_layers + 1}."
+    out = {}
+    for key, value in pipeline_state.items():
+        if key.startswith("tied_modules.embed.embed_tokens."):
+            out[key.removeprefix("tied_modules.embed.")] = value
+        elif key.startswith(head):
+            out[key.removeprefix(head)] = value
+        else:
+            index, _, rest = key.partition(".")
+            if not index.isdigit() or not rest.startswith("block."):
+                raise MissingKey(f"a pipeline checkpoint key moe-lm does not write: {key}")
+            out[f"layers.{int(index) - 1}.{rest.removeprefix('block.')}"] = value
+    return out
 
 
 def _module_state(saved, path: Path) -> dict:

@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from moe_lm.checkpoint.format import (
     COMPLETE,
+    MODEL_FILE,
     TAG,
     ckpt_root,
     complete_record,
@@ -34,11 +36,13 @@ from moe_lm.checkpoint.format import (
     damage,
     data_reference,
     latest_tag,
+    load_model,
     safe_load,
     saved_world_size,
 )
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.errors import RunError
+from moe_lm.model import Transformer, build_model
 from moe_lm.output_folder import disk_full, gib
 from moe_lm.parallel.engine import Engine
 
@@ -139,7 +143,7 @@ def resume(engine: Engine, cfg: Config, run_dir: Path, log) -> dict:
     # expert-data-parallel groups); DeepSpeed cannot re-shard it and refuses another world size outright
     saved_world = saved_world_size(ckpt_root(run_dir) / newest)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    same_layout = saved.parallel.ep_size == cfg.parallel.ep_size and saved_world == world
+    same_layout = _same_layout(saved, cfg, saved_world, world)
     if not same_layout:
         log(
             f"warning: {newest} was saved by {saved_world} ranks at parallel.ep_size={saved.parallel.ep_size}; "
@@ -162,6 +166,49 @@ def resume(engine: Engine, cfg: Config, run_dir: Path, log) -> dict:
         f"no checkpoint in {ckpt_root(run_dir)} loads ({', '.join(candidates)} are damaged). Start afresh with "
         "train.resume=false (the run folder is moved aside, not deleted)"
     )
+
+
+def _same_layout(saved: Config, cfg: Config, saved_world: int, world: int) -> bool:
+    p, q = saved.parallel, cfg.parallel
+    return p.ep_size == q.ep_size and p.pp_size == q.pp_size and saved_world == world
+
+
+class Restart(NamedTuple):
+    model: Transformer  # the checkpoint's weights in a plain model, to be cut and sharded like a new one
+    state: dict  # what the loop saved with it (step, samples, train_seconds)
+
+
+def resume_across_stages(cfg: Config, run_dir: Path, log) -> Restart | None:
+    """The run's newest checkpoint when it was saved with pipeline stages at another layout than `cfg`'s, or is
+    resumed into one (pp_size, ep_size or world size changed, stages on either side); None otherwise (`resume`
+    restores it through DeepSpeed).
+
+    why our own reader: DeepSpeed's pipeline files number layers and experts by stage; they do not load into a
+    model cut otherwise, or not cut at all. The weights come through `load_model` (any layout gives the plain
+    model), the optimizer state starts afresh (as at any layout change), and the step and sample counters continue.
+    """
+    newest = latest_tag(run_dir, warn=log)
+    if newest is None:
+        return None
+    folder = ckpt_root(run_dir) / newest
+    saved = load_config(folder / "config.yaml")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    saved_world = saved_world_size(folder)
+    if (saved.parallel.pp_size == 1 and cfg.parallel.pp_size == 1) or _same_layout(saved, cfg, saved_world, world):
+        return None
+    _check_same_experiment(saved, cfg, run_dir, folder)
+    _, plain, tag = load_model(run_dir, newest)
+    model = build_model(cfg.model)  # why anew: load_model builds for CPU tools (its expert backend may differ)
+    model.load_state_dict(plain.state_dict())
+    client = safe_load(folder / MODEL_FILE, mmap=True)  # stage 0's file holds the loop's state with pipelines too
+    state = {k: client[k] for k in ("step", "samples", "train_seconds") if k in client}
+    log(
+        f"warning: {tag} was saved by {saved_world} ranks at parallel.pp_size={saved.parallel.pp_size}, "
+        f"ep_size={saved.parallel.ep_size}; loading its weights into {world} ranks at pp_size={cfg.parallel.pp_size}, "
+        f"ep_size={cfg.parallel.ep_size} with a fresh optimizer state (DeepSpeed cannot re-shard it); resumed from "
+        f"{folder} at step {state['step']}"
+    )
+    return Restart(model, state)
 
 
 def _check_same_experiment(saved: Config, cfg: Config, run_dir: Path, folder: Path) -> None:

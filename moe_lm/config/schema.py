@@ -415,11 +415,22 @@ class ParallelConfig:
     # "auto": bf16 on CUDA, fp32 on CPU (bf16 is not faster on CPU).
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     # Expert parallelism: routed experts are sharded over groups of ep_size ranks (must divide the world size and
-    # the number of routed experts); everything else stays data-parallel over the whole world.
+    # the number of routed experts); everything else stays data-parallel over the whole world (over a stage's ranks
+    # with pipeline stages).
     ep_size: int = 1
+    # Pipeline parallelism: the layers are cut into pp_size stages (DeepSpeed's pipeline engine, 1F1B schedule); the
+    # world is pp_size x data-parallel, and expert parallelism groups ep_size ranks inside each stage. ZeRO-1 only.
+    pp_size: int = 1
 
     def validate(self, path: str = "parallel") -> None:
         _require(self.ep_size >= 1, f"{path}.ep_size", "must be >= 1")
+        _require(self.pp_size >= 1, f"{path}.pp_size", "must be >= 1")
+        _require(
+            self.pp_size == 1 or self.zero_stage == 1,
+            f"{path}.zero_stage",
+            f"= {self.zero_stage} with {path}.pp_size={self.pp_size}: DeepSpeed's pipeline engine runs ZeRO-1 at most "
+            f"(it refuses ZeRO-2 and ZeRO-3); set {path}.zero_stage=1",
+        )
         _require(
             self.zero_stage in (1, 2),
             f"{path}.zero_stage",
@@ -480,6 +491,8 @@ class Config:
         self.performance.validate("performance")
         self.parallel.validate("parallel")
         require_ep_divides(self.parallel.ep_size, self.model.moe.n_routed_experts)
+        if self.parallel.pp_size > 1:
+            require_pipeline_fits(self)
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",
@@ -500,16 +513,33 @@ class Config:
                 rule(self)
 
 
-def require_ep_divides(ep_size: int, n_routed_experts: int, world: int | None = None) -> None:
-    """Expert parallelism's layout rule, in one place: ep_size divides the routed experts (each rank holds the same
-    number) and, once it is known, the world size (every rank belongs to one expert-parallel group)."""
+def require_ep_divides(ep_size: int, n_routed_experts: int, world: int | None = None, pp_size: int = 1) -> None:
+    """The layout rules, in one place: ep_size divides the routed experts (each rank holds the same number) and,
+    once the world size is known, pp_size divides it and ep_size divides each stage's ranks (every rank belongs to
+    one expert-parallel group, inside its stage)."""
     if world is None:
         _require(n_routed_experts % ep_size == 0, "parallel.ep_size",
                  f"= {ep_size} must divide model.moe.n_routed_experts={n_routed_experts}")  # fmt: skip
-    else:
-        _require(n_routed_experts % ep_size == 0 and world % ep_size == 0, "parallel.ep_size",
-                 f"= {ep_size} must divide both the world size ({world}) and model.moe.n_routed_experts "
-                 f"({n_routed_experts})")  # fmt: skip
+        return
+    _require(world % pp_size == 0, "parallel.pp_size", f"= {pp_size} must divide the world size ({world})")
+    stage = world // pp_size
+    where = f"each pipeline stage's ranks ({stage})" if pp_size > 1 else f"the world size ({world})"
+    _require(n_routed_experts % ep_size == 0 and stage % ep_size == 0, "parallel.ep_size",
+             f"= {ep_size} must divide both {where} and model.moe.n_routed_experts ({n_routed_experts})")  # fmt: skip
+
+
+def require_pipeline_fits(cfg: Config) -> None:
+    """What pipeline stages need of the rest of the config (checked when parallel.pp_size > 1)."""
+    pp = cfg.parallel.pp_size
+    # the pipeline's layers: the embedding, the blocks, the final norm and head (with the MTP modules)
+    _require(pp <= cfg.model.n_layers + 2, "parallel.pp_size",
+             f"= {pp} exceeds the pipeline's {cfg.model.n_layers + 2} layers (embedding, "
+             f"{cfg.model.n_layers} blocks, head): lower it")  # fmt: skip
+    _require(cfg.objective.name == "lm", "parallel.pp_size",
+             f"= {pp} trains objective.name=lm only (the stages pass hidden states, not a prefix length); "
+             "got objective.name=" + cfg.objective.name)  # fmt: skip
+    _require(cfg.model.arch == "decoder", "parallel.pp_size",
+             f"= {pp} cuts decoder-only models only; got model.arch={cfg.model.arch}")  # fmt: skip
 
 
 def config_warnings(cfg: Config) -> list[str]:

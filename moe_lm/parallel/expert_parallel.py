@@ -64,21 +64,29 @@ class ExpertShell(DeepSpeedMoE):
         return self.local(x_TD, idx_TK, weight_TK)
 
 
-def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False):
-    """DeepSpeed's expert-parallel group of this rank (created on first use)."""
+def ensure_groups(ep_size: int, use_data_before_expert_parallel_: bool = False, pp_size: int | None = None):
+    """DeepSpeed's expert-parallel group of this rank (created on first use, by the first caller: ours, which
+    knows `pp_size`, before the engine's).
+
+    With pipeline stages the groups are made inside each stage: DeepSpeed's pipeline grid puts stage s on the
+    consecutive ranks [s * W / pp, (s + 1) * W / pp) (axes pipe, data), and `_create_expert_and_data_parallel`
+    given `pp_size` cuts the expert-parallel and expert-data-parallel groups within those blocks, so an expert's
+    gradient is reduced with the same layer's replicas only, and the all-to-all joins ranks that reach each MoE
+    layer together."""
     name = f"ep_size_{ep_size}"
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(
-            ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel_
+            ep_size, pp_size=pp_size or 1, use_data_before_expert_parallel_=use_data_before_expert_parallel_
         )
     return groups._get_expert_parallel_group(name)
 
 
-def apply_expert_parallel(model: Transformer, ep_size: int) -> Transformer:
-    """Shard every MoE layer's routed experts over `ep_size` ranks (in place; all ranks built the same model)."""
+def apply_expert_parallel(model: Transformer, ep_size: int, pp_size: int = 1) -> Transformer:
+    """Shard every MoE layer's routed experts over `ep_size` ranks of a stage (in place; all ranks built the same
+    model)."""
     E = model.cfg.moe.n_routed_experts
-    require_ep_divides(ep_size, E, dist.get_world_size())
-    group = ensure_groups(ep_size)
+    require_ep_divides(ep_size, E, dist.get_world_size(), pp_size)
+    group = ensure_groups(ep_size, pp_size=pp_size)
     ep_rank = dist.get_rank(group=group)
     n_local = E // ep_size
     nodes = ep_nodes(group) if ep_size > 1 else [0]

@@ -36,10 +36,13 @@ def evaluate(
     doc_start_id: int,
     objective: Objective = NEXT_TOKEN,
     score_from: int = 1,
+    data_parallel: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """{loss, ppl, loss/<domain>, ppl/<domain>, <routing metric>/layer_<l>} over every rank's share of the windows;
-    `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    `doc_start_id` (the tokenizer's BOS, or EOS) marks where a document begins inside a window. `data_parallel`:
+    (rank, size) among the ranks of one pipeline stage, with stages (default: the world's). A stage's output is
+    None on every stage but the last (which alone counts the losses); each stage counts its own layers' routing."""
+    rank, world = data_parallel or (dist.get_rank(), dist.get_world_size())
     engine.eval()
     losses = LossTally(len(evalsets), len(model.mtp), score_from)
     routing = RoutingTally(model, len(evalsets), doc_start_id)
@@ -54,7 +57,8 @@ def evaluate(
                 out, labels = objective.run(engine, chunk.to(dev), mtp=len(model.mtp) > 0)
                 if few and rank > 0:
                     continue
-                losses.add(d, out, labels)
+                if out is not None:
+                    losses.add(d, out, labels)
                 routing.add(d, recorder.last, chunk[:, :-1].numpy())
     engine.train()
     return {k: float(v) for k, v in {**losses.metrics(list(evalsets), dev), **routing.metrics(dev)}.items()}

@@ -1,9 +1,11 @@
 """The training loop under DeepSpeed: one optimizer step, and the cadence of logging, evaluation and checkpoints.
 
-One optimizer step = grad_accum_steps micro-batches on every rank. Step `s` consumes the global samples
-[base + s*G, base + (s+1)*G) with G = micro_batch_size * grad_accum_steps * world, micro-batch m of rank r taking
-its slice; so a run at another world size with the same G sees identical batches, and resuming continues the
-sample stream exactly where the checkpoint left it.
+One optimizer step = grad_accum_steps micro-batches on every data-parallel rank. Step `s` consumes the global
+samples [base + s*G, base + (s+1)*G) with G = micro_batch_size * grad_accum_steps * dp (dp = world / pp_size),
+micro-batch m of data-parallel rank r taking its slice; so a run at another layout with the same G sees identical
+batches, and resuming continues the sample stream exactly where the checkpoint left it. With pipeline stages
+(parallel.pp_size > 1) the step is DeepSpeed's `train_batch` (moe_lm/parallel/pipeline.py): every stage of a
+data-parallel replica reads the same micro-batches, the first its inputs, the last its labels.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
-from moe_lm.model import Transformer, build_model, count_params, train_flops_per_token
+from moe_lm.model import Transformer, build_model, count_params, loss_chunk, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
 from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
+from moe_lm.parallel.pipeline import Pipeline, PipelineObjective, build_pipeline
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops
@@ -59,6 +62,9 @@ class _Run:
     watch: WatchPeers
     rank: int
     world: int
+    dp_rank: int  # this rank's place among the ranks of its pipeline stage (= rank without pipeline stages)
+    dp_size: int  # the ranks of one stage: world / parallel.pp_size
+    pipeline: Pipeline | None  # the stages, with parallel.pp_size > 1
     bad_steps: int = 0  # consecutive skipped steps
     # the optimizer steps' own time, summed since step 0 (not start-up, evaluation or checkpoints): an experiment's
     # loss against measured training time
@@ -67,7 +73,7 @@ class _Run:
     @property
     def global_batch(self) -> int:
         t = self.cfg.train
-        return t.micro_batch_size * t.grad_accum_steps * self.world
+        return t.micro_batch_size * t.grad_accum_steps * self.dp_size
 
 
 def train(cfg: Config) -> dict:
@@ -93,12 +99,15 @@ def train(cfg: Config) -> dict:
         tracker,
         WatchPeers(everyone, run_dir) as watch,
     ):
-        run = _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watch)
-        state = (
-            save_resume.resume(run.engine, cfg, run_dir, tracker.info)
-            if t.resume
-            else {"step": 0, "samples": 0, "train_seconds": 0.0}
-        )
+        restart = save_resume.resume_across_stages(cfg, run_dir, tracker.info) if t.resume else None
+        start_model = restart.model if restart else pretrained
+        run = _start(cfg, run_dir, tracker, windows, evalsets, start_model, data_meta, watch)
+        if restart:
+            state = restart.state
+        elif t.resume:
+            state = save_resume.resume(run.engine, cfg, run_dir, tracker.info)
+        else:
+            state = {"step": 0, "samples": 0, "train_seconds": 0.0}
         start_step, sample_base = state["step"], state["samples"]
         run.train_seconds = state.get("train_seconds", math.nan)  # nan: resumed from a checkpoint that lacks it
         watch.done = start_step
@@ -124,20 +133,27 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     """Build the model (every rank the same, from the seed or the pretrained weights), apply expert parallelism,
     recomputation and compilation, and wrap it in DeepSpeed's engine."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
+    t, pp = cfg.train, cfg.parallel.pp_size
     torch.manual_seed(cfg.seed)
     model = pretrained or build_model(cfg.model)
-    model = apply_expert_parallel(model, cfg.parallel.ep_size)  # every rank: the same model
+    model = apply_expert_parallel(model, cfg.parallel.ep_size, pp)  # every rank: the same model
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
     model = apply_compile(model, cfg.performance.compile)
-    engine = build_engine(model, cfg.optim, cfg.train, cfg.parallel)
-    t = cfg.train
-    G = t.micro_batch_size * t.grad_accum_steps * world
+    pipeline = build_pipeline(model, pp, loss_chunk(cfg), t.grad_accum_steps) if pp > 1 else None
+    engine = build_engine(pipeline.module if pipeline else model, cfg.optim, cfg.train, cfg.parallel)
+    dp_rank, dp_size = (pipeline.grid.data_parallel_id, world // pp) if pipeline else (rank, world)
+    G = t.micro_batch_size * t.grad_accum_steps * dp_size
     peak, peak_source = peak_flops(dev, cfg.logging.peak_tflops)
     flops_per_step = train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len) * G * t.seq_len
     throughput = Throughput(flops_per_step, G * t.seq_len, peak * world, tracker.info, f"MFU against {peak_source}")
-    evaluate_at = functools.partial(_evaluate, engine, model, evalsets, cfg, dev, data_meta["bos_id"], tracker)
-    objective = objective_for(cfg)
-    return _Run(cfg, run_dir, tracker, windows, engine, model, objective, throughput, evaluate_at, watch, rank, world)
+    objective = PipelineObjective(engine, pipeline) if pipeline else objective_for(cfg)
+    evaluate_at = functools.partial(
+        _evaluate, engine, model, evalsets, cfg, dev, data_meta["bos_id"], tracker, objective, (dp_rank, dp_size)
+    )
+    return _Run(
+        cfg, run_dir, tracker, windows, engine, model, objective, throughput, evaluate_at, watch, rank, world,
+        dp_rank, dp_size, pipeline,
+    )  # fmt: skip
 
 
 def _step(run: _Run, step: int, first: int, end_step: int, stop: StopOnSignal) -> dict | None:
@@ -147,7 +163,10 @@ def _step(run: _Run, step: int, first: int, end_step: int, stop: StopOnSignal) -
     lr = lr_at(step, cfg.optim, cfg.train.max_steps)
     mtp_weight = mtp_weight_at(step, cfg.model.mtp, cfg.train.max_steps)
     batches = _micro_batches(run, first)
-    losses, applied = train_step(run.engine, run.model, batches, lr, mtp_weight, run.objective)
+    if run.pipeline:
+        losses, applied = pipeline_step(run.engine, run.pipeline, batches, lr, mtp_weight)
+    else:
+        losses, applied = train_step(run.engine, run.model, batches, lr, mtp_weight, run.objective)
     run.watch.done = step + 1
     balance, counts = balance_step(run.model, cfg.model.moe.bias_update_speed, apply=applied)
     step_done, dt = step + 1, time.perf_counter() - t0
@@ -214,6 +233,27 @@ def train_step(
         engine.backward(total_loss(ce, mtp, mtp_weight, out.aux_loss))
         engine.step()
         sums += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), sums.new_ones(())])
+    return _step_losses(engine, sums)
+
+
+def pipeline_step(engine: Engine, pipeline: Pipeline, micro_batches, lr: float, mtp_weight: float = 0.0):
+    """train_step's result for a model in pipeline stages: DeepSpeed's train_batch runs the 1F1B schedule over the
+    micro-batches (forward, backward, the tied embedding's and the data-parallel gradient reductions, the step);
+    the stages' layers and loss add up the losses they computed (pipeline.tally)."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    for d in dispatchers(pipeline.model):
+        d.reset_stats()
+    tally = pipeline.tally
+    tally.reset(next(pipeline.module.parameters()).device)
+    tally.mtp_weight = mtp_weight
+    engine.train_batch(iter([(w[:, :-1], w[:, 1:]) for w in micro_batches]))
+    return _step_losses(engine, tally.values)
+
+
+def _step_losses(engine: Engine, sums: torch.Tensor) -> tuple[dict, bool]:
+    """[ce, aux, mtp depths, micro-batches] summed over this rank's micro-batches -> the means over all ranks'
+    (on every rank), and whether the step was applied."""
     dist.all_reduce(sums)
     means = (sums[:-1] / sums[-1]).tolist()
     losses = {"loss": means[0], "aux_loss": means[1]}
@@ -225,14 +265,15 @@ def _micro_batches(run: _Run, first: int):
     """This rank's micro-batches of the global batch that starts at sample `first`."""
     t, dev = run.cfg.train, device()
     for m in range(t.grad_accum_steps):
-        yield run.windows.batch(first + (m * run.world + run.rank) * t.micro_batch_size, t.micro_batch_size).to(dev)
+        start = first + (m * run.dp_size + run.dp_rank) * t.micro_batch_size
+        yield run.windows.batch(start, t.micro_batch_size).to(dev)
 
 
 def _evaluate(
-    engine: Engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, step: int
+    engine: Engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, objective, dp, step: int
 ) -> dict:
     micro, score_from = cfg.train.micro_batch_size, cfg.cadence.eval_score_from
-    result = evaluate(engine, model, evalsets, micro, dev, doc_start_id, objective_for(cfg), score_from)
+    result = evaluate(engine, model, evalsets, micro, dev, doc_start_id, objective, score_from, dp)
     tracker.log({"kind": "eval", "step": step, **result})
     tracker.console(_eval_line(result), step)
     return result
@@ -280,10 +321,15 @@ def _header(cfg: Config, model: Transformer, world: int, G: int, data_meta: dict
     return (
         f"moe-lm: {n.total / 1e6:.2f}M parameters ({n.active / 1e6:.2f}M active per token){mtp}, "
         f"{len(model.moe_layers())} MoE layers x {cfg.model.moe.n_routed_experts} experts (top-"
-        f"{cfg.model.moe.num_experts_per_tok}), world {world}, ZeRO-{cfg.parallel.zero_stage}, "
+        f"{cfg.model.moe.num_experts_per_tok}), world {world}{_stages(cfg.parallel.pp_size, world)}, "
+        f"ZeRO-{cfg.parallel.zero_stage}, "
         f"global batch {G} x {cfg.train.seq_len} tokens; data {cfg.data.out_dir}: "
         f"{data_meta['tokens']['train']:,} train tokens in {len(data_meta['domains'])} domains"
     )
+
+
+def _stages(pp: int, world: int) -> str:
+    return f" (pipeline {pp} stages x {world // pp} data-parallel)" if pp > 1 else ""
 
 
 def _eval_line(ev: dict) -> str:

@@ -1,0 +1,212 @@
+"""Pipeline parallelism: the Transformer as DeepSpeed pipeline layers, cut into `parallel.pp_size` stages.
+
+    layer 0          the token embedding (tied: the last stage holds it too when the model has MTP modules)
+    layers 1..n      the decoder blocks, one layer each; each rebuilds its rotary table (and mask) from the
+                     activation's shape, so only the hidden states [B, S, D] travel between stages
+    layer n + 1      the final norm, then on the same stage the output head and the MTP modules (in the loss)
+    (layer n + 2)    the embedding again, as a pass-through, so that the MTP modules on the last stage can read it
+
+DeepSpeed's engine (runtime/pipe/engine.py) cuts the list by parameter count (the embedding and head counted),
+runs the 1F1B schedule through `engine.train_batch` / `eval_batch`, and all-reduces the tied embedding's gradient
+between the first and last stage. The first stage reads the micro-batch's inputs, the last its labels: the MTP
+modules read their future tokens from the labels (token t_{i+k} is label i + k - 1).
+
+The balance losses (sequence-wise, global) are carried across stages the way Megatron-Core's
+`MoEAuxLossAutoScaler` does: each block attaches its loss to its output with an autograd function whose backward
+injects the loss's own gradient, 1 / gradient-accumulation steps (the weight DeepSpeed's backward gives the main
+loss). why not as a second tensor passed along: that costs a send and a receive per micro-batch and stage for a
+number whose gradient is a known constant, and DeepSpeed's pipeline buffers would carry a 0-d tensor beside the
+activations; the injection is exact and local.
+
+Every rank builds the whole Transformer first (from the seed, as a single process does), so a stage's weights are
+the single process's; the stages keep references to their own layers. The model's routers that a stage does not
+run never count a token, so the bias update (train/balance.py), which sums every router's counts over the world,
+gives each layer its counts over its stage's data-parallel ranks, and every rank keeps every layer's bias exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from torch import nn
+
+from moe_lm.console import library_prints
+from moe_lm.model import ModelOutput, Transformer
+from moe_lm.model.attention import rope_cos_sin
+from moe_lm.model.masks import mask_provider
+from moe_lm.train.objective import next_token_losses, total_loss
+
+EMBED = "embed"  # the tied layers' key
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """forward: the activation, unchanged; backward: its gradient, and `scale` for the balance loss `aux`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+@dataclass
+class StepTally:
+    """What the stages add up over a step's micro-batches: the balance losses (every stage), the main head's and the
+    MTP depths' losses and the micro-batch count (last stage). `sums()` is [ce, aux, mtp_1..mtp_D, micro-batches],
+    the order train_step logs."""
+
+    depth: int
+    aux_scale: float = 1.0  # the balance loss's gradient weight: 1 / gradient-accumulation steps
+    mtp_weight: float = 0.0  # this step's lambda
+    values: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    last: ModelOutput | None = None  # evaluation: the last micro-batch's output (last stage)
+
+    def reset(self, device) -> None:
+        self.values = torch.zeros(3 + self.depth, device=device)
+
+    def add_aux(self, aux: torch.Tensor) -> None:
+        if self.values is not None and torch.is_grad_enabled():
+            self.values[1] += aux.detach().float()
+
+
+class Embedding(nn.Module):
+    """Layer 0 (and the last stage's tied copy): token ids [B, S] -> x [B, S, D]."""
+
+    def __init__(self, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens_BS)
+
+
+def _pass_through(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class BlockLayer(nn.Module):
+    """One decoder block as a pipeline layer: x [B, S, D] -> x [B, S, D], its balance loss attached."""
+
+    def __init__(self, model: Transformer, index: int, tally: StepTally) -> None:
+        super().__init__()
+        self.block = model.layers[index]
+        self.index, self.n_layers = index, len(model.layers)
+        self.heads, self.provider = model.cfg.n_heads, mask_provider(model.cfg.attn_mask)
+        # a plain attribute, not a buffer: the rotary frequencies stay fp32 when the engine casts the stage to bf16
+        self.inv_freq, self.rope_factor = model.inv_freq.detach().clone(), model.rope_factor
+        self.tally = tally
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        S = x_BSD.shape[1]
+        positions = torch.arange(S, device=x_BSD.device)
+        cos, sin = rope_cos_sin(self.inv_freq.to(x_BSD.device), positions, x_BSD.dtype, self.rope_factor)
+        mask = self.provider.layer_masks(S, None, x_BSD.device, self.heads, self.n_layers)[self.index]
+        x_BSD, aux = self.block(x_BSD, cos, sin, mask)
+        self.tally.add_aux(aux)
+        if not aux.requires_grad:  # evaluation, or no balance loss configured
+            return x_BSD
+        return AuxLossAutoScaler.apply(x_BSD, aux, self.tally.aux_scale)
+
+
+class Head(nn.Module):
+    """The final norm, and (used by the loss on the same stage) the output head and the MTP modules."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.norm(x_BSD)  # h^0: what the output head and the first MTP module read
+
+
+class NextTokenLoss:
+    """The pipeline's loss_fn on the last stage: (h^0 [B, S, D], labels [B, S]) -> CE_main + lambda/D sum_k CE_k +
+    the MTP blocks' balance losses, as train/objective.py's total_loss; adds each part to the tally."""
+
+    def __init__(self, model: Transformer, head: Head, tally: StepTally, loss_chunk: int) -> None:
+        self.model, self.head, self.tally, self.chunk = model, head, tally, loss_chunk
+        self.__name__ = "next_token_loss"  # what DeepSpeed prints for the partition
+
+    def __call__(self, hidden_BSD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        model, lm_head = self.model, self.head.lm_head
+        out = ModelOutput(None, hidden_BSD.new_zeros((), dtype=torch.float32), hidden_BSD)
+        if len(model.mtp):
+            S = hidden_BSD.shape[1]
+            # token t_{i+k} of the window is label i + k - 1; mtp_states reads tokens[:, k : k + S - k] for k >= 1
+            tokens_BS = torch.cat((labels_BS[:, :1], labels_BS[:, :-1]), dim=1)
+            cos, sin = rope_cos_sin(
+                model.inv_freq.to(hidden_BSD.device), torch.arange(S, device=hidden_BSD.device), hidden_BSD.dtype,
+                model.rope_factor,
+            )  # fmt: skip
+            out.mtp_hidden, out.aux_loss = model.mtp_states(tokens_BS, hidden_BSD, cos, sin)
+        full_logits = not self.chunk or not torch.is_grad_enabled()  # evaluation sums the NLL from logits
+        if full_logits:
+            out.logits = lm_head(hidden_BSD)
+            out.mtp_logits = [lm_head(h) for h in out.mtp_hidden]
+        ce, mtp = next_token_losses(out, labels_BS, lm_head.weight, self.chunk)
+        if not torch.is_grad_enabled():
+            self.tally.last = out
+            return ce
+        v = self.tally.values
+        v += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), v.new_ones(())])
+        return total_loss(ce, mtp, self.tally.mtp_weight, out.aux_loss)
+
+
+@dataclass
+class Pipeline:
+    """A model cut into stages: the PipelineModule DeepSpeed wraps, the tally its layers fill, and the full model
+    (for the routers, the MTP count and the output head's weight)."""
+
+    module: PipelineModule
+    tally: StepTally
+    model: Transformer
+
+    @property
+    def grid(self):
+        return self.module._grid  # why private: DeepSpeed exposes the grid only through the module and engine
+
+
+def build_pipeline(model: Transformer, pp_size: int, loss_chunk: int, grad_accum_steps: int) -> Pipeline:
+    """The model as pipeline layers in `pp_size` stages, partitioned by parameters (a collective: every rank)."""
+    tally = StepTally(depth=len(model.mtp), aux_scale=1.0 / grad_accum_steps)
+    embed = TiedLayerSpec(EMBED, Embedding, model.embed_tokens, tied_weight_attr=["embed_tokens.weight"])
+    head = Head(model)
+    layers = [embed, *(BlockLayer(model, i, tally) for i in range(len(model.layers))), head]
+    if len(model.mtp):
+        layers.append(
+            TiedLayerSpec(
+                EMBED, Embedding, model.embed_tokens, forward_fn=_pass_through, tied_weight_attr=["embed_tokens.weight"]
+            )
+        )
+    with library_prints():  # why: it prints the seed, topology and partition on every start
+        module = PipelineModule(
+            layers,
+            num_stages=pp_size,
+            loss_fn=NextTokenLoss(model, head, tally, loss_chunk),
+            partition_method="parameters",
+            dynamic_shape=True,  # evaluation's last micro-batch can be shorter than training's
+        )
+    return Pipeline(module, tally, model)
+
+
+@dataclass(frozen=True)
+class PipelineObjective:
+    """The evaluation's objective (train/evaluate.py) for a model in stages: one window batch through
+    `engine.eval_batch`; the output exists on the last stage only (None elsewhere)."""
+
+    engine: object  # DeepSpeed's PipelineEngine
+    pipeline: Pipeline
+    loss_chunk: int = 0
+
+    def run(self, engine, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True):
+        labels = window_BS1[:, 1:]
+        self.pipeline.tally.last = None
+        self.engine.eval_batch(iter([(window_BS1[:, :-1], labels)]), num_micro_batches=1, bcast_loss=False)
+        return self.pipeline.tally.last, labels
