@@ -3,15 +3,18 @@
     moe-lm estimate --config gpu_1b
     moe-lm estimate --config deepseek_v3_16b --nodes 2 --gpus-per-node 8 parallel.ep_size=16
     moe-lm estimate --config deepseek_v3_671b --nodes 8 --gpus-per-node 8 --intra-gbs 160 --inter-gbs 50
+    moe-lm estimate --config deepseek_v3_671b --nodes 32 --gpus-per-node 8 parallel.pp_size=4 \
+        performance.activation_checkpointing=full train.grad_accum_steps=16
     moe-lm estimate --config tiny --gpus-per-node 2 parallel.ep_size=2 --trace analysis/tiny/trace
 
 Memory (moe_lm/planning/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
-activations counted per token and block from the model's own tensors; compare it with a measured peak
-(peak_mem_gib in every train row on CUDA). Communication (moe_lm/planning/comm_plan.py): the dispatcher's bytes
-per GPU and step, within the node and across nodes, expected under uniform routing with and without the group
-limit (and for a recorded routing trace), the time they take at the given bandwidths, the compute time at the
-given MFU, and their ratio: how much of the all-to-all must hide behind compute. The same as
-`python launch/estimate_memory.py`.
+activations counted per token and block from the model's own tensors; with pipeline stages (parallel.pp_size) a
+row per stage (its layers, the micro-batches 1F1B keeps in flight, its memory with and without recompute) and the
+bubble; compare it with a measured peak (peak_mem_gib in every train row on CUDA). Communication
+(moe_lm/planning/comm_plan.py): the dispatcher's bytes per GPU and step, within the node and across nodes,
+expected under uniform routing with and without the group limit (and for a recorded routing trace), the time they
+take at the given bandwidths, the compute time at the given MFU, and their ratio: how much of the all-to-all must
+hide behind compute. The same as `python launch/estimate_memory.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="extra expert slots for the placement from --trace (default: one per EP rank)")  # fmt: skip
 
 
-def layout_of(args, ep_size: int):
+def layout_of(args, ep_size: int, pp_size: int = 1):
     from moe_lm.planning.comm_plan import Layout
 
     nodes, gpn, world = args.nodes, args.gpus_per_node, args.world
@@ -54,12 +57,17 @@ def layout_of(args, ep_size: int):
         gpn = world // nodes
     if world is not None and world != nodes * gpn:
         raise UserError(f"--world {world} != --nodes {nodes} x --gpus-per-node {gpn}")
-    return Layout(nodes, gpn, ep_size)
+    return Layout(nodes, gpn, ep_size, pp_size)
 
 
 def run(args: argparse.Namespace) -> None:
     cfg = load(args)
-    layout = layout_of(args, cfg.parallel.ep_size)
+    if cfg.parallel.pp_schedule != "1f1b":
+        raise UserError(
+            f"the planner plans 1F1B stages; parallel.pp_schedule={cfg.parallel.pp_schedule} is not planned (each "
+            "rank holds two slices and keeps another set of micro-batches): plan with parallel.pp_schedule=1f1b"
+        )
+    layout = layout_of(args, cfg.parallel.ep_size, cfg.parallel.pp_size)
     try:
         layout.check(cfg.model.moe.n_routed_experts)
     except ValueError as e:
@@ -71,19 +79,47 @@ def run(args: argparse.Namespace) -> None:
 
 def print_memory(name: str, cfg, world: int) -> None:
     from moe_lm.model import count_params
-    from moe_lm.planning.memory import GB, estimate
+    from moe_lm.planning.memory import GB, stage_estimates
 
-    n, m, t = count_params(cfg.model), estimate(cfg, world), cfg.train
+    n, t, p = count_params(cfg.model), cfg.train, cfg.parallel
+    estimates = stage_estimates(cfg, world)
+    worst = max(range(len(estimates)), key=lambda s: estimates[s].total)
+    m = estimates[worst]
     recompute = cfg.performance.activation_checkpointing
+    where = f" = pipeline {p.pp_size} stages x {world // p.pp_size} data-parallel" if p.pp_size > 1 else ""
     print(
         f"{name}: {n.total / 1e9:.3f} B parameters ({n.active / 1e9:.3f} B active)"
         + (f" + MTP {n.mtp_total / 1e9:.3f} B" if n.mtp_total else "")
-        + f"; bf16 training, world {world}, ZeRO-{cfg.parallel.zero_stage}, ep_size {cfg.parallel.ep_size}, "
+        + f"; bf16 training, world {world}{where}, ZeRO-{p.zero_stage}, ep_size {p.ep_size}, "
         f"micro-batch {t.micro_batch_size} x {t.seq_len}, activation checkpointing {recompute}"
     )
     for part in ("weights", "gradients", "optimizer", "activations", "logits", "buckets"):
         print(f"  {part:12s} {getattr(m, part) / GB:8.2f} GiB")
-    print(f"  {'total':12s} {m.total / GB:8.2f} GiB per GPU")
+    largest = f" (stage {worst}, the largest)" if p.pp_size > 1 else ""
+    print(f"  {'total':12s} {m.total / GB:8.2f} GiB per GPU{largest}")
+    if p.pp_size > 1:
+        print_stages(cfg, world, estimates)
+
+
+def print_stages(cfg, world: int, estimates) -> None:
+    from moe_lm.planning.memory import GB, stage_estimates
+    from moe_lm.planning.stages import bubble, describe_layer, stages
+
+    p, m = cfg.parallel, cfg.train.grad_accum_steps
+    none, full = (stage_estimates(cfg, world, mode) for mode in ("none", "full"))
+    print(
+        f"pipeline: {p.pp_size} stages, 1F1B over {m} micro-batches (train.grad_accum_steps): bubble "
+        f"{bubble(p.pp_size, m):.1%} of a step; stages cut by parameters as DeepSpeed cuts them"
+    )
+    print(f"  {'stage':5s} {'layers':30s} {'params/GPU':>10s} {'in flight':>9s} {'activations':>11s} {'total':>9s} "
+          f"{'no recompute':>12s} {'full recompute':>14s}")  # fmt: skip
+    for s, (stage, e) in enumerate(zip(stages(cfg), estimates, strict=True)):
+        layers = f"{describe_layer(cfg, stage.start)} .. {describe_layer(cfg, stage.stop - 1)}"
+        params = stage.other_params + stage.expert_params / p.ep_size
+        print(
+            f"  {s:5d} {layers:30s} {params / 1e9:9.2f}B {stage.in_flight:9d} {e.activations / GB:7.2f} GiB "
+            f"{e.total / GB:5.2f} GiB {none[s].total / GB:8.2f} GiB {full[s].total / GB:10.2f} GiB"
+        )
 
 
 def print_communication(args, cfg, layout) -> None:
@@ -108,7 +144,9 @@ def print_communication(args, cfg, layout) -> None:
         steps.append(step)
     t, m = cfg.train, cfg.model
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps
-    compute = train_flops_per_token(m, t.seq_len) * tokens / (links.peak_tflops * 1e12 * links.mfu)
+    # with pipeline stages a GPU computes its stage's share of the layers: the model's FLOPs / pp_size
+    flops = train_flops_per_token(m, t.seq_len) * tokens / cfg.parallel.pp_size
+    compute = flops / (links.peak_tflops * 1e12 * links.mfu)
     print(
         f"expert-parallel all-to-all per GPU and step ({layout.nodes} node(s) x {layout.gpus_per_node} GPUs, "
         f"EP {layout.ep_size} over {len(set(layout.ep_nodes()))} node(s); {tokens} tokens, forward + backward"
@@ -131,8 +169,9 @@ def print_communication(args, cfg, layout) -> None:
         "\n  remote: other nodes reached, the cross-node rows of a dispatcher that crosses once per node (DeepEP)"
     )
     print(
-        f"  compute: {train_flops_per_token(m, t.seq_len) / 1e9:.2f} GFLOP per token x {tokens} tokens at "
-        f"{links.mfu:.0%} of {links.peak_tflops:g} TFLOP/s = {compute * 1e3:.1f} ms"
+        f"  compute: {train_flops_per_token(m, t.seq_len) / 1e9:.2f} GFLOP per token x {tokens} tokens"
+        + (f" / {cfg.parallel.pp_size} stages" if cfg.parallel.pp_size > 1 else "")
+        + f" at {links.mfu:.0%} of {links.peak_tflops:g} TFLOP/s = {compute * 1e3:.1f} ms"
     )
     if load is not None:
         print(

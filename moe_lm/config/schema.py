@@ -421,6 +421,10 @@ class ParallelConfig:
     # Pipeline parallelism: the layers are cut into pp_size stages (DeepSpeed's pipeline engine, 1F1B schedule); the
     # world is pp_size x data-parallel, and expert parallelism groups ep_size ranks inside each stage. ZeRO-1 only.
     pp_size: int = 1
+    # The pipeline's schedule: "1f1b" (each stage one slice of the layers), or "dualpipev" (DeepSeek-V3's DualPipeV as
+    # DeepSpeed implements it: each rank holds two slices, the first and the mirrored last, and micro-batches go out
+    # and come back; needs train.grad_accum_steps >= 2 x pp_size).
+    pp_schedule: Literal["1f1b", "dualpipev"] = "1f1b"
 
     def validate(self, path: str = "parallel") -> None:
         _require(self.ep_size >= 1, f"{path}.ep_size", "must be >= 1")
@@ -493,6 +497,8 @@ class Config:
         require_ep_divides(self.parallel.ep_size, self.model.moe.n_routed_experts)
         if self.parallel.pp_size > 1:
             require_pipeline_fits(self)
+        _require(self.parallel.pp_size > 1 or self.parallel.pp_schedule == "1f1b", "parallel.pp_schedule",
+                 f"= {self.parallel.pp_schedule} needs pipeline stages: set parallel.pp_size > 1")  # fmt: skip
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",
@@ -531,6 +537,13 @@ def require_ep_divides(ep_size: int, n_routed_experts: int, world: int | None = 
 def require_pipeline_fits(cfg: Config) -> None:
     """What pipeline stages need of the rest of the config (checked when parallel.pp_size > 1)."""
     pp = cfg.parallel.pp_size
+    if cfg.parallel.pp_schedule == "dualpipev":
+        _require(cfg.train.grad_accum_steps >= 2 * pp, "train.grad_accum_steps",
+                 f"= {cfg.train.grad_accum_steps} is below 2 x parallel.pp_size = {2 * pp}, the micro-batches "
+                 "DualPipeV needs per step (parallel.pp_schedule=dualpipev)")  # fmt: skip
+        _require(2 * pp <= cfg.model.n_layers + 2, "parallel.pp_size",
+                 f"= {pp} with DualPipeV cuts the pipeline's {cfg.model.n_layers + 2} layers into {2 * pp} "
+                 "slices: lower it")  # fmt: skip
     # the pipeline's layers: the embedding, the blocks, the final norm and head (with the MTP modules)
     _require(pp <= cfg.model.n_layers + 2, "parallel.pp_size",
              f"= {pp} exceeds the pipeline's {cfg.model.n_layers + 2} layers (embedding, "

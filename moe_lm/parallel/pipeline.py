@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from torch import nn
 
 from moe_lm.console import library_prints
@@ -167,14 +168,21 @@ class Pipeline:
     module: PipelineModule
     tally: StepTally
     model: Transformer
+    # micro-batches per eval_batch call: DualPipeV's engine refuses fewer than 2 x pp_size
+    eval_micro_batches: int = 1
+    shapes_changed: bool = False  # an evaluation sent other shapes than training's since the last step
 
     @property
     def grid(self):
         return self.module._grid  # why private: DeepSpeed exposes the grid only through the module and engine
 
 
-def build_pipeline(model: Transformer, pp_size: int, loss_chunk: int, grad_accum_steps: int) -> Pipeline:
-    """The model as pipeline layers in `pp_size` stages, partitioned by parameters (a collective: every rank)."""
+def build_pipeline(
+    model: Transformer, pp_size: int, loss_chunk: int, grad_accum_steps: int, schedule: str = "1f1b"
+) -> Pipeline:
+    """The model as pipeline layers in `pp_size` stages, partitioned by parameters (a collective: every rank).
+    schedule "dualpipev": 2 x pp_size slices, rank r holding slices r and 2 pp_size - 1 - r (DeepSpeed's
+    DualPipeVModule; its engine is chosen by deepspeed.initialize from the module's type)."""
     tally = StepTally(depth=len(model.mtp), aux_scale=1.0 / grad_accum_steps)
     embed = TiedLayerSpec(EMBED, Embedding, model.embed_tokens, tied_weight_attr=["embed_tokens.weight"])
     head = Head(model)
@@ -185,15 +193,18 @@ def build_pipeline(model: Transformer, pp_size: int, loss_chunk: int, grad_accum
                 EMBED, Embedding, model.embed_tokens, forward_fn=_pass_through, tied_weight_attr=["embed_tokens.weight"]
             )
         )
+    dualpipev = schedule == "dualpipev"
     with library_prints():  # why: it prints the seed, topology and partition on every start
-        module = PipelineModule(
+        module = (DualPipeVModule if dualpipev else PipelineModule)(
             layers,
             num_stages=pp_size,
             loss_fn=NextTokenLoss(model, head, tally, loss_chunk),
             partition_method="parameters",
-            dynamic_shape=True,  # evaluation's last micro-batch can be shorter than training's
+            # evaluation's last micro-batch can be shorter than training's: 1F1B sends the shape every time;
+            # DualPipeV refuses that and has its shapes reset instead (`PipelineObjective`, `pipeline_step`)
+            dynamic_shape=not dualpipev,
         )
-    return Pipeline(module, tally, model)
+    return Pipeline(module, tally, model, 2 * pp_size if dualpipev else 1)
 
 
 @dataclass(frozen=True)
@@ -206,7 +217,12 @@ class PipelineObjective:
     loss_chunk: int = 0
 
     def run(self, engine, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True):
-        labels = window_BS1[:, 1:]
-        self.pipeline.tally.last = None
-        self.engine.eval_batch(iter([(window_BS1[:, :-1], labels)]), num_micro_batches=1, bcast_loss=False)
-        return self.pipeline.tally.last, labels
+        """One batch of windows through the stages. DualPipeV runs it 2 x pp_size times (its engine's least): the
+        same windows, so the last output and routing are theirs."""
+        labels, p = window_BS1[:, 1:], self.pipeline
+        p.tally.last = None
+        self.engine.reset_activation_shape()  # why: windows of another batch size than the last call's
+        p.shapes_changed = True
+        batches = [(window_BS1[:, :-1], labels)] * p.eval_micro_batches
+        self.engine.eval_batch(iter(batches), num_micro_batches=len(batches), bcast_loss=False)
+        return p.tally.last, labels

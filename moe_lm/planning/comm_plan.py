@@ -39,6 +39,7 @@ class Layout:
     nodes: int
     gpus_per_node: int
     ep_size: int
+    pp_size: int = 1  # pipeline stages: each holds world / pp_size consecutive ranks, its EP groups among them
 
     @property
     def world(self) -> int:
@@ -47,7 +48,7 @@ class Layout:
     def check(self, n_experts: int) -> None:
         from moe_lm.config import require_ep_divides
 
-        require_ep_divides(self.ep_size, n_experts, self.world)
+        require_ep_divides(self.ep_size, n_experts, self.world, self.pp_size)
         g, ep = self.gpus_per_node, self.ep_size
         if ep > g and ep % g or ep < g and g % ep:
             raise ConfigError(
@@ -281,9 +282,10 @@ class StepTraffic:
 def step_traffic(label: str, pairs: dict, nodes: tuple, cfg, dispatch_elem: int, combine_elem: int) -> StepTraffic:
     """Scale pairs per token and layer to a step of one GPU: its tokens (micro-batch x seq_len x accumulation) x
     MoE layers (MTP's included) x passes (forward, backward, and a recomputed forward under activation
-    checkpointing; backward sends as much as forward). `nodes`: (nodes per token, the most, remote nodes)."""
+    checkpointing; backward sends as much as forward). `nodes`: (nodes per token, the most, remote nodes). With
+    pipeline stages a GPU runs its stage's layers only: a stage's share, the MoE layers / pp_size."""
     m, t = cfg.model, cfg.train
-    moe_layers = m.n_layers - min(m.first_k_dense_replace, m.n_layers) + m.mtp.depth
+    moe_layers = (m.n_layers - min(m.first_k_dense_replace, m.n_layers) + m.mtp.depth) / cfg.parallel.pp_size
     passes = 2 + (cfg.performance.activation_checkpointing != "none")
     scale = t.micro_batch_size * t.seq_len * t.grad_accum_steps * moe_layers * passes
     row_out = dispatch_row_bytes(m.dim, m.moe.num_experts_per_tok, dispatch_elem)

@@ -5,7 +5,9 @@ Weights and optimizer state follow the ZeRO paper's mixed-precision accounting (
 weights and gradients (2 + 2 bytes) and fp32 master weights, Adam momentum and variance (12 bytes) per parameter.
 ZeRO-1 shards the 12 bytes over the data-parallel ranks, ZeRO-2 also the gradients. Routed experts are first split
 over the expert-parallel group (ep_size) and their states sharded over the expert-data-parallel group (world /
-ep_size); everything else over the whole world.
+ep_size); everything else over the whole world. With pipeline stages (parallel.pp_size) each stage holds its own
+layers (moe_lm/planning/stages.py), its data-parallel ranks are world / pp_size, and it keeps the activations of
+the micro-batches 1F1B has in flight there; the estimate per GPU is the largest stage's.
 
 Activations are the tensors autograd keeps per token and layer in bf16 (counted from the model's own ops: norms'
 inputs and outputs, projections, attention inputs and output, the FFN's gate/up/activation, each routed slot's
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_lm.config import Config
-from moe_lm.model import count_params
+from moe_lm.planning.stages import stages
 
 GB = 1024**3
 BF16, FP32 = 2, 4
@@ -64,32 +66,46 @@ def block_activation_elements(cfg, moe: bool) -> float:
     return attn + 2 * D + 2 * e.n_routed_experts + routed + shared
 
 
-def estimate(cfg: Config, world: int) -> MemoryEstimate:
-    """Bytes per GPU for `world` GPUs (data-parallel over all, routed experts over parallel.ep_size)."""
+def estimate(cfg: Config, world: int, recompute: str | None = None) -> MemoryEstimate:
+    """Bytes per GPU for `world` GPUs: of the stage that needs the most with pipeline stages (parallel.pp_size), of
+    the whole model otherwise. `recompute`: this activation checkpointing mode instead of the config's."""
+    return max(stage_estimates(cfg, world, recompute), key=lambda e: e.total)
+
+
+def stage_estimates(cfg: Config, world: int, recompute: str | None = None) -> list[MemoryEstimate]:
+    """Bytes per GPU of each pipeline stage (one without pipeline parallelism). A stage's ranks are world / pp,
+    data-parallel; its routed experts are split over ep_size of them and their states over the rest."""
     m, t, p, perf = cfg.model, cfg.train, cfg.parallel, cfg.performance
-    n = count_params(m)
-    n_moe_blocks = m.n_layers - m.first_k_dense_replace + m.mtp.depth
-    expert_params = n_moe_blocks * m.moe.n_routed_experts * n.routed_expert
-    other_params = n.total + n.mtp_total - expert_params
-    local_experts = expert_params / p.ep_size
-    edp = world / p.ep_size  # ranks holding the same experts
-    weights = BF16 * (other_params + local_experts)
+    mode = recompute or perf.activation_checkpointing
+    dp = world / p.pp_size  # the ranks of one stage
+    edp = dp / p.ep_size  # ranks holding the same experts
     grad_shard = p.zero_stage >= 2
-    gradients = BF16 * (other_params / (world if grad_shard else 1) + local_experts / (edp if grad_shard else 1))
-    optimizer = 3 * FP32 * (other_params / world + local_experts / edp)
     tokens = t.micro_batch_size * t.seq_len
-    dense = [block_activation_elements(m, moe=False)] * min(m.first_k_dense_replace, m.n_layers)
-    sparse = [block_activation_elements(m, moe=True)] * (m.n_layers - len(dense) + m.mtp.depth)
-    kept = {"none": 0, "full": len(dense) + len(sparse), "selective": len(sparse)}[perf.activation_checkpointing]
-    blocks = dense + sparse
-    recomputed = sorted(blocks)[-kept:] if kept else []
-    per_token = sum(blocks) - sum(recomputed) + kept * m.dim + (max(recomputed) if recomputed else 0)
-    activations = BF16 * tokens * per_token
+    out = []
+    for stage in stages(cfg):
+        other, local_experts = stage.other_params, stage.expert_params / p.ep_size
+        weights = BF16 * (other + local_experts)
+        gradients = BF16 * (other / (dp if grad_shard else 1) + local_experts / (edp if grad_shard else 1))
+        optimizer = 3 * FP32 * (other / dp + local_experts / edp)
+        blocks = [block_activation_elements(m, moe=moe) for moe in stage.blocks]
+        kept = {"none": 0, "full": len(blocks), "selective": sum(stage.blocks)}[mode]
+        recomputed = sorted(blocks)[-kept:] if kept else []
+        # every micro-batch in flight keeps its blocks' activations (their inputs only where recomputed); one
+        # block is recomputed at a time
+        per_token = (sum(blocks) - sum(recomputed) + kept * m.dim) * stage.in_flight
+        per_token += max(recomputed) if recomputed else 0
+        activations = BF16 * tokens * per_token
+        logits = _logits(cfg, tokens) if stage.head else 0
+        buckets = BF16 * min(2 * BUCKET_ELEMENTS, 2 * (other + local_experts)) if world > 1 or grad_shard else 0
+        out.append(MemoryEstimate(weights, gradients, optimizer, activations, logits, buckets))
+    return out
+
+
+def _logits(cfg: Config, tokens: int) -> float:
+    """The output heads' logits (main and MTP) of one micro-batch, or their chunks with performance.loss_chunk."""
+    m, chunk = cfg.model, cfg.performance.loss_chunk
     heads = 1 + m.mtp.depth
-    if perf.loss_chunk:
+    if chunk:
         kept = heads * (BF16 * tokens * m.dim + FP32 * m.vocab_size * m.dim)
-        logits = (BF16 + FP32 + BF16) * min(perf.loss_chunk, tokens) * m.vocab_size + kept
-    else:
-        logits = (BF16 + FP32 + FP32) * tokens * m.vocab_size * heads
-    buckets = BF16 * min(2 * BUCKET_ELEMENTS, 2 * (other_params + local_experts)) if world > 1 or grad_shard else 0
-    return MemoryEstimate(weights, gradients, optimizer, activations, logits, buckets)
+        return (BF16 + FP32 + BF16) * min(chunk, tokens) * m.vocab_size + kept
+    return (BF16 + FP32 + FP32) * tokens * m.vocab_size * heads

@@ -33,6 +33,7 @@ from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distribut
 from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.parallel.pipeline import Pipeline, PipelineObjective, build_pipeline
+from moe_lm.planning.stages import describe_stages
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops
@@ -139,7 +140,10 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     model = apply_expert_parallel(model, cfg.parallel.ep_size, pp)  # every rank: the same model
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
     model = apply_compile(model, cfg.performance.compile)
-    pipeline = build_pipeline(model, pp, loss_chunk(cfg), t.grad_accum_steps) if pp > 1 else None
+    schedule = cfg.parallel.pp_schedule
+    pipeline = build_pipeline(model, pp, loss_chunk(cfg), t.grad_accum_steps, schedule) if pp > 1 else None
+    if pipeline:
+        tracker.info(f"pipeline ({schedule}): {describe_stages(cfg, pipeline.module.parts)} (cut by parameters)")
     engine = build_engine(pipeline.module if pipeline else model, cfg.optim, cfg.train, cfg.parallel)
     dp_rank, dp_size = (pipeline.grid.data_parallel_id, world // pp) if pipeline else (rank, world)
     G = t.micro_batch_size * t.grad_accum_steps * dp_size
@@ -247,6 +251,9 @@ def pipeline_step(engine: Engine, pipeline: Pipeline, micro_batches, lr: float, 
     tally = pipeline.tally
     tally.reset(next(pipeline.module.parameters()).device)
     tally.mtp_weight = mtp_weight
+    if pipeline.shapes_changed:  # an evaluation ran since: training's shapes are sent again
+        engine.reset_activation_shape()
+        pipeline.shapes_changed = False
     engine.train_batch(iter([(w[:, :-1], w[:, 1:]) for w in micro_batches]))
     return _step_losses(engine, tally.values)
 

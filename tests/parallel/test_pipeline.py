@@ -13,6 +13,7 @@ import torch
 from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import Config, ConfigError, dump_config
 from moe_lm.interop.hf import export_hf
+from moe_lm.planning.stages import describe_stages, partition
 from tests.helpers.runs import rows, tiny_train_cfg
 from tests.workers.dist_reshard import fixed_tokens
 from tests.workers.train_ranks import train_command
@@ -42,7 +43,8 @@ def same_rows(got: list[dict], want: list[dict], keys) -> None:
 
 
 def _exact_keys(row: dict) -> set[str]:
-    prefixes = ("loss", "aux_loss", "mtp_loss/", "grad_norm", "bias_", "maxvio", "domain_jsd/", "same_first/", "ppl")
+    prefixes = ("loss", "aux_loss", "mtp_loss/", "grad_norm", "bias_", "maxvio", "domain_jsd/", "same_first/",
+                "topk_overlap/", "ppl")  # fmt: skip
     return {k for k in row if k.startswith(prefixes)}
 
 
@@ -71,6 +73,10 @@ def test_pp2_equals_single_process_and_checkpoint_loads_and_exports(single_proce
     dump_config(pp2, tmp_path / "pp2.yaml")
     out = ranks(train_command, 2, "--config", tmp_path / "pp2.yaml", "parallel.pp_size=2")[0]
     assert "world 2 (pipeline 2 stages x 1 data-parallel)" in out
+    # the engine cut the layers where the planner (moe-lm estimate) says it does
+    planned = dataclasses.replace(pp2, parallel=dataclasses.replace(pp2.parallel, pp_size=2))
+    assert f"pipeline (1f1b): {describe_stages(planned, partition(planned))} (cut by parameters)" in out
+    assert "block 3 .. head" in out or "block 3 .. embedding (tied)" in out  # a block on each stage
     check_same_run(tmp_path / "pp2", tmp_path / "one")
     assert latest_tag(tmp_path / "pp2") == "step_00000004"
     _, want, _ = load_model(tmp_path / "one")
@@ -113,12 +119,47 @@ def test_pp2_with_expert_parallel_inside_stages(single_process, tmp_path, ranks)
     argv = ("--config", tmp_path / "pp2ep2.yaml", "parallel.pp_size=2", "parallel.ep_size=2")
     out = ranks(train_command, 4, *argv)[0]
     assert "world 4 (pipeline 2 stages x 2 data-parallel)" in out
+    planned = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2, ep_size=2))
+    assert f"pipeline (1f1b): {describe_stages(planned, partition(planned))} (cut by parameters)" in out
     check_same_run(tmp_path / "pp2ep2", tmp_path / "one")
     assert all(r["a2a_bytes_per_rank"] > 0 for r in rows(tmp_path / "pp2ep2"))
     _, want, _ = load_model(tmp_path / "one")
     _, got, _ = load_model(tmp_path / "pp2ep2")  # experts from both stages' EP ranks
     for key, value in want.state_dict().items():
         torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_dualpipev_equals_single_process(single_process, tmp_path, ranks, train):
+    """parallel.pp_schedule=dualpipev (DeepSpeed's DualPipeV: rank 0 holds the first and the last slice, rank 1 the
+    two middle ones; 4 micro-batches = 2 x pp) trains and evaluates as the single process, and its checkpoint loads
+    as the same model and resumes exactly."""
+    cfg = with_out(single_process, tmp_path / "dpv")
+    dump_config(cfg, tmp_path / "dpv.yaml")
+    argv = ("parallel.pp_size=2", "parallel.pp_schedule=dualpipev")
+    out = ranks(train_command, 2, "--config", tmp_path / "dpv.yaml", *argv)[0]
+    planned = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2, pp_schedule="dualpipev"))
+    bounds = partition(dataclasses.replace(planned, parallel=dataclasses.replace(planned.parallel, pp_size=4)))
+    assert f"pipeline (dualpipev): {describe_stages(planned, bounds)} (cut by parameters)" in out
+    check_same_run(tmp_path / "dpv", tmp_path / "one")
+    _, want, _ = load_model(tmp_path / "one")
+    _, got, _ = load_model(tmp_path / "dpv")
+    for key, value in want.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    dump_config(with_out(cfg, tmp_path / "dpv", max_steps=6), tmp_path / "more.yaml")
+    ranks(train_command, 2, "--config", tmp_path / "more.yaml", *argv)
+    train(with_out(single_process, tmp_path / "one", max_steps=6))
+    later = lambda run: [r for r in rows(run) if r["step"] > 4]  # noqa: E731
+    same_rows(later(tmp_path / "dpv"), later(tmp_path / "one"), ["loss", "aux_loss", "mtp_loss/depth_1", "grad_norm"])
+
+
+def test_two_node_job_with_a_stage_on_each_node(single_process, tmp_path, launcher):
+    """`launch/train.py` as a 2-node job (two launchers on loopback hosts, one rank each) with PP 2: stage 0 on node
+    0, stage 1 on node 1, the activations and gradients crossing the nodes; the single process's run."""
+    cfg = with_out(single_process, tmp_path / "nodes")
+    dump_config(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2)), tmp_path / "n.yaml")
+    out = launcher.launch("launch/train.py", "--config", str(tmp_path / "n.yaml"), n=1, nodes=2).stdout
+    assert "world 2 (pipeline 2 stages x 1 data-parallel)" in out
+    check_same_run(tmp_path / "nodes", tmp_path / "one")
 
 
 def test_pipeline_layout_refusals(tiny_data, tmp_path, train):
