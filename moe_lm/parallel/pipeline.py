@@ -59,9 +59,8 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 @dataclass
 class StepTally:
-    """What the stages add up over a step's micro-batches: the balance losses (every stage), the main head's and the
-    MTP depths' losses and the micro-batch count (last stage). `sums()` is [ce, aux, mtp_1..mtp_D, micro-batches],
-    the order train_step logs."""
+    """What the stages add up over a step's micro-batches in `values`: [ce, aux, mtp_1..mtp_D, micro-batches], the
+    order train_step logs; the balance losses on every stage, the rest on the stage that computes the loss."""
 
     depth: int
     aux_scale: float = 1.0  # the balance loss's gradient weight: 1 / gradient-accumulation steps

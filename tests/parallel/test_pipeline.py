@@ -12,7 +12,6 @@ import torch
 
 from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import Config, ConfigError, dump_config
-from moe_lm.interop.hf import export_hf
 from moe_lm.planning.stages import describe_stages, partition
 from tests.helpers.runs import rows, tiny_train_cfg
 from tests.workers.dist_reshard import fixed_tokens
@@ -65,7 +64,7 @@ def single_process(tiny_data, tmp_path, train):
     return cfg
 
 
-def test_pp2_equals_single_process_and_checkpoint_loads_and_exports(single_process, tmp_path, ranks, train):
+def test_pp2_equals_single_process_and_checkpoint_loads_and_exports(single_process, tmp_path, ranks, train, cli):
     """PP 2 on 2 ranks (embedding and blocks on stage 0, blocks, head and the MTP module on stage 1: the balance
     losses cross the stage boundary, the embedding is tied across it) trains as the single process does, step by
     step; its checkpoint, written per stage, loads as the same plain model and exports to HF with its logits."""
@@ -86,7 +85,7 @@ def test_pp2_equals_single_process_and_checkpoint_loads_and_exports(single_proce
         torch.testing.assert_close(got.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
     import transformers
 
-    export_hf(got, tmp_path / "hf")
+    assert cli("export", "--run", tmp_path / "pp2", "--out", tmp_path / "hf").returncode == 0  # the command, as users
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = fixed_tokens(want.cfg.vocab_size)
     with torch.no_grad():
@@ -111,14 +110,19 @@ def test_pp2_equals_single_process_and_checkpoint_loads_and_exports(single_proce
     assert later(tmp_path / "pp2_to_1")[-1]["loss"] != pytest.approx(later(tmp_path / "one")[-1]["loss"], rel=REL)
 
 
-def test_pp2_with_expert_parallel_inside_stages(single_process, tmp_path, ranks):
-    """PP 2 x DP 2 on 4 ranks with EP 2 inside each stage (ranks 0-1 and 2-3): the all-to-all and the experts'
-    gradient reduction stay within a stage, and the run equals the single process (same global batch)."""
-    cfg = with_out(single_process, tmp_path / "pp2ep2", grad_accum_steps=2)
+@pytest.mark.parametrize("world", [4, 8])
+def test_pp2_with_expert_parallel_inside_stages(single_process, tmp_path, ranks, world):
+    """PP 2 x DP 2 on 4 ranks with EP 2 inside each stage (ranks 0-1 and 2-3), and PP 2 x DP 4 on 8 ranks (two
+    expert-data-parallel replicas of each EP group inside a stage), with full activation checkpointing: the
+    all-to-all and the experts' gradient reduction stay within a stage, and the run equals the single process
+    (same global batch; recomputation changes no number)."""
+    dp = world // 2
+    cfg = with_out(single_process, tmp_path / "pp2ep2", grad_accum_steps=4 // dp)
     dump_config(cfg, tmp_path / "pp2ep2.yaml")
-    argv = ("--config", tmp_path / "pp2ep2.yaml", "parallel.pp_size=2", "parallel.ep_size=2")
-    out = ranks(train_command, 4, *argv)[0]
-    assert "world 4 (pipeline 2 stages x 2 data-parallel)" in out
+    argv = ("--config", tmp_path / "pp2ep2.yaml", "parallel.pp_size=2", "parallel.ep_size=2",
+            "performance.activation_checkpointing=full")  # fmt: skip
+    out = ranks(train_command, world, *argv)[0]
+    assert f"world {world} (pipeline 2 stages x {dp} data-parallel)" in out
     planned = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2, ep_size=2))
     assert f"pipeline (1f1b): {describe_stages(planned, partition(planned))} (cut by parameters)" in out
     check_same_run(tmp_path / "pp2ep2", tmp_path / "one")
