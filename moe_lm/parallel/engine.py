@@ -32,3 +32,14 @@ class Engine(Protocol):
     def load_checkpoint(
         self, load_dir: str, tag: str, load_optimizer_states: bool, load_lr_scheduler_states: bool
     ) -> tuple[str | None, dict]: ...
+
+
+class StagedEngine(Engine, Protocol):
+    """DeepSpeed's pipeline engine (`PipelineEngine`, `DualPipeVEngine`), as moe_lm/parallel/pipeline.py builds it:
+    its backward and step raise; a step is `train_batch`, an evaluation `eval_batch`."""
+
+    def train_batch(self, data_iter: Any) -> torch.Tensor: ...
+
+    def eval_batch(self, data_iter: Any, num_micro_batches: int | None = None, bcast_loss: bool = True) -> Any: ...
+
+    def reset_activation_shape(self) -> None: ...

@@ -37,6 +37,7 @@ from moe_lm.console import library_prints
 from moe_lm.model import ModelOutput, Transformer
 from moe_lm.model.attention import rope_cos_sin
 from moe_lm.model.masks import mask_provider
+from moe_lm.parallel.engine import StagedEngine
 from moe_lm.train.objective import next_token_losses, total_loss
 
 EMBED = "embed"  # the tied layers' key
@@ -211,7 +212,7 @@ class PipelineObjective:
     """The evaluation's objective (train/evaluate.py) for a model in stages: one window batch through
     `engine.eval_batch`; the output exists on the last stage only (None elsewhere)."""
 
-    engine: object  # DeepSpeed's PipelineEngine
+    engine: StagedEngine
     pipeline: Pipeline
     loss_chunk: int = 0
 

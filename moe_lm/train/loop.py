@@ -30,7 +30,7 @@ from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
 from moe_lm.model import Transformer, build_model, count_params, loss_chunk, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
-from moe_lm.parallel.engine import Engine
+from moe_lm.parallel.engine import Engine, StagedEngine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.parallel.pipeline import Pipeline, PipelineObjective, build_pipeline
 from moe_lm.planning.stages import describe_stages
@@ -240,10 +240,10 @@ def train_step(
     return _step_losses(engine, sums)
 
 
-def pipeline_step(engine: Engine, pipeline: Pipeline, micro_batches, lr: float, mtp_weight: float = 0.0):
-    """train_step's result for a model in pipeline stages: DeepSpeed's train_batch runs the 1F1B schedule over the
-    micro-batches (forward, backward, the tied embedding's and the data-parallel gradient reductions, the step);
-    the stages' layers and loss add up the losses they computed (pipeline.tally)."""
+def pipeline_step(engine: StagedEngine, pipeline: Pipeline, micro_batches, lr: float, mtp_weight: float = 0.0):
+    """train_step's result for a model in pipeline stages: DeepSpeed's train_batch runs its schedule (1F1B or
+    DualPipeV) over the micro-batches (forward, backward, the tied embedding's and the data-parallel gradient
+    reductions, the step); the stages' layers and loss add up the losses they computed (pipeline.tally)."""
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     for d in dispatchers(pipeline.model):
