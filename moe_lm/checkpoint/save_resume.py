@@ -70,8 +70,10 @@ def everywhere(ok: bool) -> bool:
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
-    """Every parameter and buffer finite, on every rank (expert shards differ between ranks)."""
+    """Every parameter and buffer finite, on every rank (expert shards differ between ranks; the layers of other
+    pipeline stages are on the meta device here, and left out)."""
     tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+    tensors = [t for t in tensors if not t.is_meta]
     return everywhere(all(bool(t.isfinite().all()) for t in tensors))
 
 

@@ -328,6 +328,11 @@ class TrainConfig:
     # Start a new run from pretrained weights: "hf:PATH" (a transformers DeepseekV3 / Glm4Moe checkpoint, whose
     # config replaces the architecture in `model`); "" = random initialisation. Resuming ignores it.
     init_from: str = ""
+    # Initialise each part of the model (the embedding, each block, the head, each MTP module) from its own seed
+    # derived from `seed`, instead of drawing all of them from one generator in turn: a pipeline stage then builds
+    # only its own layers, with the weights they have in the whole model. Always on with parallel.pp_size > 1; set it
+    # on a run without stages to start from the same weights as a pipelined one. Decoder-only models.
+    layer_seeds: bool = False
 
     def validate(self, path: str = "train") -> None:
         for name in ("max_steps", "seq_len", "micro_batch_size", "grad_accum_steps", "max_bad_steps"):
@@ -499,6 +504,8 @@ class Config:
             require_pipeline_fits(self)
         _require(self.parallel.pp_size > 1 or self.parallel.pp_schedule == "1f1b", "parallel.pp_schedule",
                  f"= {self.parallel.pp_schedule} needs pipeline stages: set parallel.pp_size > 1")  # fmt: skip
+        _require(not self.train.layer_seeds or self.model.arch == "decoder", "train.layer_seeds",
+                 f"initialises decoder-only models only; got model.arch={self.model.arch}")  # fmt: skip
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",

@@ -13,7 +13,7 @@ from moe_lm.model.experts import Experts
 from moe_lm.model.moe import MoE
 from moe_lm.model.params import ParamCount
 from moe_lm.model.router import Router, Routing, update_biases
-from moe_lm.model.transformer import ModelOutput, Transformer
+from moe_lm.model.transformer import ModelOutput, Transformer, build_by_layer
 
 __all__ = [
     "Experts",
@@ -23,6 +23,7 @@ __all__ = [
     "Router",
     "Routing",
     "Transformer",
+    "build_by_layer",
     "build_model",
     "count_params",
     "decode_flops_per_token",

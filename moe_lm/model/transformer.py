@@ -8,6 +8,9 @@ Shape legend: B = batch, S = sequence, D = model dim, V = vocabulary.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -145,3 +148,63 @@ def _init_weights(module: nn.Module, std: float) -> None:
     for m in module.modules():
         if isinstance(m, nn.Linear | nn.Embedding):
             nn.init.normal_(m.weight, 0.0, std)
+
+
+def build_by_layer(cfg: ModelConfig, seed: int, keep: Callable[[str], bool] | None = None) -> Transformer:
+    """The Transformer with each part built and initialised from its own seed, derived from (seed, part): the
+    embedding ("embed_tokens"), each block ("layers.i"), the final norm and output head ("head"), each MTP module
+    ("mtp.k"). A part's weights are then the same whichever other parts are built, so a pipeline stage builds only
+    its own (`keep(part)`); the others stay on the meta device (no memory), except their MoE routers, whose bias and
+    token counts are the balancing's state on every rank (E x D weights each). These are not the weights
+    `Transformer(cfg)` draws from one generator in turn: a run uses one or the other (train.layer_seeds)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for part, make in _parts(model, cfg):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_part_seed(seed, part))
+            if keep is None or keep(part):
+                _init_weights(make(), cfg.init_std)
+            else:  # on the meta device but for the routers
+                for block in _blocks_of(model, part):
+                    if isinstance(block.mlp, MoE):
+                        block.mlp.gate = Router(cfg.dim, cfg.moe, cfg.init_std)
+    inv_freq, _ = rope_inv_freq(model.layers[0].self_attn.rot_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.register_buffer("inv_freq", inv_freq, persistent=False)
+    return model
+
+
+def _parts(model: Transformer, cfg: ModelConfig) -> list[tuple[str, Callable[[], nn.Module]]]:
+    """(part, build it in place and return it), in the model's order."""
+
+    def embedding() -> nn.Module:
+        model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        return model.embed_tokens
+
+    def block(i: int) -> nn.Module:
+        model.layers[i] = Block(cfg, i)
+        return model.layers[i]
+
+    def head() -> nn.Module:
+        model.norm, model.lm_head = RMSNorm(cfg.dim, cfg.norm_eps), nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        return nn.ModuleList([model.norm, model.lm_head])
+
+    def mtp(k: int) -> nn.Module:
+        model.mtp[k] = MTPModule(cfg, cfg.n_layers + k)
+        return model.mtp[k]
+
+    return [
+        ("embed_tokens", embedding),
+        *((f"layers.{i}", functools.partial(block, i)) for i in range(cfg.n_layers)),
+        ("head", head),
+        *((f"mtp.{k}", functools.partial(mtp, k)) for k in range(cfg.mtp.depth)),
+    ]
+
+
+def _blocks_of(model: Transformer, part: str) -> list[Block]:
+    kind, _, index = part.partition(".")
+    return [getattr(model, kind)[int(index)]] if kind in ("layers", "mtp") else []
+
+
+def _part_seed(seed: int, part: str) -> int:
+    """A 63-bit seed for one part of one run: independent of the other parts and of the process."""
+    return int.from_bytes(hashlib.sha256(f"moe-lm/{seed}/{part}".encode()).digest()[:8], "little") >> 1

@@ -93,7 +93,10 @@ def apply_expert_parallel(model: Transformer, ep_size: int, pp_size: int = 1) ->
     for moe in model.moe_layers():
         full: Experts = moe.experts
         local = full  # ep_size 1: every expert is local, nothing to copy (a 1 B preset's experts are GBs)
-        if ep_size > 1:
+        if ep_size > 1 and full.gate_up_proj.is_meta:  # a layer of another pipeline stage: never built here
+            with torch.device("meta"):
+                local = Experts(n_local, full.gate_up_proj.shape[2], full.down_proj.shape[2], full.impl)
+        elif ep_size > 1:
             local = Experts(n_local, full.gate_up_proj.shape[2], full.down_proj.shape[2], full.impl)
             with torch.no_grad():
                 keep = slice(ep_rank * n_local, (ep_rank + 1) * n_local)

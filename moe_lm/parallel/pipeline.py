@@ -26,18 +26,23 @@ gives each layer its counts over its stage's data-parallel ranks, and every rank
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from torch import nn
 
+from moe_lm.config import Config
 from moe_lm.console import library_prints
 from moe_lm.model import ModelOutput, Transformer
 from moe_lm.model.attention import rope_cos_sin
 from moe_lm.model.masks import mask_provider
 from moe_lm.parallel.engine import StagedEngine
+from moe_lm.planning.stages import partition
 from moe_lm.train.objective import next_token_losses, total_loss
 
 EMBED = "embed"  # the tied layers' key
@@ -177,6 +182,33 @@ class Pipeline:
         return self.module._grid  # why private: DeepSpeed exposes the grid only through the module and engine
 
 
+def stage_slices(cfg: Config, rank: int, world: int) -> tuple[list[int], list[int]]:
+    """(the pipeline's layer bounds as DeepSpeed will cut them, the slices rank `rank` holds: its stage, and with
+    DualPipeV the mirrored one too). The cut is the planner's (moe_lm/planning/stages.py), which is DeepSpeed's."""
+    pp = cfg.parallel.pp_size
+    stage = rank // (world // pp)  # the grid's order: pipe, then data
+    if cfg.parallel.pp_schedule == "dualpipev":
+        slices = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2 * pp))
+        return partition(slices), [stage, 2 * pp - 1 - stage]
+    return partition(cfg), [stage]
+
+
+def stage_parts(cfg: Config, rank: int, world: int) -> Callable[[str], bool]:
+    """Which of the model's parts (moe_lm/model/transformer.py: build_by_layer) rank `rank` builds: those of the
+    pipeline layers its stage holds."""
+    bounds, slices = stage_slices(cfg, rank, world)
+    n = cfg.model.n_layers
+    parts = set()
+    for layer in (i for s in slices for i in range(bounds[s], bounds[s + 1])):
+        if layer in (0, n + 2):  # the embedding, or its tied copy on the head's stage
+            parts.add("embed_tokens")
+        elif layer <= n:
+            parts.add(f"layers.{layer - 1}")
+        else:
+            parts |= {"head", *(f"mtp.{k}" for k in range(cfg.model.mtp.depth))}
+    return parts.__contains__
+
+
 def build_pipeline(
     model: Transformer, pp_size: int, loss_chunk: int, grad_accum_steps: int, schedule: str = "1f1b"
 ) -> Pipeline:
@@ -205,6 +237,17 @@ def build_pipeline(
             dynamic_shape=not dualpipev,
         )
     return Pipeline(module, tally, model, 2 * pp_size if dualpipev else 1)
+
+
+def check_cut(pipeline: Pipeline, cfg: Config) -> None:
+    """The stage was built for the planner's cut (stage_parts); DeepSpeed's must be the same, or this rank would hold
+    layers it never built (on the meta device). Tested equal; this guards a DeepSpeed whose cut differs."""
+    planned, _ = stage_slices(cfg, dist.get_rank(), dist.get_world_size())
+    if list(pipeline.module.parts) != planned:
+        raise RuntimeError(
+            f"DeepSpeed cut the pipeline's layers at {list(pipeline.module.parts)}, moe-lm built this stage for "
+            f"{planned} (moe_lm/planning/stages.py follows DeepSpeed 0.19's partition_balanced): report it"
+        )
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,16 @@ import torch.distributed as dist
 
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import latest_tag
-from moe_lm.config import Config, config_warnings, dump_config
+from moe_lm.config import Config, config_warnings, dump_config, require_ep_divides
 from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
-from moe_lm.model import Transformer, build_model, count_params, loss_chunk, train_flops_per_token
+from moe_lm.model import Transformer, build_by_layer, build_model, count_params, loss_chunk, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
 from moe_lm.parallel.engine import Engine, StagedEngine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
-from moe_lm.parallel.pipeline import Pipeline, PipelineObjective, build_pipeline
+from moe_lm.parallel.pipeline import Pipeline, PipelineObjective, build_pipeline, check_cut, stage_parts
 from moe_lm.planning.stages import describe_stages
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
@@ -135,14 +135,21 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     recomputation and compilation, and wrap it in DeepSpeed's engine."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     t, pp = cfg.train, cfg.parallel.pp_size
+    require_ep_divides(cfg.parallel.ep_size, cfg.model.moe.n_routed_experts, world, pp)  # before any stage is cut
     torch.manual_seed(cfg.seed)
-    model = pretrained or build_model(cfg.model)
+    if pretrained is not None:
+        model = pretrained
+    elif pp > 1 or t.layer_seeds:  # a stage builds its own layers only (the others stay on the meta device)
+        model = build_by_layer(cfg.model, cfg.seed, stage_parts(cfg, rank, world) if pp > 1 else None)
+    else:
+        model = build_model(cfg.model)
     model = apply_expert_parallel(model, cfg.parallel.ep_size, pp)  # every rank: the same model
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
     model = apply_compile(model, cfg.performance.compile)
     schedule = cfg.parallel.pp_schedule
     pipeline = build_pipeline(model, pp, loss_chunk(cfg), t.grad_accum_steps, schedule) if pp > 1 else None
     if pipeline:
+        check_cut(pipeline, cfg)
         tracker.info(f"pipeline ({schedule}): {describe_stages(cfg, pipeline.module.parts)} (cut by parameters)")
     engine = build_engine(pipeline.module if pipeline else model, cfg.optim, cfg.train, cfg.parallel)
     dp_rank, dp_size = (pipeline.grid.data_parallel_id, world // pp) if pipeline else (rank, world)

@@ -21,8 +21,10 @@ REL = 1e-5
 
 
 def pipeline_cfg(tiny_data, out_dir, **settings) -> Config:
-    """4 blocks (the first dense) and an MTP module, so that both stages hold MoE layers; ZeRO-1."""
-    cfg = tiny_train_cfg(tiny_data, out_dir, **{"max_steps": 4, "ckpt_interval": 4, "eval_interval": 2, **settings})
+    """4 blocks (the first dense) and an MTP module, so that both stages hold MoE layers; ZeRO-1; each part of the
+    model initialised from its own seed, as pipeline stages build theirs (train.layer_seeds)."""
+    settings = {"max_steps": 4, "ckpt_interval": 4, "eval_interval": 2, "layer_seeds": True, **settings}
+    cfg = tiny_train_cfg(tiny_data, out_dir, **settings)
     model = dataclasses.replace(cfg.model, n_layers=4, mtp=dataclasses.replace(cfg.model.mtp, depth=1))
     cfg = dataclasses.replace(cfg, model=model, parallel=dataclasses.replace(cfg.parallel, zero_stage=1))
     cfg.validate()
@@ -180,3 +182,29 @@ def test_pipeline_layout_refusals(tiny_data, tmp_path, train):
     prefix = dataclasses.replace(pp2, objective=dataclasses.replace(pp2.objective, name="prefix_lm", prefix_len=4))
     with pytest.raises(ConfigError, match="trains objective.name=lm only"):
         prefix.validate()
+
+
+def test_a_stage_builds_its_own_layers_only(tiny_data, tmp_path):
+    """Each rank of PP 2 (and of DualPipeV) builds the parameters of the layers its stage holds, as the planner
+    counts them, and of the other layers only their routers (on the meta device otherwise)."""
+    from moe_lm.model import build_by_layer
+    from moe_lm.parallel.pipeline import stage_parts, stage_slices
+    from moe_lm.planning.stages import layer_params
+
+    cfg = pipeline_cfg(tiny_data, tmp_path / "run")
+    m = cfg.model
+    router = m.moe.n_routed_experts * m.dim
+    moe_blocks = m.n_layers - m.first_k_dense_replace + m.mtp.depth
+    for schedule in ("1f1b", "dualpipev"):
+        staged = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2, pp_schedule=schedule))
+        layers = layer_params(staged)
+        for rank in range(2):
+            model = build_by_layer(m, cfg.seed, stage_parts(staged, rank, 2))
+            built = sum(p.numel() for p in model.parameters() if not p.is_meta)
+            bounds, slices = stage_slices(staged, rank, 2)
+            held = {i for s in slices for i in range(bounds[s], bounds[s + 1])}
+            if {0, len(layers) - 1} <= held:  # both ends on one rank (DualPipeV's rank 0): one embedding
+                held.discard(len(layers) - 1)
+            stage = sum(other + experts for i, (other, experts, _, _) in enumerate(layers) if i in held)
+            own_routers = sum(moe for i in held for moe in layers[i][2]) * router
+            assert built == stage + (moe_blocks * router - own_routers), (schedule, rank)
