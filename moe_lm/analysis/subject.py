@@ -67,7 +67,7 @@ def run_subject(spec) -> Subject:
     cfg, model, tag = load_model(run, tag)
 
     def untrained() -> nn.Module:
-        return initial_model(cfg.model, cfg.seed)
+        return initial_model(cfg)
 
     tok = load_data_tokenizer(cfg.data.out_dir)
     return Subject(model, tok, cfg.train.seq_len, untrained, {"run": str(run), "tag": tag}, run, cfg)

@@ -91,7 +91,7 @@ def write_hf(args: argparse.Namespace, cfg, tag: str | None, folder: Path) -> st
         return export_run(args.run.run, tag, folder, tokenizer_required=False, max_shard_size=args.max_shard_size)[1]
     from moe_lm.model import initial_model
 
-    export_hf(initial_model(cfg.model, cfg.seed).eval(), folder, max_shard_size=args.max_shard_size)
+    export_hf(initial_model(cfg).eval(), folder, max_shard_size=args.max_shard_size)
     return None
 
 

@@ -82,7 +82,7 @@ def evaluate_run(
         for layer in routes.layers:
             result["routing"][f"layer_{layer}"]["domain_jsd_init"] = init[layer]
     if attention_rank:
-        probe, untrained = probe_windows(cfg, RANK_WINDOWS), initial_model(cfg.model, cfg.seed).eval()
+        probe, untrained = probe_windows(cfg, RANK_WINDOWS), initial_model(cfg).eval()
         result["attention_rank"] = {
             "windows": len(probe),
             "erank": erank_by_layer(lambda chunk: objective.run(model, chunk), probe),
@@ -168,7 +168,7 @@ class _RoutingTally:
 def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: int) -> dict[int, float]:
     """Per MoE layer, the mean pairwise domain JSD of the run's architecture at its initialisation (same seed,
     same windows): the N1 baseline of docs/analytics.md, what an untrained router already separates."""
-    model = initial_model(cfg.model, cfg.seed).eval()
+    model = initial_model(cfg).eval()
     E = cfg.model.moe.n_routed_experts
     counts = {layer: np.zeros((len(shard.domains), E)) for layer in layers}
     recorder = RoutingRecorder(model)

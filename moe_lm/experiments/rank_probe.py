@@ -98,7 +98,7 @@ def _layer_summary(acc: dict[str, list], S: int, P: int) -> dict:
 
 def untrained_twin(cfg, **model_changes) -> Transformer:
     """The run's architecture at the initialisation training started from (the same seed)."""
-    return initial_model(dataclasses.replace(cfg.model, **model_changes), cfg.seed).eval()
+    return initial_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_changes))).eval()
 
 
 def run_rank_probe(exp: Experiment, runs: list[Run], out: Path) -> dict:

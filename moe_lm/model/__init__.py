@@ -8,6 +8,7 @@ from moe_lm.model.architectures import (
     loss_chunk,
     reads_prefix,
     train_flops_per_token,
+    uses_layer_seeds,
 )
 from moe_lm.model.experts import Experts
 from moe_lm.model.moe import MoE
@@ -32,4 +33,5 @@ __all__ = [
     "reads_prefix",
     "train_flops_per_token",
     "update_biases",
+    "uses_layer_seeds",
 ]

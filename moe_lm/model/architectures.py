@@ -16,7 +16,7 @@ from torch import nn
 from moe_lm.config import Config, ModelConfig, register_choice
 from moe_lm.model.masks import mask_provider
 from moe_lm.model.params import ParamCount, decoder_decode_flops, decoder_params, decoder_train_flops
-from moe_lm.model.transformer import Transformer
+from moe_lm.model.transformer import Transformer, build_by_layer
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,20 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return ARCHITECTURES[cfg.arch].build(cfg)
 
 
-def initial_model(cfg: ModelConfig, seed: int) -> nn.Module:
-    """The weights a run with this seed starts from (training seeds the global generator, then builds): the N1
-    baselines and untrained twins of the analytics and experiments."""
-    torch.manual_seed(seed)
-    return build_model(cfg)
+def initial_model(cfg: Config) -> nn.Module:
+    """The weights a run of this config starts from: the N1 baselines and untrained twins of the analytics and
+    experiments, and `moe-lm export --config`. Each part from its own seed with layer seeds (`uses_layer_seeds`),
+    else drawn in turn after seeding the global generator, as training does."""
+    if uses_layer_seeds(cfg):
+        return build_by_layer(cfg.model, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model)
+
+
+def uses_layer_seeds(cfg: Config) -> bool:
+    """Whether a run initialises each part of its model from its own seed: train.layer_seeds, always with pipeline
+    stages (a stage builds only its own parts)."""
+    return cfg.train.layer_seeds or cfg.parallel.pp_size > 1
 
 
 def loss_chunk(cfg: Config) -> int:

@@ -28,7 +28,15 @@ from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
-from moe_lm.model import Transformer, build_by_layer, build_model, count_params, loss_chunk, train_flops_per_token
+from moe_lm.model import (
+    Transformer,
+    build_by_layer,
+    build_model,
+    count_params,
+    loss_chunk,
+    train_flops_per_token,
+    uses_layer_seeds,
+)
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
 from moe_lm.parallel.engine import Engine, StagedEngine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
@@ -139,7 +147,7 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     torch.manual_seed(cfg.seed)
     if pretrained is not None:
         model = pretrained
-    elif pp > 1 or t.layer_seeds:  # a stage builds its own layers only (the others stay on the meta device)
+    elif uses_layer_seeds(cfg):  # a stage builds its own layers only (the others stay on the meta device)
         model = build_by_layer(cfg.model, cfg.seed, stage_parts(cfg, rank, world) if pp > 1 else None)
     else:
         model = build_model(cfg.model)

@@ -328,6 +328,6 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train)
     probe = probe_windows(cfg, RANK_WINDOWS)
     assert ranked["windows"] == len(probe) and len(ranked["erank"]) == cfg.model.n_layers
     assert ranked["erank"] == pytest.approx(erank_by_layer(lambda c: objective.run(model, c), probe), rel=1e-9)
-    untrained = initial_model(cfg.model, cfg.seed).eval()
+    untrained = initial_model(cfg).eval()
     assert ranked["erank_init"] == pytest.approx(erank_by_layer(lambda c: objective.run(untrained, c), probe))
     assert max(ranked["erank_init"]) < 2.0  # untrained bidirectional attention is near-uniform: rank near one

@@ -38,3 +38,18 @@ def test_layer_seeds_give_the_same_main_model_with_and_without_mtp_and_differ_by
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert build_by_layer(cfg, seed=1)(tokens).logits.isfinite().all()
+
+
+def test_a_pipelined_runs_initial_model_is_the_layer_seeded_one(tiny_data, tmp_path):
+    """What the analytics' N1 baselines and `export --config` take as a run's starting weights: with pipeline stages
+    (or train.layer_seeds) each part from its own seed, as the stages built them; otherwise drawn in turn."""
+    from moe_lm.model import build_model, initial_model
+    from tests.helpers.runs import tiny_train_cfg
+
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run")
+    staged = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2, zero_stage=1))
+    want = build_by_layer(cfg.model, cfg.seed).state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in initial_model(staged).state_dict().items())
+    torch.manual_seed(cfg.seed)
+    sequential = build_model(cfg.model).state_dict()
+    assert all(torch.equal(v, sequential[k]) for k, v in initial_model(cfg).state_dict().items())

@@ -89,7 +89,7 @@ def test_init_from_a_checkpoint_with_a_planted_pickle_runs_none_of_it(tiny_data,
 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=1)
     source = tmp_path / "hf"
-    export_hf(initial_model(cfg.model, 0), source)
+    export_hf(initial_model(dataclasses.replace(cfg, seed=0)), source)
     for f in source.glob("*.safetensors"):
         f.unlink()
     torch.save({"model.embed_tokens.weight": Payload(f"touch {tmp_path / 'PWNED'}")}, source / "pytorch_model.bin")
