@@ -27,6 +27,7 @@ gives each layer its counts over its stage's data-parallel ranks, and every rank
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -226,6 +227,11 @@ def build_pipeline(
             )
         )
     dualpipev = schedule == "dualpipev"
+    # why: over gloo DeepSpeed sends a stage's output with an in-place broadcast of the tensor autograd holds (p2p.py),
+    # so every backward warns that broadcast_ has no autograd kernel. The source's broadcast leaves the tensor as it
+    # was and its gradient comes back by an explicit send, so nothing is lost (the stages' gradients equal one
+    # process's, tested); the warning would repeat on the console at every step.
+    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
     with library_prints():  # why: it prints the seed, topology and partition on every start
         module = (DualPipeVModule if dualpipev else PipelineModule)(
             layers,
