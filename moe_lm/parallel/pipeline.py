@@ -44,7 +44,7 @@ from moe_lm.model.attention import rope_cos_sin
 from moe_lm.model.masks import mask_provider
 from moe_lm.parallel.engine import StagedEngine
 from moe_lm.planning.stages import partition
-from moe_lm.train.objective import next_token_losses, total_loss
+from moe_lm.train.objective import logged_losses, next_token_losses, total_loss
 
 EMBED = "embed"  # the tied layers' key
 
@@ -161,8 +161,7 @@ class NextTokenLoss:
         if not torch.is_grad_enabled():
             self.tally.last = out
             return ce
-        v = self.tally.values
-        v += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), v.new_ones(())])
+        self.tally.values += logged_losses(ce, mtp, out.aux_loss)
         return total_loss(ce, mtp, self.tally.mtp_weight, out.aux_loss)
 
 

@@ -47,7 +47,14 @@ from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops
 from moe_lm.train.init_from import start_from
 from moe_lm.train.inputs import check_inputs, eval_sets, prepare_default_corpus
-from moe_lm.train.objective import NEXT_TOKEN, Objective, next_token_losses, objective_for, total_loss
+from moe_lm.train.objective import (
+    NEXT_TOKEN,
+    Objective,
+    logged_losses,
+    next_token_losses,
+    objective_for,
+    total_loss,
+)
 from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
@@ -251,7 +258,7 @@ def train_step(
         ce, mtp = next_token_losses(out, labels, model.lm_head.weight, objective.loss_chunk)
         engine.backward(total_loss(ce, mtp, mtp_weight, out.aux_loss))
         engine.step()
-        sums += torch.stack([ce.detach(), out.aux_loss.detach().float(), *(m.detach() for m in mtp), sums.new_ones(())])
+        sums += logged_losses(ce, mtp, out.aux_loss)
     return _step_losses(engine, sums)
 
 

@@ -99,6 +99,11 @@ def total_loss(ce: torch.Tensor, mtp: list[torch.Tensor], mtp_weight: float, aux
     return loss
 
 
+def logged_losses(ce: torch.Tensor, mtp: list[torch.Tensor], aux_loss: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's row of the step's sums: [CE_main, balance losses, CE_k for k = 1..D, 1 (the count)]."""
+    return torch.stack([ce.detach(), aux_loss.detach().float(), *(m.detach() for m in mtp), ce.new_ones(())])
+
+
 def loss_sums(out: ModelOutput, labels_BS: torch.Tensor) -> tuple[float, int, list[tuple[float, int]]]:
     """For evaluation: (summed main-head NLL, labelled positions, [(summed NLL, positions) per MTP depth])."""
 
