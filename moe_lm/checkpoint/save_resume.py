@@ -5,6 +5,13 @@ moment leaves `latest` naming a complete checkpoint (or nothing): the pointer is
 after all ranks finished writing and the COMPLETE marker (every file's size and hash) is down, and older
 checkpoints are pruned only after that. A model whose weights are not finite is never saved.
 
+A save writes into an empty folder of its own: rank 0 creates it with SAVING in it (removed once COMPLETE is
+down) before any rank writes. A leftover of an interrupted save of ours (SAVING, no COMPLETE, nothing but a save's
+files) is removed first; any other folder of that name (the user's, or a complete checkpoint a resume went back
+past) is moved aside to `<tag>.prev-<time>`, never deleted. So COMPLETE lists exactly what this save wrote, and
+rotation removes only complete checkpoints (every file one COMPLETE lists, or a save's text files) and interrupted
+saves: a `step_*` folder without COMPLETE or SAVING is the user's and stays.
+
 DeepSpeed itself loads its files with `torch.load(weights_only=False)`, which runs whatever code a pickle carries.
 So DeepSpeed's load runs with every torch.load forced weights-only (`weights_only_everywhere`), allowing the few
 DeepSpeed classes its optimizer-state files hold (`deepspeed_classes`); and before that, every .pt file must pass
@@ -43,12 +50,13 @@ from moe_lm.checkpoint.format import (
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.errors import RunError
 from moe_lm.model import Transformer, build_model
-from moe_lm.output_folder import disk_full, gib
+from moe_lm.output_folder import disk_full, gib, moved_aside
 from moe_lm.parallel.engine import Engine
 
 # Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).
 RESUME_MUST_MATCH = ("model", "data")
-CHECKPOINT_TEXT_FILES = (COMPLETE, "config.yaml", "data_ref.json")  # what a save writes beside the .pt files
+SAVING = "SAVING"  # in a checkpoint folder while it is being written (its writer's pid and host)
+CHECKPOINT_TEXT_FILES = (COMPLETE, "config.yaml", "data_ref.json", SAVING)  # what a save writes beside the .pt files
 
 
 def rank() -> int:
@@ -77,8 +85,11 @@ def weights_finite(model: torch.nn.Module) -> bool:
     return everywhere(all(bool(t.isfinite().all()) for t in tensors))
 
 
-def save(engine: Engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int) -> str:
-    """Save on every rank; rank 0 then marks it complete, moves the pointer, and prunes old checkpoints.
+def save(
+    engine: Engine, run_dir: Path, step: int, cfg: Config, client_state: dict, keep_last: int, data_ref: dict, log
+) -> str:
+    """Save on every rank into a folder of its own; rank 0 then marks it complete, moves the pointer, and prunes
+    old checkpoints. `data_ref`: the data the run read at its start (`data_reference`), recorded as it was then.
 
     The caller checks the model is healthy first (`weights_finite`). A failed write (a full disk, say) removes
     this checkpoint's own folder and raises, naming the checkpoint that is still good.
@@ -86,6 +97,14 @@ def save(engine: Engine, run_dir: Path, step: int, cfg: Config, client_state: di
     root = ckpt_root(run_dir)
     tag = f"step_{step:08d}"
     failed = None
+    if rank() == 0:
+        try:
+            _fresh_folder(root / tag, log)
+        except OSError as e:
+            failed = e
+    if not everywhere(failed is None):  # why agreed first: no rank may write into a folder that is not ours
+        raise RunError(f"could not start checkpoint {root / tag} ({_why(failed, root)}); the last good checkpoint, "
+                       f"{latest_tag(run_dir) or 'none'}, is intact")  # fmt: skip
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
         torch.save(_rng_state(), root / tag / f"rng_rank{rank()}.pt")
@@ -94,9 +113,10 @@ def save(engine: Engine, run_dir: Path, step: int, cfg: Config, client_state: di
     if everywhere(failed is None) and rank() == 0:
         try:
             dump_config(cfg, root / tag / "config.yaml")
-            (root / tag / "data_ref.json").write_text(json.dumps(data_reference(cfg)))
+            (root / tag / "data_ref.json").write_text(json.dumps(data_ref))
             # the binary state files; config.yaml and data_ref.json stay editable text
             _write_synced(root / tag / COMPLETE, json.dumps(complete_record(root / tag)))
+            (root / tag / SAVING).unlink()
             _write_synced(root / "latest.tmp", tag)
             os.replace(root / "latest.tmp", root / "latest")
         except OSError as e:
@@ -318,23 +338,51 @@ def load(engine: Engine, run_dir: Path, tag: str, load_optimizer_states: bool = 
     return client_state
 
 
+def _fresh_folder(folder: Path, log) -> None:
+    """Make `folder` an empty checkpoint folder of this save, holding SAVING: an interrupted save's leftover there
+    is removed, anything else moved aside (`<tag>.prev-<time>`) and said."""
+    if folder.is_symlink() or folder.exists():
+        if interrupted_save(folder):
+            shutil.rmtree(folder)
+        else:
+            aside = moved_aside(folder)
+            log(f"warning: {folder} existed (not a save in progress); moved it to {aside}, nothing deleted")
+    folder.mkdir(parents=True)
+    (folder / SAVING).write_text(f"pid {os.getpid()} on {os.uname().nodename}\n")
+
+
+def interrupted_save(folder: Path) -> bool:
+    """A save of ours that stopped before COMPLETE: SAVING in it, no COMPLETE, nothing but a save's files."""
+    return (
+        folder.is_dir()
+        and not folder.is_symlink()
+        and (folder / SAVING).is_file()
+        and not (folder / COMPLETE).exists()
+        and only_checkpoint_files(folder)
+    )
+
+
 def _prune(root: Path, keep_last: int, current: str) -> None:
-    """Remove the complete checkpoints older than the newest `keep_last` and the leftovers of interrupted saves:
-    only folders named as moe-lm names them (`step_` + 8 digits) that hold nothing but a checkpoint's own files."""
+    """Remove the complete checkpoints older than the newest `keep_last`, and the leftovers of interrupted saves:
+    only folders named as moe-lm names them (`step_` + 8 digits) that hold nothing but what a save writes. A folder
+    without COMPLETE or SAVING is not a save of ours, and stays."""
     tags = sorted(p for p in root.iterdir() if TAG.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
     complete = [p for p in tags if (p / COMPLETE).is_file()]
     keep = {p.name for p in complete[-keep_last:]} | {current}
     for p in tags:
-        if p.name not in keep and p.name < current and only_checkpoint_files(p):
+        if p.name in keep or p.name >= current:
+            continue
+        if ((p / COMPLETE).is_file() and only_checkpoint_files(p)) or interrupted_save(p):
             shutil.rmtree(p, ignore_errors=True)
 
 
 def only_checkpoint_files(folder: Path) -> bool:
     """Whether `folder` holds only what a save writes: the state files (those COMPLETE lists, when it exists),
-    config.yaml, data_ref.json and COMPLETE. Anything else is the user's, and keeps the folder from rotation."""
+    config.yaml, data_ref.json, COMPLETE and SAVING. Anything else is the user's, and keeps the folder from
+    rotation."""
     try:
         listed = set(json.loads((folder / COMPLETE).read_text())) if (folder / COMPLETE).is_file() else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return False
     for entry in folder.iterdir():
         if entry.is_symlink() or not entry.is_file():

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> None:
     out = output_folder(args, "export") if args.out else None
     gguf = OutputFolder(args.gguf, "export", force=args.force, flag="--gguf", file=True) if args.gguf else None
     from moe_lm.config import load_config
-    from moe_lm.interop.gguf import export_gguf, needed_bytes
+    from moe_lm.interop.gguf import export_gguf, hf_parameter_count, needed_bytes
     from moe_lm.interop.hf import export_bytes
     from moe_lm.model.architectures import count_params
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"wrote {out.path} (load it with transformers.AutoModelForCausalLM.from_pretrained('{out.path}'))")
     if gguf is None:
         return
-    n = count_params(cfg.model).total if cfg else 0
+    n = count_params(cfg.model).total if cfg else hf_parameter_count(Path(args.hf))
     with gguf.staged(needed_bytes=needed_bytes(n, args.gguf_type) + (0 if out or args.hf else 4 * n)) as file:
         source = Path(args.hf) if args.hf else out.path if out else file.parent / "hf"
         if source == file.parent / "hf":  # an HF export in the staging folder, removed with it

@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-import numpy as np
-
 from moe_lm.cli import debugging, main_of
 from moe_lm.cli.options import add_config, load
 from moe_lm.console import verbose
@@ -50,7 +48,6 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1:
         launch(args)
-    from moe_lm.data.prepare import load_split
     from moe_lm.parallel.deepspeed_setup import remove_shm_buffers, shutdown_distributed
     from moe_lm.train.loop import train
     from moe_lm.train.stop import PeerLost, Stopped
@@ -75,8 +72,7 @@ def run(args: argparse.Namespace) -> None:
     shutdown_distributed()
     if int(os.environ.get("RANK", 0)) != 0 or not final:
         return
-    tokens = np.asarray(load_split(cfg.data.out_dir, "train").tokens)
-    h = unigram_entropy(tokens, cfg.model.vocab_size)
+    h = final["unigram_entropy"]  # of the split the run read (the folder may have been prepared again since)
     per_domain = ", ".join(f"{k[5:]} {v:.3f}" for k, v in final.items() if k.startswith("loss/"))
     print(f"final validation loss {final['loss']:.3f} nats (per domain: {per_domain})")
     print(f"unigram entropy of the training corpus {h:.3f} nats; run folder {cfg.train.out_dir}")
@@ -143,13 +139,6 @@ def resume_command() -> str:
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # e.g. a multi-node launch: the launcher is on another machine
         return f"the same launcher command (running {shlex.join([sys.argv[0], *ours])})"
     return shlex.join(["python", sys.argv[0], *ours])
-
-
-def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy (nats) of the corpus' token frequencies: the loss of the best context-free predictor."""
-    p = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
-    p = p[p > 0] / p.sum()
-    return float(-(p * np.log(p)).sum())
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

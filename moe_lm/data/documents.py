@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ class ReadReport:
     documents: Counter = field(default_factory=Counter)  # per domain
     skipped: Counter = field(default_factory=Counter)  # per reason
     examples: dict[str, list[str]] = field(default_factory=dict)
-    repaired: int = 0  # documents whose undecodable bytes were replaced by U+FFFD
+    repaired: int = 0  # documents whose undecodable bytes or lone surrogates were replaced by U+FFFD
 
     def skip(self, reason: str, where: str) -> None:
         self.skipped[reason] += 1
@@ -51,7 +52,7 @@ class ReadReport:
             + ", ".join(f"{d}={n}" for d, n in sorted(self.documents.items()))
         ]
         if self.repaired:
-            lines.append(f"  {self.repaired} documents had undecodable bytes, replaced by U+FFFD")
+            lines.append(f"  {self.repaired} documents had undecodable bytes or lone surrogates, replaced by U+FFFD")
         for reason, n in sorted(self.skipped.items()):
             lines.append(f"  skipped {n} ({reason}), e.g. {', '.join(self.examples[reason])}")
         return "\n".join(lines)
@@ -93,7 +94,9 @@ def iter_file(
         return
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: unsupported file type (use .txt, .jsonl, or a folder of them)")
-    for lineno, line in enumerate(read_text(path, report).splitlines(), start=1):
+    # why split on "\n" only: str.splitlines also breaks at U+2028, U+2029, U+0085 and other separators, which a
+    # JSON string may hold raw; a line is what JSON Lines (and wc -l) call one, and its number names the document
+    for lineno, line in enumerate(read_text(path, report).split("\n"), start=1):
         where = f"{path}:{lineno}"
         if not line.strip():
             continue
@@ -109,9 +112,21 @@ def iter_file(
             report.skip("empty text", where)
             continue
         line_domain = obj.get(domain_field)
-        yield Document(
-            f"{name}:{lineno}", str(line_domain) if line_domain is not None else (domain or path.stem), obj[text_field]
-        )
+        line_domain = str(line_domain) if line_domain is not None else (domain or path.stem)
+        text = without_surrogates(obj[text_field], report)
+        yield Document(f"{name}:{lineno}", without_surrogates(line_domain, report), text)
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_surrogates(text: str, report: ReadReport) -> str:
+    """`text` with lone surrogates (JSON's escaped `\\ud83d` without its pair: not a character, and not encodable
+    as UTF-8) replaced by U+FFFD and counted as a repair, as undecodable bytes are."""
+    if not LONE_SURROGATE.search(text):
+        return text
+    report.repaired += 1
+    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 def iter_text_source(

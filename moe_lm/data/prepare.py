@@ -12,13 +12,19 @@ The folder is built whole beside out_dir (`.<name>.partial-<host>-<pid>/`) and r
 (moe_lm/output_folder.py). Nothing else is ever deleted: an out_dir that overlaps a source, or holds files this
 project did not write, is refused; a failed or interrupted build removes its own partial folder (which holds a
 copy of the corpus) and nothing more; a second prepare into the same folder is refused while the first runs.
+
+A training run holds a shared flock on meta.json for as long as it reads the folder (`DataReadLock`); preparing the
+folder again takes the exclusive lock first, so it is refused while a run reads the data, and a run does not start
+on a folder being prepared again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -137,11 +143,62 @@ def prepare_data(
         )
     # why a folder written whole: a failed or interrupted build (it holds a copy of the corpus) leaves nothing, and
     # a second prepare into the same folder is refused while this one runs (moe_lm/output_folder.py)
-    with OutputFolder(out, "prepare", flag="data.out_dir=", say=log).staged() as tmp:
+    with _not_read(out), OutputFolder(out, "prepare", flag="data.out_dir=", say=log).staged() as tmp:
         _build(cfg, vocab_size, seed, signature, tmp, log, workers)
     meta = read_meta(out)
     log(f"prepared {out}: " + ", ".join(f"{s} {meta['tokens'][s]:,} tokens" for s in ("train", "val")))
     return out
+
+
+class DataReadLock:
+    """A shared flock on `data_dir`/meta.json, taken at once and held until closed (or the `with` block ends): a
+    run's data cannot be prepared again under it (`prepare_data` takes the exclusive lock first)."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        meta = Path(data_dir) / "meta.json"
+        self.fd = os.open(meta, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise DataError(
+                f"data.out_dir={data_dir} is being prepared again by another process; wait for it to finish, then "
+                "start the run (a run would record data that is about to change)"
+            ) from None
+
+    def __enter__(self) -> DataReadLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+class _not_read:  # noqa: N801 - used as a `with` clause
+    """The exclusive flock on an existing data folder's meta.json for the life of a rebuild: refused while a
+    training run reads the folder (it holds the shared lock)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.fd = out, None
+
+    def __enter__(self):
+        meta = self.out / "meta.json"
+        if not meta.is_file():
+            return self
+        self.fd = os.open(meta, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise DataError(
+                f"data.out_dir={self.out} is read by a running training (or being prepared by another process); "
+                "preparing it again would change the data under that run. Wait for the run to end, or prepare into "
+                "another data.out_dir (nothing was changed)"
+            ) from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 def _build(cfg: DataConfig, vocab_size: int, seed: int, signature: dict, tmp: Path, log, workers: int) -> None:
@@ -270,6 +327,10 @@ def _check_and_balance_split(entries: list[dict], cfg: DataConfig) -> None:
             move(docs[0], "train")
 
 
+# meta.json's fields a reader relies on, with their types (tokens: {"train": int, "val": int})
+META_FIELDS = {"signature": dict, "domains": list, "vocab_size": int, "tokens": dict, "bos_id": int}
+
+
 def read_meta(data_dir: str | Path) -> dict:
     """meta.json of a prepared data folder, or a DataError that names the file and what to do."""
     meta_path = Path(data_dir) / "meta.json"
@@ -277,13 +338,35 @@ def read_meta(data_dir: str | Path) -> dict:
         raise DataError(f"no prepared data in {data_dir}: run `moe-lm prepare --config <your config>`")
     try:
         meta = json.loads(meta_path.read_text())
-        meta["signature"], meta["domains"], meta["vocab_size"], meta["tokens"]  # noqa: B018 - the keys we rely on
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(
             f"{meta_path} is corrupt ({type(e).__name__}: {e}); prepare the data again: "
             "moe-lm prepare --config <your config> --force"
         ) from None
+    if problem := _meta_problem(meta):
+        raise DataError(
+            f"{meta_path} is corrupt ({problem}); prepare the data again: moe-lm prepare --config <your config> --force"
+        )
     return meta
+
+
+def _meta_problem(meta) -> str | None:
+    """What is wrong with a meta.json's fields (a missing key, a value of the wrong type), or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    for key, kind in META_FIELDS.items():
+        if key not in meta and key != "bos_id":  # bos_id: folders from before it was recorded
+            return f"no {key!r}"
+        if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
+            return f"{key!r} is a {type(meta[key]).__name__}, not a {kind.__name__}"
+    if not all(isinstance(d, str) for d in meta["domains"]) or not meta["domains"]:
+        return "'domains' is not a list of names"
+    if not all(isinstance(meta["tokens"].get(s), int) for s in ("train", "val")):
+        return "'tokens' does not count the train and val splits"
+    hashes = meta.get("tokens_xxh3_128")
+    if hashes is not None and not (isinstance(hashes, dict) and all(isinstance(h, str) for h in hashes.values())):
+        return "'tokens_xxh3_128' is not a mapping of hashes"
+    return None
 
 
 def load_split(data_dir: str | Path, split: str) -> TokenShard:

@@ -27,6 +27,13 @@ SCAN_CHUNK = 1 << 23  # tokens per step of the one pass that hashes a shard and 
 _verified: set[tuple] = set()  # (tokens.bin, size, mtime, vocab, hash) already scanned in this process
 
 
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats) of a split's token frequencies: the loss of the best context-free predictor."""
+    p = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    p = p[p > 0] / p.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 

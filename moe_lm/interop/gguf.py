@@ -41,6 +41,12 @@ def export_gguf(hf_dir: str | Path, out_file: str | Path, out_type: str = "f32")
     gguf = require("gguf", "gguf", "moe-lm export --gguf")
     hf_dir = Path(hf_dir)
     config = read_config(hf_dir)
+    # why first: a config.json that lies about the tensors would write part of the model, or run for minutes
+    if mismatch := config_mismatch(config, tensor_shapes(hf_dir)):
+        raise UserError(
+            f"{hf_dir / 'config.json'} does not describe the tensors beside it ({'; '.join(mismatch[:3])}"
+            f"{'; ...' if len(mismatch) > 3 else ''}); export the run again, or restore config.json"
+        )
     if problems := gguf_problems(config, hf_dir):
         raise UserError(f"{hf_dir} cannot be written as GGUF faithfully: {'; '.join(problems)}")
     arch = ARCH[config["model_type"]]
@@ -93,6 +99,118 @@ def read_config(hf_dir: Path) -> dict:
     return config
 
 
+# the config.json entries the GGUF is written from, with their types (None: may be null); MLA's and GQA's own below
+CONFIG_FIELDS = {
+    "num_hidden_layers": int, "max_position_embeddings": int, "hidden_size": int, "intermediate_size": int,
+    "num_attention_heads": int, "vocab_size": int, "n_routed_experts": int, "num_experts_per_tok": int,
+    "n_shared_experts": int, "moe_intermediate_size": int, "rms_norm_eps": float, "routed_scaling_factor": float,
+    "norm_topk_prob": bool,
+}  # fmt: skip
+OPTIONAL_FIELDS = {"first_k_dense_replace": int, "n_group": int, "topk_group": int, "num_nextn_predict_layers": int}
+MLA_FIELDS = {"kv_lora_rank": int, "qk_nope_head_dim": int, "qk_rope_head_dim": int, "v_head_dim": int}
+GQA_FIELDS = {"head_dim": int, "num_key_value_heads": int}
+
+
+def tensor_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the export's safetensors files, read from their headers (no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{hf_dir} holds no .safetensors file: give a folder written by `moe-lm export`")
+    shapes = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="numpy") as st:
+                for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    shapes[key] = tuple(st.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{f} is not a readable safetensors file ({e}); export the run again") from None
+    return shapes
+
+
+def hf_parameter_count(hf_dir: Path) -> int:
+    """The number of values in an export's tensors (for the space a GGUF of it needs)."""
+    return sum(math.prod(shape) for shape in tensor_shapes(Path(hf_dir)).values())
+
+
+def config_mismatch(c: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Where config.json disagrees with the tensors (empty when it describes them): a missing entry or one of the
+    wrong type, a layer count other than the tensors', a tensor missing or of another shape than the config
+    implies."""
+    fields = CONFIG_FIELDS | (MLA_FIELDS if c.get("model_type") == "deepseek_v3" else GQA_FIELDS)
+    wrong = [f"{k} is missing" for k in fields if c.get(k) is None]
+    for key, kind in (fields | OPTIONAL_FIELDS).items():
+        value = c.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, bool) if kind is bool else isinstance(value, int) and not isinstance(value, bool)
+        ok = ok or (kind is float and isinstance(value, int | float) and not isinstance(value, bool))
+        if not ok or (kind is int and value < 0):
+            wrong.append(f"{key} is {str(value)[:40]!r}, not a {'non-negative ' if kind is int else ''}{kind.__name__}")
+    if wrong:
+        return wrong
+    layers = {int(k.split(".")[2]) for k in shapes if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    L, mtp = c["num_hidden_layers"], c.get("num_nextn_predict_layers") or 0
+    if layers != set(range(L + mtp)):
+        held = f"layers {min(layers)}..{max(layers)}" if layers else "no layers"
+        return [f"num_hidden_layers={L} (+{mtp} MTP) but the tensors hold {held}"]
+    routers = [shape for key, shape in shapes.items() if key.endswith("mlp.gate.weight")]
+    if routers and routers[0][0] != c["n_routed_experts"]:  # why before the rest: the loops below are per expert
+        return [f"n_routed_experts={c['n_routed_experts']} but the routers score {routers[0][0]} experts"]
+    if c["num_experts_per_tok"] > c["n_routed_experts"]:
+        return [f"num_experts_per_tok={c['num_experts_per_tok']} > n_routed_experts={c['n_routed_experts']}"]
+    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in shapes)
+    for name, shape in expected_hf_shapes(c, fused).items():
+        if name not in shapes:
+            wrong.append(f"no tensor {name}")
+        elif shapes[name] != shape:
+            wrong.append(f"{name} is {list(shapes[name])}, config.json implies {list(shape)}")
+    return wrong
+
+
+def expected_hf_shapes(c: dict, fused: bool) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor the GGUF is written from, as config.json implies it; the routed experts one
+    tensor per expert, or stacked (`fused`: transformers' [E, 2I, D] and [E, D, I])."""
+    D, V, L, E = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c["n_routed_experts"]
+    inter = c["moe_intermediate_size"]
+    shared = c["n_shared_experts"] * inter
+    out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(L):
+        s = f"model.layers.{i}."
+        out |= {s + "input_layernorm.weight": (D,), s + "post_attention_layernorm.weight": (D,)}
+        a = s + "self_attn."
+        if c["model_type"] == "deepseek_v3":
+            H, nope, rope, v, kv = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                                    c["v_head_dim"], c["kv_lora_rank"])  # fmt: skip
+            q = c.get("q_lora_rank")
+            out |= ({a + "q_a_proj.weight": (q, D), a + "q_b_proj.weight": (H * (nope + rope), q)} if q else
+                    {a + "q_proj.weight": (H * (nope + rope), D)})  # fmt: skip
+            out |= {a + "kv_a_proj_with_mqa.weight": (kv + rope, D), a + "kv_b_proj.weight": (H * (nope + v), kv),
+                    a + "o_proj.weight": (D, H * v)}  # fmt: skip
+        else:
+            H, Hkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+            out |= {a + "q_proj.weight": (H * hd, D), a + "k_proj.weight": (Hkv * hd, D),
+                    a + "v_proj.weight": (Hkv * hd, D), a + "o_proj.weight": (D, H * hd)}  # fmt: skip
+        m = s + "mlp."
+        if i < (c.get("first_k_dense_replace") or 0):
+            dense = c["intermediate_size"]
+            out |= {m + "gate_proj.weight": (dense, D), m + "up_proj.weight": (dense, D),
+                    m + "down_proj.weight": (D, dense)}  # fmt: skip
+        else:
+            out |= {m + "gate.weight": (E, D), m + "gate.e_score_correction_bias": (E,),
+                    m + "shared_experts.gate_proj.weight": (shared, D),
+                    m + "shared_experts.down_proj.weight": (D, shared)}  # fmt: skip
+            if fused:
+                out |= {m + "experts.gate_up_proj": (E, 2 * inter, D), m + "experts.down_proj": (E, D, inter)}
+            else:
+                for e in range(E):
+                    x = f"{m}experts.{e}."
+                    out |= {x + "gate_proj.weight": (inter, D), x + "up_proj.weight": (inter, D),
+                            x + "down_proj.weight": (D, inter)}  # fmt: skip
+    return out
+
+
 def gguf_problems(config: dict, hf_dir: Path) -> list[str]:
     """Why llama.cpp would not run this model and tokenizer as trained (empty when it would)."""
     problems = []
@@ -101,9 +219,15 @@ def gguf_problems(config: dict, hf_dir: Path) -> list[str]:
     if config.get("attention_bias") or config.get("use_qk_norm"):
         problems.append("attention bias or q/k norms (moe-lm does not train them)")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return [*problems, f"config.json's rope_parameters is {str(rope)[:40]!r}, not a mapping"]
     if rope.get("rope_type", "default") not in ("default", "yarn"):
         problems.append(f"rope scaling {rope.get('rope_type')!r}")
-    if rope.get("rope_type") == "yarn":
+    if rope.get("rope_type") == "yarn" and not all(
+        isinstance(rope.get(k), int | float) for k in ("factor", "original_max_position_embeddings")
+    ):
+        problems.append("config.json's YaRN has no numeric factor and original_max_position_embeddings")
+    elif rope.get("rope_type") == "yarn":
         if (rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)) != LLAMA_YARN_BETA:
             problems.append(f"YaRN beta_fast/beta_slow other than llama.cpp's fixed {LLAMA_YARN_BETA}")
         if config["model_type"] == "deepseek_v3" and rope.get("mscale", 1.0) != rope.get("mscale_all_dim", 0.0):

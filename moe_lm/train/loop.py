@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from moe_lm.checkpoint import save_resume
-from moe_lm.checkpoint.format import latest_tag
+from moe_lm.checkpoint.format import data_reference, latest_tag
 from moe_lm.config import Config, config_warnings, dump_config, require_ep_divides
 from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
-from moe_lm.data.prepare import load_split
+from moe_lm.data.prepare import DataReadLock, load_split
+from moe_lm.data.shards import unigram_entropy
 from moe_lm.errors import RunError
 from moe_lm.model import (
     Transformer,
@@ -85,6 +86,7 @@ class _Run:
     # the optimizer steps' own time, summed since step 0 (not start-up, evaluation or checkpoints): an experiment's
     # loss against measured training time
     train_seconds: float = 0.0
+    data_ref: dict | None = None  # the data the run read, as it was at its start (saved with each checkpoint)
 
     @property
     def global_batch(self) -> int:
@@ -103,13 +105,17 @@ def train(cfg: Config) -> dict:
         tracker.info(warning)
     cfg, pretrained = start_from(cfg, run_dir, tracker.info) if t.init_from else (cfg, None)
     prepare_default_corpus(cfg, tracker.info)
+    data_read = DataReadLock(cfg.data.out_dir)  # held to the end: the data cannot be prepared again under the run
     data_meta = check_inputs(cfg)
+    # what this run reads, recorded once: a checkpoint never claims a tokenizer prepared after the run started
+    data_ref = data_reference(cfg)
     windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
     evalsets = eval_sets(cfg, tracker.info)
     everyone = peers()  # who is who, to name a rank that dies later
     # why WatchPeers innermost: it turns a dead peer's error into PeerLost before StopOnSignal exits, which then
     # keeps its handler so that the launcher's SIGTERM cannot end this rank before it reports
     with (
+        data_read,
         run_folder(run_dir, t.resume, tracker.info),
         StopOnSignal() as stop,
         tracker,
@@ -118,6 +124,7 @@ def train(cfg: Config) -> dict:
         restart = save_resume.resume_across_stages(cfg, run_dir, tracker.info) if t.resume else None
         start_model = restart.model if restart else pretrained
         run = _start(cfg, run_dir, tracker, windows, evalsets, start_model, data_meta, watch)
+        run.data_ref = data_ref
         if restart:
             state = restart.state
         elif t.resume:
@@ -142,6 +149,8 @@ def train(cfg: Config) -> dict:
         good = latest_tag(run_dir) or "none"
         loss = last_eval["loss"]
         raise RunError(f"the final validation loss is {loss}: the run diverged; the last good checkpoint is {good}")
+    if last_eval and dist.get_rank() == 0:  # of the split this run read (its memory map), not what is there now
+        last_eval["unigram_entropy"] = unigram_entropy(windows.tokens, cfg.model.vocab_size)
     return last_eval
 
 
@@ -339,7 +348,9 @@ def _save(run: _Run, state: dict) -> bool:
             f"{latest_tag(run.run_dir) or 'none'}"
         )
         return False
-    tag = save_resume.save(run.engine, run.run_dir, state["step"], run.cfg, state, run.cfg.cadence.keep_last)
+    cfg = run.cfg
+    tag = save_resume.save(run.engine, run.run_dir, state["step"], cfg, state, cfg.cadence.keep_last, run.data_ref,
+                           run.tracker.info)  # fmt: skip
     run.tracker.info(f"saved checkpoint {run.run_dir / 'checkpoints' / tag}")
     return True
 

@@ -2,8 +2,8 @@
 
 <run>/.lock          held (flock) by rank 0 for the life of the run; says "pid N on HOST" for the error message
 <run>/.moe-lm.json   the marker: this folder is a run that moe-lm train made (moe_lm/output_folder.py). A folder
-                     without it is a run only if it is new or empty (or a run from before the marker: it holds
-                     metrics.jsonl or checkpoints/latest); any other folder is refused before anything is written.
+                     without it is a run only if it is new or empty, or a run from before the marker, checked entry
+                     by entry (`legacy_run`); any other folder is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ def run_folder(run_dir: Path, resume: bool, log):
 def check_run_folder(run_dir: Path) -> None:
     """Refuse a train.out_dir that is not a run: a non-empty folder moe-lm train did not make, a file, or a folder
     inside a run or data folder."""
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise RunError(
+            f"train.out_dir={run_dir} is a symlink to {os.readlink(run_dir)}, which does not exist; create that "
+            "folder, or give a folder path"
+        )
     inside = enclosing_folder(run_dir)
     if inside:
         raise RunError(f"train.out_dir={run_dir} lies inside the {inside[1]} {inside[0]}; give a folder outside it")

@@ -5,14 +5,21 @@ leaves nothing that looks complete."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
 import socket
+import threading
 from pathlib import Path
 
-from moe_lm.output_folder import MARKER
+import pytest
+
+from moe_lm.checkpoint.format import latest_tag
+from moe_lm.errors import UserError
+from moe_lm.output_folder import MARKER, OutputFolder, enclosing_folder, made_by
 
 
 def one_line_error(proc, *needles: str, code: int = 2) -> str:
@@ -139,17 +146,108 @@ def test_a_failed_or_interrupted_export_leaves_nothing(cli, trained_run, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def locked_partial(tmp_path: Path, pid: int) -> tuple[Path, int]:
+    """A staging folder as a live writer holds it: its marker under an flock (this process holds it)."""
+    stage = tmp_path / f".export.partial-{socket.gethostname()}-{pid}"
+    stage.mkdir()
+    (stage / MARKER).write_text('{"command": "export"}')
+    fd = os.open(stage / MARKER, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return stage, fd
+
+
 def test_a_partial_folder_of_a_live_process_is_a_lock_and_a_dead_ones_is_cleared(cli, trained_run, tmp_path):
     out = tmp_path / "export"
-    live = tmp_path / f".export.partial-{socket.gethostname()}-{os.getppid()}"
-    live.mkdir()
-    (live / MARKER).write_text('{"command": "export"}')
-    one_line_error(cli("export", "--run", trained_run(), "--out", out), "another moe-lm process", str(os.getppid()))
+    live, fd = locked_partial(tmp_path, os.getppid())
+    try:
+        one_line_error(cli("export", "--run", trained_run(), "--out", out), "another moe-lm process", str(os.getppid()))
+    finally:
+        os.close(fd)
     assert live.is_dir() and not out.exists()
 
     shutil.rmtree(live)
-    dead = tmp_path / f".export.partial-{socket.gethostname()}-{2**22 + 1}"  # above pid_max's default: not running
+    dead = tmp_path / f".export.partial-{socket.gethostname()}-{os.getppid()}"  # a live pid, but nobody holds it
     dead.mkdir()
     (dead / MARKER).write_text('{"command": "export"}')
     assert cli("export", "--run", trained_run(), "--out", out).returncode == 0
     assert leftovers(tmp_path) == [] and (out / "config.json").is_file()
+
+
+def test_a_second_writer_never_sweeps_a_live_writers_staging_folder(tmp_path, monkeypatch):
+    """The race of two writers: the second one's checks ran before the first one's staging folder existed."""
+    out = tmp_path / "report"
+    first, second = OutputFolder(out, "analyze"), OutputFolder(out, "analyze")
+    with first.staged() as stage:
+        (stage / "metrics.json").write_text("the first writer's work")
+        monkeypatch.setattr(OutputFolder, "check", lambda self: None)  # its checks are behind it
+        with pytest.raises(UserError, match="being written by another moe-lm process"), second.staged():
+            pass
+        monkeypatch.undo()
+        assert (stage / "metrics.json").read_text() == "the first writer's work"
+    assert (out / "metrics.json").read_text() == "the first writer's work"
+
+
+def test_an_edited_earlier_export_is_moved_aside_naming_the_changed_file(cli, trained_run, tmp_path):
+    out = tmp_path / "export"
+    assert cli("export", "--run", trained_run(), "--out", out).returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "my_note": "edited by hand"}))
+    again = cli("export", "--run", trained_run(), "--out", out)
+    assert again.returncode == 0, again.stderr[-2000:]
+    (aside,) = tmp_path.glob("export.prev-*")
+    assert "edited by hand" in (aside / "config.json").read_text()
+    assert "config.json" in again.stdout and str(aside) in again.stdout
+    assert "my_note" not in (out / "config.json").read_text()
+
+
+@pytest.mark.parametrize("listed", [["notes.txt"], {"notes.txt": {"bytes": 4, "xxh3_128": "0" * 32}}])
+def test_a_hand_made_marker_cannot_make_an_export_delete_a_users_file(cli, trained_run, tmp_path, listed):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / MARKER).write_text(json.dumps({"command": "export", "files": listed}))
+    assert cli("export", "--run", trained_run(), "--out", out).returncode == 0
+    (aside,) = tmp_path.glob("export.prev-*")
+    assert (aside / "notes.txt").read_text() == "mine"
+
+
+def test_a_mount_point_as_out_is_refused_before_anything_is_written(cli, trained_run, tmp_path, monkeypatch):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real(p))
+    one_line_error(cli("export", "--run", trained_run(), "--out", mount), "mount point", str(mount / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"] and list(mount.iterdir()) == []
+
+
+def test_a_fifo_marker_or_pointer_is_not_waited_on(tmp_path):
+    """A FIFO where a marker (in any parent folder) or `checkpoints/latest` is looked for: reading it would block."""
+    (tmp_path / "ckpt" / "checkpoints").mkdir(parents=True)
+    fifos = [tmp_path / MARKER, tmp_path / "ckpt" / "checkpoints" / "latest"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    answers = {}
+    readers = [
+        threading.Thread(target=lambda: answers.__setitem__("made_by", made_by(tmp_path)), daemon=True),
+        threading.Thread(target=lambda: answers.__setitem__("latest", latest_tag(tmp_path / "ckpt")), daemon=True),
+        threading.Thread(
+            target=lambda: answers.__setitem__("inside", enclosing_folder(tmp_path / "a" / "b")), daemon=True
+        ),  # fmt: skip
+    ]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(timeout=10)
+    blocked = [t for t in readers if t.is_alive()]
+    for fifo in fifos:  # let a blocked reader go (a writer that closes at once: end of file)
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not blocked and answers == {"made_by": None, "latest": None, "inside": None}
+
+
+def test_a_marker_whose_command_is_not_a_string_proves_nothing(cli, trained_run, tmp_path):
+    (tmp_path / MARKER).write_text(json.dumps({"command": ["train"]}))  # in a parent of --out
+    out = tmp_path / "export"
+    done = cli("export", "--run", trained_run(), "--out", out)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert made_by(tmp_path) is None

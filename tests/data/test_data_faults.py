@@ -162,6 +162,14 @@ def prepared_copy(tmp_path):
         (lambda d: (d / "train" / "shard.json").unlink(), "shard.json|FileNotFoundError"),
         (lambda d: np.save(d / "train" / "doc_offsets.npy", np.array([0, 5, 3])), "does not index"),
         (lambda d: (d / "meta.json").write_text('{"signature": '), "meta.json is corrupt"),
+        # fields of the wrong type: each one line naming the field, never a TypeError from deep inside
+        (lambda d: edit_meta(d, domains=7), "'domains' is a int, not a list"),
+        (lambda d: edit_meta(d, domains=[1, 2]), "'domains' is not a list of names"),
+        (lambda d: edit_meta(d, vocab_size="300"), "'vocab_size' is a str, not a int"),
+        (lambda d: edit_meta(d, tokens={"train": "many"}), "'tokens' does not count"),
+        (lambda d: edit_meta(d, tokens_xxh3_128=[1]), "'tokens_xxh3_128' is not a mapping"),
+        (lambda d: edit_meta(d, signature=None), "'signature' is a NoneType"),
+        (lambda d: (d / "meta.json").write_text("[1, 2]"), "a JSON list, not an object"),
     ],
 )
 def test_damaged_shards_and_meta_are_named_errors(prepared_copy, damage, match):
@@ -169,6 +177,35 @@ def test_damaged_shards_and_meta_are_named_errors(prepared_copy, damage, match):
     with pytest.raises(DataError, match=match) as err:
         load_split(prepared_copy, "train")
     assert str(prepared_copy) in str(err.value) and "--force" in str(err.value)
+
+
+def edit_meta(folder: Path, **fields) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, **fields}))
+
+
+def test_line_separators_inside_a_jsonl_string_keep_every_document_and_its_name(tmp_path):
+    """Raw U+2028, U+2029 and U+0085 are valid inside a JSON string; only \\n ends a JSON Lines record."""
+    docs = [{"text": f"document {i}" + ("\u2028 next\u2029 para\u0085 nel" if i % 10 == 3 else ""), "domain": "d"}
+            for i in range(60)]  # fmt: skip
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    report = ReadReport()
+    read = list(iter_source(str(path), report, "text", "domain"))
+    assert [d.text for d in read] == [d["text"] for d in docs] and not report.skipped
+    assert [d.name for d in read] == [f"corpus.jsonl:{i + 1}" for i in range(60)]  # names decide the split
+
+
+def test_a_lone_surrogate_is_repaired_and_counted_and_the_tokenizer_trains(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    lines = ['{"text": "smile \\ud83d at line ' + str(i) + " words" * 30 + '", "domain": "d"}' for i in range(8)]
+    corpus.write_text("\n".join(lines) + "\n")  # the escape written as JSON writes it: \ud83d without its pair
+    assert "\\ud83d" in corpus.read_text()
+    cfg = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "out"), val_fraction=0.25)
+    said = []
+    prepare_data(cfg, vocab_size=300, log=said.append)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["repaired_documents"] == 8 and any("lone surrogates, replaced by U+FFFD" in s for s in said)
 
 
 def test_validation_text_shorter_than_a_window_still_counts(prepared_copy):

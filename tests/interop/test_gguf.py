@@ -217,3 +217,62 @@ def test_reduced_types_and_what_cannot_be_written(tiny_data, tmp_path, cli):
         and "--force" in proc.stderr
         and (tmp_path / "mine.gguf").read_text() == ("the user's file")
     )
+
+
+@pytest.fixture(scope="module")
+def hf_export(tiny_data, tmp_path_factory):
+    tok = load_data_tokenizer(tiny_data.out_dir)
+    folder = tmp_path_factory.mktemp("gguf_hf") / "hf"
+    export_hf(Transformer(tiny_model_cfg("mla", vocab_size=320)).eval(), folder, tok.doc_start_id, tok.eos_id)
+    export_tokenizer(tiny_data.out_dir, folder)
+    return folder
+
+
+LIES = {
+    "fewer layers": {"num_hidden_layers": 1},
+    "a billion words (float)": {"vocab_size": 1e9},
+    "a billion words": {"vocab_size": 10**9},
+    "a string": {"hidden_size": "128"},
+    "missing": {"n_routed_experts": None},
+    "expert width": {"moe_intermediate_size": 7},
+    "expert count": {"n_routed_experts": 4},
+    "top-k above the experts": {"num_experts_per_tok": 99},
+    "latent width": {"kv_lora_rank": 3},
+    "a list": {"num_attention_heads": [2]},
+    "yarn without its factor": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}},
+    "rope as a string": {"rope_parameters": "yarn"},
+}
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_a_config_json_that_lies_about_the_tensors_is_one_line_and_writes_nothing(hf_export, tmp_path, cli, lie):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_export, hf)
+    config = json.loads((hf / "config.json").read_text())
+    config.update(LIES[lie])
+    (hf / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    proc = cli("export", "--hf", hf, "--gguf", tmp_path / "lie.gguf")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
+    assert "config.json" in lines[0] and len(lines[0]) < 600, lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_full_disk_during_a_gguf_export_from_an_hf_folder_is_one_line_with_the_real_size(
+    hf_export, tmp_path, cli, monkeypatch
+):
+    """numpy's tofile reports a short write as an OSError without an errno ("N requested and M written")."""
+    from moe_lm.interop.gguf import hf_parameter_count, needed_bytes
+    from moe_lm.output_folder import gib
+
+    def short_write(self, *a, **k):
+        self.fout[0].write(b"GGUF" + b"\0" * 100) if isinstance(self.fout, list) else None
+        raise OSError("4194304 requested and 1000 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short_write)
+    proc = cli("export", "--hf", hf_export, "--gguf", tmp_path / "full.gguf")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "disk filled up" in lines[0], proc.stderr[-2000:]
+    need = needed_bytes(hf_parameter_count(hf_export), "f32")
+    assert gib(need) != gib(needed_bytes(0, "f32")) and f"about {gib(need)} needed" in lines[0]
+    assert list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import COMPLETE, latest_tag, load_model
 from moe_lm.config import ConfigError, dump_config, load_config
 from moe_lm.data.documents import DataError
-from moe_lm.data.prepare import prepare_data
+from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.errors import RunError
 from moe_lm.train import loop, run_folder
 from moe_lm.train.flops import Throughput
@@ -350,16 +350,115 @@ def test_rotation_removes_only_its_own_checkpoint_folders(tmp_path, train, copie
     (ckpts / "step_00000001").mkdir()  # a name save would write, holding a file it does not
     (ckpts / "step_00000001" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     (ckpts / "step_00000001" / "notes.txt").write_text("mine")
-    (ckpts / "step_00000003").mkdir()  # an interrupted save's leftover: only a save's files
+    (ckpts / "step_00000003").mkdir()  # an interrupted save's leftover: SAVING and only a save's files
     (ckpts / "step_00000003" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (ckpts / "step_00000003" / save_resume.SAVING).write_text("pid 1 on elsewhere")
+    (ckpts / "step_00000005").mkdir()  # a step folder of the user's without COMPLETE: the docs say it stays
+    (ckpts / "step_00000005" / "best.pt").write_bytes(b"my best weights")
     train(with_train(cfg, max_steps=8, keep_last=1))
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == [
         "step_00000001",
         "step_00000002.bak",
+        "step_00000005",
         "step_00000008",
     ]
     assert (ckpts / "step_00000002.bak" / "notes.txt").read_text() == "the user's copy"
     assert (ckpts / "step_00000001" / "notes.txt").read_text() == "mine"
+    assert (ckpts / "step_00000005" / "best.pt").read_bytes() == b"my best weights"
+
+
+def test_a_save_into_a_leftover_folder_lists_only_what_it_wrote_and_resume_keeps_the_optimizer(
+    tmp_path, train, copied_run, capsys
+):
+    """An interrupted save left step_00000006 behind (files of a 2-rank save); the save of step 6 starts afresh."""
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
+    leftover = tmp_path / "run" / "checkpoints" / "step_00000006"
+    leftover.mkdir()
+    (leftover / save_resume.SAVING).write_text("pid 1 on elsewhere")
+    for r in (0, 1):
+        (leftover / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"stale")
+    train(with_train(cfg, max_steps=6))
+    done = tmp_path / "run" / "checkpoints" / "step_00000006"
+    listed = json.loads((done / COMPLETE).read_text())
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" not in listed and not (done / save_resume.SAVING).exists()
+    assert save_resume.saved_world_size(done) == 1
+    capsys.readouterr()
+    train(with_train(cfg, max_steps=7))
+    out = capsys.readouterr().out
+    assert "fresh optimizer state" not in out and "resumed from" in out and "at step 6" in out
+
+
+def test_a_step_folder_of_the_users_in_the_way_of_a_save_is_moved_aside(tmp_path, train, copied_run, capsys):
+    cfg = copied_run(max_steps=4, ckpt_interval=2)
+    mine = tmp_path / "run" / "checkpoints" / "step_00000006"
+    mine.mkdir()
+    (mine / "best.pt").write_bytes(b"my best weights")
+    train(with_train(cfg, max_steps=6))
+    (aside,) = (tmp_path / "run" / "checkpoints").glob("step_00000006.prev-*")
+    assert (aside / "best.pt").read_bytes() == b"my best weights" and str(aside) in capsys.readouterr().out
+    assert latest_tag(tmp_path / "run") == "step_00000006"
+
+
+def test_another_trainers_folder_is_not_taken_for_a_run(tiny_data, tmp_path, train):
+    theirs = tmp_path / "theirs"
+    (theirs / "checkpoints").mkdir(parents=True)
+    (theirs / "checkpoints" / "latest").write_text("global_step100")  # DeepSpeed's own pointer
+    (theirs / "metrics.jsonl").write_text('{"loss": 2.1, "iteration": 100}\n')
+    (theirs / "config.yaml").write_text("their: config\n")
+    before = {p.name: p.read_bytes() for p in theirs.rglob("*") if p.is_file()}
+    with pytest.raises(RunError, match="holds files that are not a run"):
+        train(tiny_train_cfg(tiny_data, theirs, max_steps=2))
+    assert {p.name: p.read_bytes() for p in theirs.rglob("*") if p.is_file()} == before
+    # a run from before the marker is still a run: marker removed from a real one, it resumes
+    ours = tmp_path / "ours"
+    train(tiny_train_cfg(tiny_data, ours, max_steps=2, ckpt_interval=2))
+    (ours / ".moe-lm.json").unlink()
+    train(tiny_train_cfg(tiny_data, ours, max_steps=3, ckpt_interval=2))
+    assert latest_tag(ours) == "step_00000003"
+
+
+def test_a_dangling_symlink_as_train_out_dir_is_one_line(tiny_data, tmp_path, cli):
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    proc = cli("train", "--config", tmp_path / "cfg.yaml")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "symlink" in proc.stderr and str(tmp_path / "gone") in proc.stderr
+    assert not (tmp_path / "gone").exists()
+
+
+def test_data_prepared_again_under_a_running_training_is_refused_and_never_claimed(tmp_path, train, monkeypatch, cli):
+    """While a run trains: `prepare --force` on its data is refused; a tokenizer edited by hand is not recorded as
+    the one the run trained with, and the run's closing entropy is of the corpus it read."""
+    from moe_lm.config import DataConfig
+    from moe_lm.data.shards import unigram_entropy
+
+    corpus = write_folder_corpus(tmp_path / "corpus", n_docs=6)
+    data = DataConfig(sources=[str(corpus)], out_dir=str(tmp_path / "data"), val_fraction=0.2)
+    prepare_data(data, vocab_size=VOCAB, log=lambda s: None)
+    trained_on = (tmp_path / "data" / "tokenizer.model").read_bytes()
+    entropy = unigram_entropy(load_split(data.out_dir, "train").tokens, VOCAB)
+    cfg = tiny_train_cfg(data, tmp_path / "run", max_steps=4, ckpt_interval=2)
+    real = loop._save
+
+    def prepare_again_after_the_first_save(run, state):
+        saved = real(run, state)
+        if state["step"] == 2:
+            with pytest.raises(DataError, match="read by a running training"):
+                prepare_data(data, vocab_size=VOCAB + 20, force=True, log=lambda s: None)
+            (tmp_path / "data" / "tokenizer.model").write_bytes(trained_on[::-1])  # edited outside moe-lm
+        return saved
+
+    monkeypatch.setattr(loop, "_save", prepare_again_after_the_first_save)
+    final = train(cfg)
+    ckpts = tmp_path / "run" / "checkpoints"
+    first, last = (json.loads((ckpts / t / "data_ref.json").read_text()) for t in ("step_00000002", "step_00000004"))
+    assert last == first  # the tokenizer the run read at its start
+    assert final["unigram_entropy"] == pytest.approx(entropy)
+    proc = cli("generate", "--run", tmp_path / "run", "--prompt", "the", "--max-new-tokens", "3")
+    assert proc.returncode == 2 and "is not the one this checkpoint was trained with" in proc.stderr
+    (tmp_path / "data" / "tokenizer.model").write_bytes(trained_on)
+    prepare_data(data, vocab_size=VOCAB + 20, force=True, log=lambda s: None)  # no run reads it now
 
 
 # ---- 8. a full disk during a save ------------------------------------------------------------------------------
