@@ -3,6 +3,14 @@ and the command line prints it as one line (moe_lm/cli), without a traceback unl
 
 from __future__ import annotations
 
+import reprlib
+
+# why bounded: a value in a message can be a whole nested structure (a YAML file's, a user's list); the message
+# must stay one readable line
+_SHORT = reprlib.Repr()  # why attributes, not keywords: Python 3.11's Repr takes none
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be accepted; the message names the dotted key."""
@@ -30,6 +38,11 @@ class UserError(Exception):
 
 class MissingExtra(UserError):
     """An optional dependency a feature needs is not installed; the message names the extra that brings it."""
+
+
+def shown(value) -> str:
+    """`repr(value)` cut to a readable length (nested structures abbreviated with ...), for error messages."""
+    return _SHORT.repr(value)
 
 
 def install_hint(extra: str) -> str:

@@ -39,7 +39,6 @@ CARRY_LIMIT_MIB = 48  # tree + wheels + data: the device takes 64 MiB with the t
 DATA = ["data.max_mb_per_domain=0.5"]  # the slice of the embedded corpus prepared for the carry, read by `train`
 # What the GPU machine lacks (its image holds torch, transformers, sentencepiece, safetensors, xxhash, ...)
 WHEELS = ["deepspeed", "hjson", "pydantic", "pydantic_core", "annotated_types", "typing_inspection"]
-SITE = Path(tempfile.gettempdir()) / "moe_lm_site"
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: steps run there (tests/, launch/)
 
 
@@ -72,17 +71,20 @@ def run_check(out: Path, carry: Path, dry_run: bool) -> dict:
     start = time.monotonic()
     deadline = start + BUDGET_S
     out.mkdir(parents=True, exist_ok=True)
+    # why mkdtemp (0700, a new name): the carried wheels go into work/site, first on every step's PYTHONPATH; a
+    # shared, predictable folder there would run whatever sitecustomize.py another user planted in it
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     logs = work / "logs"
     logs.mkdir()
-    env = step_environment(carry, dry_run)
+    site = work / "site"
+    env = step_environment(site, dry_run)
     results = {
         "dry_run": dry_run,
         "budget_s": BUDGET_S,
         "preset": "tiny" if dry_run else "gpu_1b",
         "dtype": "fp32" if dry_run else "bf16",
         "steps": {},
-        "install": install_wheels(carry, env, logs),
+        "install": install_wheels(carry, site, env, logs),
     }
     if not dry_run and not cuda_visible(env):
         results["error"] = "no CUDA GPU visible to this Python (torch.cuda.is_available() is false)"
@@ -93,7 +95,7 @@ def run_check(out: Path, carry: Path, dry_run: bool) -> dict:
         results["steps"][name] = run_step(name, commands[name], budget, deadline, env, logs)
     if "error" not in results:
         results["steps"]["estimate"] = run_step("estimate", commands["estimate"], 20, deadline, env, logs)
-        results["steps"]["megablocks"] = megablocks(carry, deadline, env, logs, dry_run)
+        results["steps"]["megablocks"] = megablocks(carry, site, deadline, env, logs, dry_run)
     results |= read_results(work, logs)
     results["wall_s"] = round(time.monotonic() - start, 1)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -108,10 +110,11 @@ def run_check(out: Path, carry: Path, dry_run: bool) -> dict:
     return results
 
 
-def step_environment(carry: Path, dry_run: bool) -> dict[str, str]:
+def step_environment(site: Path, dry_run: bool) -> dict[str, str]:
+    """The steps' environment: the checkout and `site` (this call's private folder of carried wheels) first."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(SITE), env.get("PYTHONPATH", "")) if p)
-    env["PATH"] = f"{SITE / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(site), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = f"{site / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     # why: no JIT build of our CPU kernels on the GPU machine (a minute of g++); unbuffered logs survive a cut
     env |= {"PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     if not dry_run:
@@ -119,14 +122,14 @@ def step_environment(carry: Path, dry_run: bool) -> dict[str, str]:
     return env
 
 
-def install_wheels(carry: Path, env: dict, logs: Path) -> dict:
-    """The carried wheels of what this Python lacks, into SITE (never from the network)."""
+def install_wheels(carry: Path, site: Path, env: dict, logs: Path) -> dict:
+    """The carried wheels of what this Python lacks, into `site` (never from the network)."""
     missing = not_importable(WHEELS, env)
     record = {"missing": missing}
     if missing:
         wheels = sorted((carry / "whl").glob("*.whl"))
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
-               str(SITE), *map(str, wheels)]  # fmt: skip
+               str(site), *map(str, wheels)]  # fmt: skip
         with open(logs / "install.log", "w") as log:
             record["rc"] = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=120).returncode
         record["still_missing"] = not_importable(missing, env)
@@ -163,14 +166,14 @@ def run_step(name: str, cmd: list[str], budget: int, deadline: float, env: dict,
     return {"rc": rc, "seconds": round(time.monotonic() - t0, 1), "budget_s": budget, "cut": cut}
 
 
-def megablocks(carry: Path, deadline: float, env: dict, logs: Path, dry_run: bool) -> dict:
+def megablocks(carry: Path, site: Path, deadline: float, env: dict, logs: Path, dry_run: bool) -> dict:
     """MegaBlocks' build from carried sources, only with the time that is left (it is optional, and slow)."""
     sources = sorted((carry / "whl" / "src").glob("*.tar.gz"))
     left = deadline - time.monotonic()
     if dry_run or not sources or left < 120:
         why = "dry run" if dry_run else "no sources carried" if not sources else f"only {left:.0f} s left"
         return {"rc": None, "seconds": 0.0, "budget_s": 0, "cut": False, "note": f"skipped: {why}"}
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(SITE),
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
            *map(str, sources)]  # fmt: skip
     return run_step("megablocks", cmd, int(left) - 10, deadline, env, logs)
 

@@ -4,6 +4,7 @@ in its dry-run mode, so that a wrong flag, a file missing from the carry or a br
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import tarfile
@@ -50,8 +51,18 @@ def test_the_dry_run_exercises_every_step_and_its_summary(process, tmp_path):
     assert {f"logs/{s}.log" for s in [*gpu_check.STEPS, "estimate"]} | {"logs/metrics.jsonl"} <= names
 
 
-def test_without_a_gpu_the_real_run_says_so_and_fails(process, tmp_path):
-    proc = process.run([sys.executable, "-m", "moe_lm.gpu_check", "--out", str(tmp_path / "out")], timeout=120)
+def test_without_a_gpu_the_real_run_says_so_and_fails_and_runs_no_planted_code(process, tmp_path):
+    """Another user of a shared machine plants a sitecustomize.py where a predictable temporary folder would be:
+    the check's own folder of carried wheels is private and new, so it never runs."""
+    tmp = tmp_path / "shared_tmp"
+    planted = tmp / "moe_lm_site"
+    planted.mkdir(parents=True)
+    ran = tmp_path / "planted_code_ran"
+    (planted / "sitecustomize.py").write_text(f"open({str(ran)!r}, 'w').write('yes')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "moe_lm.gpu_check", "--out", str(tmp_path / "out")]
+    proc = process.run(cmd, env={**env, "TMPDIR": str(tmp)}, timeout=120)
     assert proc.returncode == 1
     assert "no CUDA GPU visible" in proc.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())["steps"] == {}
+    assert not ran.exists()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moe_lm.errors import ConfigError, NotFound
+from moe_lm.errors import ConfigError, DataError, NotFound, shown
 from moe_lm.model import Transformer
 from moe_lm.routing.recorder import RoutingRecorder
 
@@ -43,14 +43,20 @@ class DocChunk:
 
 
 class Trace:
-    """Read side: memory-mapped columns of a recorded trace."""
+    """Read side: memory-mapped columns of a recorded trace. A trace travels like a run folder: its meta.json, the
+    size of every column and the expert ids are checked (DataError naming the file) before anything counts them."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         meta_path = self.folder / "meta.json"
         if not meta_path.is_file():
             raise NotFound(f"{self.folder} is not a complete trace (no meta.json)")
-        self.meta = json.loads(meta_path.read_text())
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DataError(f"{meta_path} is not JSON ({e}); record the trace again (moe-lm analyze)") from None
+        if problem := _meta_problem(self.meta):
+            raise DataError(f"{meta_path} is damaged ({problem}); record the trace again (moe-lm analyze)")
         self.n = self.meta["n_tokens"]
         self.layers: list[int] = self.meta["layers"]
         self.n_experts: int = self.meta["n_experts"]
@@ -60,19 +66,54 @@ class Trace:
         self.doc = self._col("doc.u32", np.uint32)
         self.pos = self._col("pos.u32", np.uint32)
         self.domain = self._col("domain.u16", np.uint16)
+        self._checked: set[int] = set()
 
     def _col(self, name: str, dtype, width: int | None = None) -> np.ndarray:
         shape = (self.n,) if width is None else (self.n, width)
+        path = self.folder / name
+        want = self.n * (width or 1) * np.dtype(dtype).itemsize
+        size = path.stat().st_size if path.is_file() else None
+        if size != want:
+            got = "missing" if size is None else f"{size} bytes"
+            raise DataError(f"{path} is {got}; meta.json's {self.n} rows need {want}: the trace is damaged, record it "
+                            "again (moe-lm analyze)")  # fmt: skip
         if self.n == 0:
             return np.zeros(shape, dtype)
-        return np.memmap(self.folder / name, dtype=dtype, mode="r", shape=shape)
+        return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
     def experts(self, layer: int) -> np.ndarray:
         """[N, K] chosen experts of MoE layer `layer` (a model layer index), first choice first."""
-        return self._col(f"experts_L{layer}.{_expert_suffix(self.n_experts)}", _expert_dtype(self.n_experts), self.k)
+        name = f"experts_L{layer}.{_expert_suffix(self.n_experts)}"
+        col = self._col(name, _expert_dtype(self.n_experts), self.k)
+        if layer not in self._checked:  # why once: an id past the experts would index out of every count
+            top = int(col.max()) if col.size else -1
+            if top >= self.n_experts:
+                raise DataError(f"{self.folder / name} holds expert {top}, but the trace has {self.n_experts} experts: "
+                                "it is damaged; record it again (moe-lm analyze)")  # fmt: skip
+            self._checked.add(layer)
+        return col
 
     def weights(self, layer: int) -> np.ndarray:
         return self._col(f"weights_L{layer}.f16", np.float16, self.k)
+
+
+def _meta_problem(meta) -> str | None:
+    """What is wrong with a trace's meta.json (a missing field, a value of the wrong type), or None."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    counts = {"n_tokens": 0, "n_experts": 1, "k": 1}
+    for key, least in counts.items():
+        value = meta.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            return f"{key} is {shown(value)}"
+    if meta["k"] > meta["n_experts"]:
+        return f"k={meta['k']} > n_experts={meta['n_experts']}"
+    layers, domains = meta.get("layers"), meta.get("domains")
+    if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        return f"layers is {shown(layers)}"
+    if not isinstance(domains, list) or not all(isinstance(x, str) for x in domains):
+        return f"domains is {shown(domains)}"
+    return None
 
 
 class TraceWriter:

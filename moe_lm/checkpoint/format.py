@@ -268,13 +268,20 @@ def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]
         state.update(_module_state(safe_load(model_file), model_file))
     for expert_file in expert_files:
         state.update(safe_load(expert_file))
-    if staged:
-        state = model_keys(state, cfg.model.n_layers)
     if cfg.model.moe.experts_impl == "megablocks":
         # why: offline tools run on CPU, and the weights do not depend on the expert backend
         cfg.model.moe.experts_impl = "grouped"
     model = build_model(cfg.model)
-    model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
+    try:
+        if staged:
+            state = model_keys(state, cfg.model.n_layers)
+        model.load_state_dict({k: v.float() for k, v in plain_state_dict(state, model.state_dict()).items()})
+    except (KeyError, RuntimeError) as e:  # a missing or unexpected key, a size mismatch
+        detail = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines()
+        raise DataError(
+            f"{folder / 'config.yaml'} does not describe the weights saved beside it ({' '.join(detail[:2])[:300]}): "
+            "it was edited (its model section must stay as trained); restore it, e.g. from the run's config.yaml"
+        ) from None
     bad = [name for name, p in model.named_parameters() if not p.isfinite().all()]
     if bad:
         raise DataError(

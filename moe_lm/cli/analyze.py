@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest
 from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import main_of, output_folder
-from moe_lm.cli.options import add_out
+from moe_lm.cli.options import add_out, utf8_text
 from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
 
@@ -35,7 +35,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--compare", type=parse_run, metavar="RUN[:TAG]",
         help="another checkpoint routed on the same tokens: router saturation",
     )  # fmt: skip
-    ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN",
+    ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=200_000, help="tokens recorded, spread equally over the domains")
     ap.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass")

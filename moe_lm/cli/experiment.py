@@ -39,6 +39,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--boot", type=int, default=2000, help="bootstrap draws")
     ap.add_argument("--list", action="store_true", help="list the defined experiments")
     ap.add_argument("--table", metavar="DIR", help="print the results table of the reports under DIR (the README's)")
+    ap.add_argument(
+        "--power",
+        action="store_true",
+        help="print the seeds a design needs for a verdict, from the reports under --results (no training)",
+    )
+    ap.add_argument("--results", default="docs/results", metavar="DIR", help="where --power reads reports")
+    ap.add_argument("--confirm", action="store_true",
+                    help="its declared confirmatory round (configs/experiments/confirmatory/)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,12 +60,19 @@ def run(args: argparse.Namespace) -> None:
     if args.list or not args.name:
         list_experiments()
         return
+    if args.power:
+        from moe_lm.experiments.power import power_table
+
+        print(power_table(load_experiment(args.name).name, Path(args.results)), end="")
+        return
     if args.long:
         if args.preset not in (None, "long"):
             raise UserError(f"--long is --preset long; it cannot go with --preset {args.preset}")
         args.preset = "long"
     exp = load_experiment(args.name, args.preset, args.extended)
     require("matplotlib", "analysis", "moe-lm experiment (its report's figures)")
+    if args.confirm:
+        exp = declared(exp, args)
     deviations = [exp.exploratory] if exp.exploratory else []
     if args.seeds is not None and args.seeds != exp.seeds:
         deviations.append(f"--seeds {args.seeds} where the definition has {exp.seeds}")
@@ -66,7 +81,8 @@ def run(args: argparse.Namespace) -> None:
         deviations.append(f"--steps {args.steps} where the definition has {exp.steps}")
         exp = dataclasses.replace(exp, steps=args.steps)
     exp = dataclasses.replace(exp, exploratory="; ".join(deviations))
-    out = Path(args.out or Path(args.runs) / "reports" / (exp.name + (f"-{args.preset}" if args.preset else "")))
+    suffix = "-confirmatory" if args.confirm else f"-{args.preset}" if args.preset else ""
+    out = Path(args.out or Path(args.runs) / "reports" / (exp.name + suffix))
     report = OutputFolder(out, "experiment", force=args.force)  # why here: refused before hours of training
     print(f"{exp.name}: {exp.claim}\n{len(exp.arms)} arms x {exp.seeds} seeds x {exp.steps} steps; runs in {args.runs}")
     t0 = time.perf_counter()
@@ -80,6 +96,21 @@ def run(args: argparse.Namespace) -> None:
         judged = {"claim": c["verdict"], "premise": f"premise {c['verdict']}"}.get(c["role"], "context, not judged")
         print(f"  {c['name']} ({c['metric']}): {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) -> {judged}")
     print(f"report: {out / 'report.md'} ({time.perf_counter() - t0:.0f} s)")
+
+
+def declared(exp, args: argparse.Namespace):
+    """`exp` as its confirmatory declaration has it; anything on the command line that would change it is refused."""
+    from moe_lm.experiments.declaration import confirmatory, load_declaration
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR
+
+    changed = [flag for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--preset", args.preset),
+               ("--extended", args.extended or None)) if value is not None]  # fmt: skip
+    if changed:
+        raise UserError(f"--confirm runs the declared design; {', '.join(changed)} would change it (drop them, or run "
+                        "without --confirm: exploratory)")  # fmt: skip
+    if exp.probe:
+        raise UserError(f"--confirm: {exp.name} is a probe of another experiment's runs; confirm that experiment")
+    return confirmatory(exp, EXPERIMENTS_DIR / f"{exp.name}.yaml", load_declaration(exp.name))
 
 
 def run_and_report(exp, runs_root: Path, out: Path, boot: int) -> dict:

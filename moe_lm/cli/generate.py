@@ -17,13 +17,14 @@ import sys
 from collections.abc import Sequence
 
 from moe_lm.cli import main_of
-from moe_lm.cli.options import add_run
+from moe_lm.cli.options import add_run, utf8_text
 from moe_lm.errors import UserError
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_run(ap)
-    ap.add_argument("--prompt", default="", help="text to continue (the document-start token is put first)")
+    ap.add_argument("--prompt", default="", type=utf8_text,
+                    help="text to continue (the document-start token is put first)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=120, help="new tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 is off")

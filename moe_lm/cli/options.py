@@ -64,3 +64,13 @@ def add_out(ap, help: str, required: bool = True, default: str | None = None, fo
             help="write --out even if it holds files this command did not write: that folder is moved aside to "
             "DIR.prev-<time> (nothing is deleted)",
         )  # fmt: skip
+
+
+def utf8_text(value: str) -> str:
+    """An argparse type for text a tokenizer encodes: the shell may pass bytes that are not UTF-8 (Python keeps them
+    as lone surrogates, which no tokenizer takes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("holds bytes that are not UTF-8 text; give it in UTF-8") from None
+    return value

@@ -14,6 +14,7 @@ and the command to resume.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -79,8 +80,20 @@ def run(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace) -> NoReturn:
-    """Start --nproc ranks of this command under DeepSpeed's launcher, quiet unless verbose, and become it. The
-    ranks inherit --verbose and --debug through the environment."""
+    """Start --nproc ranks of this command under DeepSpeed's launcher, quiet unless verbose, wait for them and exit
+    with their code. The ranks inherit --verbose and --debug through the environment.
+
+    Signals: Ctrl-C and SIGTERM (`kill`, `timeout`, a scheduler) sent to this process reach every rank, which
+    finishes its step, saves a checkpoint and stops (a second one stops the ranks at once, a third kills them);
+    the command then exits 128 + the signal. why not exec the launcher, or share our process group with it:
+    DeepSpeed's runner passes no signal on (a `kill` of it leaves the ranks training), and its per-node launcher
+    answers one by terminating every process below each rank (wandb's service with it, which ends rank 0 before it
+    saves) and killing the ranks 30 s later. So the launcher runs in a process group of its own, out of reach of
+    the terminal's Ctrl-C, and this process hands each signal to the ranks themselves."""
+    import signal
+    import subprocess
+
+    import psutil  # a DeepSpeed dependency
     import torch
 
     beside = Path(sys.executable).with_name("deepspeed")  # why: this interpreter's, also when not on PATH
@@ -93,7 +106,43 @@ def launch(args: argparse.Namespace) -> NoReturn:
     env = {**os.environ, COMMAND: shlex.join(typed)}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")  # why: else each process announces that it found no GPU
-    os.execvpe(cmd[0], [*cmd, *args.overrides], env)
+    proc = subprocess.Popen([*cmd, *args.overrides], env=env, process_group=0)
+    received: list[int] = []
+
+    def hand_on(signum, frame) -> None:
+        received.append(signum)
+        ranks = rank_processes(proc.pid)
+        if len(received) >= 3 or not ranks:  # the third signal, or no rank started yet: the launcher's whole group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL if len(received) >= 3 else signal.SIGTERM)
+            return
+        for rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, hand_on)
+    code = proc.wait()
+    sys.exit(0 if code == 0 else 128 + received[0] if received else code)
+
+
+def rank_processes(launcher_pid: int) -> list:
+    """The rank processes below DeepSpeed's runner `launcher_pid`: the children of its per-node launcher
+    (`deepspeed.launcher.launch`), as psutil processes ([] when none has started)."""
+    import psutil  # a DeepSpeed dependency
+
+    try:
+        below = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    ranks = []
+    for process in below:
+        try:
+            if any("deepspeed.launcher.launch" in part for part in process.parent().cmdline()):
+                ranks.append(process)
+        except (psutil.Error, AttributeError):
+            continue
+    return ranks
 
 
 def report_dead_peer(e: PeerLost) -> NoReturn:

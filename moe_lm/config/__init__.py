@@ -21,6 +21,7 @@ from moe_lm.config.loading import (
     preset_path,
     presets,
     read_preset,
+    safe_yaml,
     yaml_problem,
 )
 from moe_lm.config.moved_keys import MOVED, MOVED_UNTIL
@@ -50,5 +51,5 @@ __all__ = [
     "GQAConfig", "LoggingConfig", "MLAConfig", "MTPConfig", "ModelConfig", "MoEConfig", "ObjectiveConfig",
     "OptimConfig", "ParallelConfig", "PerformanceConfig", "RopeScalingConfig", "TrainConfig", "choices",
     "config_to_dict", "config_warnings", "dump_config", "from_dict", "load_config", "preset_path", "presets",
-    "read_preset", "register_choice", "require_ep_divides", "yaml_problem",
+    "read_preset", "register_choice", "require_ep_divides", "safe_yaml", "yaml_problem",
 ]  # fmt: skip

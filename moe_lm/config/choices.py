@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moe_lm.errors import ConfigError
+from moe_lm.errors import ConfigError, shown
 
 Rule = Callable[[Any], None]  # called with the whole Config (schema.py, which imports this module)
 
@@ -30,10 +30,10 @@ def choices(key: str) -> list[str]:
     return list(CHOICES[key])
 
 
-def require_choice(key: str, value: str, shown: str) -> None:
-    """A ConfigError naming `shown` (the dotted key) unless `value` is a name `key` accepts now."""
+def require_choice(key: str, value: str, dotted: str) -> None:
+    """A ConfigError naming `dotted` (the key's path) unless `value` is a name `key` accepts now."""
     if value not in CHOICES[key]:
         raise ConfigError(
-            f"{shown} = {value!r} is not known; known: {', '.join(CHOICES[key])} (research variants register more "
-            f"when {VARIANTS_MODULE} is imported: the moe-lm command and launch/ scripts do)"
+            f"{dotted} = {shown(value)} is not known; known: {', '.join(CHOICES[key])} (research variants register "
+            f"more when {VARIANTS_MODULE} is imported: the moe-lm command and launch/ scripts do)"
         )

@@ -16,7 +16,7 @@ import yaml
 from moe_lm.config.decode import from_dict
 from moe_lm.config.moved_keys import moved_keys, new_spelling
 from moe_lm.config.schema import Config
-from moe_lm.errors import ConfigError
+from moe_lm.errors import ConfigError, shown
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs"  # shipped with the package
 
@@ -46,11 +46,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} must look like section.key=value")
+            raise ConfigError(f"override {shown(item)} must look like section.key=value")
         try:
-            parsed = yaml.safe_load(value) if value.strip() else ""
+            parsed = safe_yaml(value) if value.strip() else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({yaml_problem(e)})") from None
+            raise ConfigError(f"override {shown(item)}: the value is not valid YAML ({yaml_problem(e)})") from None
         _set_dotted(raw, new_spelling(key.strip(), "an override"), parsed)
     cfg = from_dict(Config, raw)
     cfg.validate()
@@ -64,7 +64,7 @@ def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path.resolve() in chain:
         raise ConfigError(f"{path}: `base:` chain loops back to itself ({' -> '.join(map(str, chain))})")
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = safe_yaml(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
     except yaml.YAMLError as e:
@@ -76,7 +76,7 @@ def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if base is None:
         return raw
     if not isinstance(base, str):
-        raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
+        raise ConfigError(f"{path}: `base` must be a file name, got {shown(base)}")
     return _merge(read_preset(path.parent / base, (*chain, path.resolve())), raw)
 
 
@@ -90,11 +90,28 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _NoAliases(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases: `*name` repeats a node, and a few nested ones (a 2 KB "billion laughs"
+    file) expand to gigabytes. moe-lm's presets use none."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not accepted here; write the value out", self.peek_event().start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+def safe_yaml(text: str):
+    """`yaml.safe_load(text)` refusing aliases (yaml.YAMLError naming the line)."""
+    return yaml.load(text, Loader=_NoAliases)  # noqa: S506 - a SafeLoader subclass
+
+
 def yaml_problem(e: yaml.YAMLError) -> str:
     """Where and what, in one line (PyYAML's own message adds the offending line and a caret below it)."""
     mark = getattr(e, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return where + str(getattr(e, "problem", None) or e)
+    return where + str(getattr(e, "problem", None) or e)[:200]
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.errors import RunError
-from moe_lm.experiments import stats
+from moe_lm.experiments import power, stats
 from moe_lm.experiments.arm_data import PER_RUN, ArmData
 from moe_lm.experiments.curves import train_seconds, train_validation_gap
 from moe_lm.experiments.figures import draw
@@ -48,6 +48,8 @@ def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:
            "role": c.role, "seeds": seeds, "deltas": deltas, "mean": mean, "t_interval": [lo, hi],
            "relative_percent": 100 * mean / base if base else None, "verdict": verdict, "why": why,
            "underpowered": "underpowered" in why}  # fmt: skip
+    if c.role != "context" and n > 1:  # what a design needs to decide it, taking these seeds as a pilot
+        out["power"] = power.seeds_needed(deltas, c.expect, c.margin).as_dict()
     domain = a.arrays[0]["domain"]
     if c.metric not in PER_RUN and n > 0:
 
@@ -132,6 +134,7 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
     domains = sorted({k[5:] for r in runs for k in r.result if k.startswith("loss/")})
     results = {
         "experiment": exp.name, "claim": exp.claim, "source": exp.source, "steps": exp.steps, "seeds": exp.seeds,
+        "first_seed": exp.first_seed, "confirmatory": exp.confirmatory,
         "score_from": exp.score_from, "verdict": overall(comparisons, exp.exploratory), "command": command(exp),
         "exploratory": exp.exploratory, "arms": arm_table(exp, by_arm),
         "comparisons": comparisons, "domains": domains, "inputs": inputs,
@@ -146,6 +149,7 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
 def command(exp: Experiment) -> str:
     """The command that gives these runs again (an exploratory deviation is named by its flags)."""
     words = ["moe-lm experiment", exp.name] + ([f"--preset {exp.preset}"] if exp.preset else [])
+    words += ["--confirm"] if exp.confirmatory else []
     return " ".join(words + ([f"({exp.exploratory})"] if exp.exploratory else []))
 
 
@@ -176,11 +180,16 @@ def _summary_lines(exp: Experiment, results: dict, by_arm: dict[str, ArmData]) -
     if results.get("exploratory"):
         lines += ["", f"**Exploratory**: {results['exploratory']}. The rules were fixed for the definition's design; "
                   "this run deviates from it, so no comparison is judged."]  # fmt: skip
+    if exp.confirmatory:
+        lines += ["", f"**Confirmatory round**, declared in `{exp.confirmatory}` (committed before its first run): "
+                  f"fresh seeds {exp.first_seed}..{exp.first_seed + exp.seeds - 1}, the pilot's runs not pooled, the "
+                  "definition's comparisons, margins and rule unchanged."]  # fmt: skip
     if exp.verdict:
         lines += ["", exp.verdict.strip()]
     return lines + [
         "",
-        f"Each arm trained for {exp.steps} steps with seeds 0..{exp.seeds - 1} (the seed fixes initialisation and "
+        f"Each arm trained for {exp.steps} steps with seeds {exp.first_seed}..{exp.first_seed + exp.seeds - 1} (the "
+        "seed fixes initialisation and "
         f"data order, so arms are paired by seed), then evaluated on the whole validation split: "
         f"{first['documents']} documents, {first['labels']:,} scored tokens"
         + (f" (window positions >= {exp.score_from})" if exp.score_from > 1 else "")
@@ -277,8 +286,9 @@ def _training_lines(results: dict) -> list[str]:
 def _comparison_lines(results: dict) -> list[str]:
     """Every comparison's prediction, per-seed deltas, intervals and verdict, and the loss deltas per domain."""
     lines = ["", "## Comparisons (delta = a - b, paired by seed; 95 % t-intervals)", ""]
-    lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | relative | verdict |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines += ["| comparison | metric | prediction | delta per seed | mean (t-interval) | relative | verdict | "
+              "seeds for a verdict (80 %) |"]  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|")
     exploratory = results.get("exploratory")
     for c in results["comparisons"]:
         pred = c["expect"].replace("_", " ") + (f" (margin {c['margin']})" if c["margin"] else "")
@@ -293,8 +303,12 @@ def _comparison_lines(results: dict) -> list[str]:
             judged, pred = f"{'premise: ' if c['role'] == 'premise' else ''}**{c['verdict']}**: {c['why']}", f"a {pred}"
         lines.append(
             f"| {c['name']} | {c['metric']} | {pred} | {seeds} | {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) | "
-            f"{rel} | {judged} |"
+            f"{rel} | {judged} | {_power_cell(c)} |"
         )
+    if any("power" in c for c in results["comparisons"]):
+        lines += ["", "Seeds for a verdict: the smallest design whose verdict (supported or contradicted) this rule "
+                  f"reaches with {100 * power.TARGET:.0f} % probability, taking these seeds' mean and sd as true "
+                  "(moe_lm/experiments/power.py; the sd of a few seeds is itself uncertain)."]  # fmt: skip
     doms = results["domains"]
     for c in (c for c in results["comparisons"] if "by_domain" in c):
         lines += ["", f"Per domain, {c['name']} (loss): " + ", ".join(
@@ -302,6 +316,17 @@ def _comparison_lines(results: dict) -> list[str]:
             for d, v in c["by_domain"].items() if d < len(doms)
         )]  # fmt: skip
     return lines
+
+
+def _power_cell(c: dict) -> str:
+    p = c.get("power")
+    if not p:
+        return "-"
+    likely = "supported" if p["p_supported"] >= p["p_contradicted"] else "contradicted"
+    if p["seeds_needed"] is None:
+        best = 100 * (p["p_supported"] + p["p_contradicted"])
+        return f"none up to {power.MOST_SEEDS} (best {p['best_seeds']}: {best:.0f} %)"
+    return f"{p['seeds_needed']} (most likely {likely})"
 
 
 def closing_sections(exp: Experiment, figures: list[str]) -> list[str]:

@@ -1,6 +1,8 @@
-"""The table of experiment results that the README shows, generated from committed reports (docs/results/NAME/
-results.json), never transcribed by hand: per experiment its verdict, each judged comparison with its seed-paired
-mean and 95 % t-interval, and the command that gives the runs again. `moe-lm experiment --table docs/results`."""
+"""The table of experiment results that the README shows, generated from committed reports, never transcribed by
+hand: per experiment the pilot (docs/results/NAME/results.json) and its confirmatory round
+(docs/results/confirmatory/NAME/results.json) side by side, each with its seeds and steps, its verdict and every
+judged comparison with its seed-paired mean and 95 % t-interval; for a claim still open, what would close it (the
+seeds its last report's power estimate asks for, or a longer schedule). `moe-lm experiment --table docs/results`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 from pathlib import Path
 
 from moe_lm.errors import UserError
+from moe_lm.experiments.power import seeds_needed
 
 
 def load_results(folder: Path) -> list[dict]:
@@ -25,23 +28,62 @@ def load_results(folder: Path) -> list[dict]:
 
 
 def results_table(folder: Path) -> str:
-    """One row per shipped definition: its committed result, or a row saying it has not been run under the
-    current rules (nothing is carried over from older runs)."""
+    """One row per shipped definition: its committed pilot and confirmatory results, or a cell saying it has not
+    been run under the current rules (nothing is carried over from older runs)."""
     from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
 
-    lines = ["| experiment | claim | judged (a - b in the metric's unit: mean, 95 % t-interval over seeds) | verdict | "
-             "command |",
+    lines = ["| experiment | claim | pilot (a - b in the metric's unit: mean, 95 % t-interval over seeds) | "
+             "confirmatory round (fresh seeds, declared before it ran) | still open: what would close it |",
              "|---|---|---|---|---|"]  # fmt: skip
-    results = {r["experiment"]: r for r in load_results(folder)}
-    for name in sorted({p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")} | set(results)):
-        r = results.get(name)
-        if r is None:
-            claim = load_experiment(name).claim
-            lines.append(f"| {name} | {claim} | - | not run under the current rules yet | `moe-lm experiment {name}` |")
-            continue
-        judged = "; ".join(_judged(r)) or "-"
-        lines.append(f"| {r['experiment']} | {r['claim']} | {judged} | **{r['verdict']}** | `{_command(r)}` |")
+    pilots = {r["experiment"]: r for r in load_results(folder)}
+    confirming = Path(folder) / "confirmatory"
+    confirmed = {r["experiment"]: r for r in load_results(confirming)} if confirming.is_dir() else {}
+    for name in sorted({p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")} | set(pilots)):
+        pilot, confirm = pilots.get(name), confirmed.get(name)
+        claim = pilot["claim"] if pilot else load_experiment(name).claim
+        cells = [_cell(pilot, f"moe-lm experiment {name}"), _cell(confirm, f"moe-lm experiment {name} --confirm")]
+        lines.append(f"| {name} | {claim} | {cells[0]} | {cells[1]} | {_open(confirm or pilot)} |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(r: dict | None, command: str) -> str:
+    if r is None:
+        return f"not run under the current rules yet (`{command}`)"
+    judged = "; ".join(_judged(r)) or "-"
+    return f"**{r['verdict']}** ({len(_seeds(r))} seeds x {_steps(r)} steps): {judged} (`{_command(r)}`)"
+
+
+def _seeds(r: dict) -> list[int]:
+    """The seeds a report judged (a probe's: those of the runs it probed)."""
+    for c in [*r.get("comparisons", []), r.get("mask_comparison") or {}]:
+        if c.get("seeds"):
+            return c["seeds"]
+    return list(range(r.get("seeds", 0)))
+
+
+def _steps(r: dict) -> int:
+    """The steps of a report's runs (a probe records none: its definition takes the probed experiment's)."""
+    from moe_lm.experiments.spec import load_experiment
+
+    return r.get("steps") or load_experiment(r["experiment"]).steps
+
+
+def _open(r: dict | None) -> str:
+    """For each judged comparison of the newest report that is still inconclusive: the seeds a design at its
+    schedule needs (its power estimate), or that none up to 200 reaches a verdict there."""
+    if r is None or r["verdict"] != "inconclusive":  # decided (supported, contradicted, premise not met)
+        return "-"
+    out = []
+    for c in r.get("comparisons", []):
+        if c["role"] == "context" or c["verdict"] != "inconclusive" or len(c.get("deltas", [])) < 2:
+            continue
+        p = c.get("power") or seeds_needed(c["deltas"], c["expect"], c["margin"]).as_dict()  # reports before it
+        if p["seeds_needed"]:
+            out.append(f"{c['name']}: {p['seeds_needed']} seeds at {_steps(r)} steps")
+        else:
+            out.append(f"{c['name']}: no design up to 200 seeds at {_steps(r)} steps; a longer schedule or the GPU "
+                       "preset (--preset gpu)")  # fmt: skip
+    return "; ".join(out) or "-"
 
 
 def _judged(r: dict) -> list[str]:

@@ -172,7 +172,7 @@ def run_experiment(exp: Experiment, runs_root: Path, log=print) -> list[Run]:
     """Every arm x seed, one at a time, in seed-major order (so that a partial run already holds paired seeds)."""
     runs = []
     total = len(exp.arms) * exp.seeds
-    for seed in range(exp.seeds):
+    for seed in exp.seed_ids:
         for arm in exp.arms:
             run = resolve_run(exp, arm, seed, runs_root)
             t0 = time.perf_counter()

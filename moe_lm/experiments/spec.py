@@ -34,7 +34,8 @@ from pathlib import Path
 
 import yaml
 
-from moe_lm.config import ConfigError, yaml_problem
+from moe_lm.config import ConfigError, safe_yaml, yaml_problem
+from moe_lm.errors import shown
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"  # shipped with the package
 EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher", "equivalent")
@@ -89,6 +90,12 @@ class Experiment:
     # why this run deviates from the definition (--seeds, --steps, --extended): reported, never judged
     exploratory: str = ""
     preset: str = ""  # the declared preset applied (--preset/--long), for the reproduce command
+    first_seed: int = 0  # seeds first_seed .. first_seed + seeds - 1 (a confirmatory round's fresh ones)
+    confirmatory: str = ""  # the declaration a confirmatory round follows (moe_lm/experiments/declaration.py)
+
+    @property
+    def seed_ids(self) -> range:
+        return range(self.first_seed, self.first_seed + self.seeds)
 
 
 def load_experiment(name_or_path: str, preset: str | None = None, extended: bool = False) -> Experiment:
@@ -100,7 +107,7 @@ def load_experiment(name_or_path: str, preset: str | None = None, extended: bool
         known = ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")))
         raise ConfigError(f"no experiment {name_or_path!r} ({path} not found); defined: {known}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = safe_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML, {yaml_problem(e)}") from None
     presets = raw.pop("presets", {}) or {}
@@ -182,6 +189,6 @@ def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms:
     # an unquoted "- Why: because" item is a YAML mapping, which the report would print as a Python dict
     odd = [u for u in exp.untested if not isinstance(u, str)]
     if odd:
-        raise ConfigError(f"{path}: `untested` items must be text, got {odd!r}: quote an item that holds ': '")
+        raise ConfigError(f"{path}: `untested` items must be text, got {shown(odd)}: quote an item that holds ': '")
     if exp.steps < 1 or exp.seeds < 1 or exp.score_from < 1:
         raise ConfigError(f"{path}: steps, seeds and score_from must be >= 1")

@@ -110,6 +110,24 @@ def hierarchical_bootstrap(
     return float(lo), float(hi)
 
 
+def decide(low, high, low90, high90, all_below, all_above, expect: str, margin: float = 0.0):
+    """(supported, contradicted) of the verdict rule, elementwise over arrays of pilots or simulated designs: the
+    95 % interval (low, high), the 90 % one (for `equivalent`), and whether every seed's delta is below / above 0.
+    One rule for `verdict` and for the power of a design (moe_lm/experiments/power.py)."""
+    low, high, low90, high90 = map(np.asarray, (low, high, low90, high90))
+    if expect == "lower":
+        return (high < 0) & np.asarray(all_below), low > 0
+    if expect == "higher":
+        return (low > 0) & np.asarray(all_above), high < 0
+    if expect == "not_lower":
+        return low > -margin, high < -margin
+    if expect == "not_higher":
+        return high < margin, low > margin
+    if expect == "equivalent":
+        return (-margin < low90) & (high90 < margin), (low > margin) | (high < -margin)
+    raise ValueError(f"unknown expectation {expect!r}")
+
+
 def verdict(deltas: list[float], low: float, high: float, expect: str, margin: float = 0.0) -> tuple[str, str]:
     """(supported | contradicted | inconclusive, why) for delta = a - b, fixed before the runs, from the 95 %
     t-interval (low, high):
@@ -128,33 +146,22 @@ def verdict(deltas: list[float], low: float, high: float, expect: str, margin: f
     if expect in ("not_lower", "not_higher", "equivalent") and half > margin:
         resolution += f", wider than the margin {margin}: underpowered"
     d = np.asarray(deltas)
+    _, lo90, hi90 = t_interval(deltas, level=0.90)
+    supported, contradicted = decide(low, high, lo90, hi90, (d < 0).all(), (d > 0).all(), expect, margin)
+    why = {
+        "lower": (f"the interval lies below 0 and all {len(d)} seeds agree", "the interval lies above 0"),
+        "higher": (f"the interval lies above 0 and all {len(d)} seeds agree", "the interval lies below 0"),
+        "not_lower": (f"any gain is smaller than the margin {margin} (the interval lies above -{margin})",
+                      f"a gain beyond the margin {margin}: the interval lies below -{margin}"),
+        "not_higher": (f"any loss is smaller than the margin {margin} (the interval lies below {margin})",
+                       f"a loss beyond the margin {margin}: the interval lies above {margin}"),
+        "equivalent": (f"equivalent within {margin}: the 90 % interval (TOST) lies inside +/- {margin}",
+                       f"an effect beyond the margin {margin}: the 95 % interval lies outside +/- {margin}"),
+    }[expect]  # fmt: skip
+    if contradicted:
+        return "contradicted", why[1]
+    if supported:
+        return "supported", why[0]
     if expect == "equivalent":
-        _, lo90, hi90 = t_interval(deltas, level=0.90)
-        if -margin < lo90 and hi90 < margin:
-            return "supported", f"equivalent within {margin}: the 90 % interval (TOST) lies inside +/- {margin}"
-        if low > margin or high < -margin:
-            return "contradicted", f"an effect beyond the margin {margin}: the 95 % interval lies outside +/- {margin}"
         return "inconclusive", f"the interval reaches past the margin ({resolution})"
-    if expect == "lower":
-        if high < 0 and (d < 0).all():
-            return "supported", f"the interval lies below 0 and all {len(d)} seeds agree"
-        if low > 0:
-            return "contradicted", "the interval lies above 0"
-    elif expect == "higher":
-        if low > 0 and (d > 0).all():
-            return "supported", f"the interval lies above 0 and all {len(d)} seeds agree"
-        if high < 0:
-            return "contradicted", "the interval lies below 0"
-    elif expect == "not_lower":
-        if high < -margin:
-            return "contradicted", f"a gain beyond the margin {margin}: the interval lies below -{margin}"
-        if low > -margin:
-            return "supported", f"any gain is smaller than the margin {margin} (the interval lies above -{margin})"
-    elif expect == "not_higher":
-        if low > margin:
-            return "contradicted", f"a loss beyond the margin {margin}: the interval lies above {margin}"
-        if high < margin:
-            return "supported", f"any loss is smaller than the margin {margin} (the interval lies below {margin})"
-    else:
-        raise ValueError(f"unknown expectation {expect!r}")
     return "inconclusive", f"the interval includes the threshold ({resolution})"

@@ -2,15 +2,22 @@
 (`moe_lm/model/router.py`).
 
 Built on first use with torch's C++ extension loader (g++ and ninja; ~1 min, cached in
-~/.cache/torch_extensions; `make setup` builds them), for Linux CPUs with AVX2 or AVX-512 and fp32 tensors.
-Elsewhere, when the build fails (one warning), or with MOE_LM_CPU_KERNEL=0, the callers run their PyTorch code,
-which the tests hold the kernels to.
+~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR; `make setup` builds them), for Linux CPUs with AVX2 or AVX-512
+and fp32 tensors. Elsewhere, when the build fails (one warning), or with MOE_LM_CPU_KERNEL=0, the callers run their
+PyTorch code, which the tests hold the kernels to.
+
+The build folder is one per checkout (its name carries a hash of the sources' folder): two checkouts sharing a
+cache would otherwise rebuild over each other at every switch. And moe-lm processes take an flock around torch's
+loader, so a `lock` file torch finds there is one a killed build left (Ctrl-C during the first minute), which torch
+would wait on forever: it is removed first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
+import hashlib
 import os
 import sys
 import warnings
@@ -52,13 +59,16 @@ def load_cpu_kernels():
         return None  # why: only these builds are tested; elsewhere the PyTorch code is the safe choice
     from torch.utils.cpp_extension import load
 
+    name = f"moe_lm_cpu_kernels_{capability.lower()}"
     try:
-        with environment_ninja():
+        folder = build_folder(name)
+        with environment_ninja(), one_build_at_a_time(folder):
             return load(
-                name=f"moe_lm_cpu_kernels_{capability.lower()}",
+                name=name,
                 sources=[str(s) for s in _SOURCES],
                 extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS[capability]],
                 extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
             )
     except Exception as e:  # a missing compiler or ninja surfaces as several exception types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -70,6 +80,28 @@ def load_cpu_kernels():
             stacklevel=2,
         )
         return None
+
+
+def build_folder(name: str) -> Path:
+    """This checkout's build folder of extension `name`, created: under TORCH_EXTENSIONS_DIR or torch's default
+    root, as torch names its own (py<version>_cpu/), with a hash of the sources' folder in its name."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    where = hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    folder = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"{name}_{where}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def one_build_at_a_time(folder: Path):
+    """Hold an flock on `folder` while torch builds or loads there; a `lock` torch finds then was left by a build
+    that was killed (torch's own lock is a plain file, which a killed process never removes)."""
+    with open(folder / ".moe_lm_build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 @contextlib.contextmanager

@@ -209,6 +209,19 @@ def stage_parts(cfg: Config, rank: int, world: int) -> Callable[[str], bool]:
     return parts.__contains__
 
 
+def stages_without_experts(cfg: Config, world: int) -> list[int]:
+    """The pipeline stages that would hold no routed experts (only dense blocks, the embedding or the head).
+
+    why they are refused: DeepSpeed's ZeRO optimizer reduces the gradient norm of each of its parameter groups over
+    the pipeline group, and a stage without experts has no expert group: its ranks go on to the next collective
+    while the others wait in that one, and the run hangs at its first step."""
+    pp, m = cfg.parallel.pp_size, cfg.model
+    moe_parts = [f"layers.{i}" for i in range(m.first_k_dense_replace, m.n_layers)] + [
+        f"mtp.{k}" for k in range(m.mtp.depth)
+    ]
+    return [s for s in range(pp) if not any(map(stage_parts(cfg, s * (world // pp), world), moe_parts))]
+
+
 def build_pipeline(
     model: Transformer, pp_size: int, loss_chunk: int, grad_accum_steps: int, schedule: str = "1f1b"
 ) -> Pipeline:

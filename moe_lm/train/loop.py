@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import data_reference, latest_tag
-from moe_lm.config import Config, config_warnings, dump_config, require_ep_divides
+from moe_lm.config import Config, ConfigError, config_warnings, dump_config, require_ep_divides
 from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
 from moe_lm.data.prepare import DataReadLock, load_split
@@ -41,7 +41,15 @@ from moe_lm.model import (
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
 from moe_lm.parallel.engine import Engine, StagedEngine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
-from moe_lm.parallel.pipeline import Pipeline, PipelineObjective, build_pipeline, check_cut, stage_parts
+from moe_lm.parallel.pipeline import (
+    Pipeline,
+    PipelineObjective,
+    build_pipeline,
+    check_cut,
+    stage_parts,
+    stage_slices,
+    stages_without_experts,
+)
 from moe_lm.planning.stages import describe_stages
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
@@ -160,6 +168,13 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     t, pp = cfg.train, cfg.parallel.pp_size
     require_ep_divides(cfg.parallel.ep_size, cfg.model.moe.n_routed_experts, world, pp)  # before any stage is cut
+    if pp > 1 and (dense := stages_without_experts(cfg, world)):
+        raise ConfigError(
+            f"parallel.pp_size={pp}: pipeline stage{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))} would "
+            f"hold no routed experts (the cut gives {describe_stages(cfg, stage_slices(cfg, 0, world)[0])}; "
+            f"model.first_k_dense_replace={cfg.model.first_k_dense_replace}), and DeepSpeed's optimizer would wait "
+            "forever at the first step; use fewer stages, more layers, or fewer leading dense layers"
+        )
     torch.manual_seed(cfg.seed)
     if pretrained is not None:
         model = pretrained

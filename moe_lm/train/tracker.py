@@ -53,7 +53,7 @@ class Tracker:
             for name, counts in (histograms or {}).items():
                 # one bar per expert: the histogram's bins are the experts, heights are token-slots
                 data[name] = self.wandb.Histogram(np_histogram=(counts, np.arange(len(counts) + 1)))
-            self.wandb.log(data, step=row["step"])
+            self._to_wandb(lambda: self.wandb.log(data, step=row["step"]))
         if self.tb is not None:
             _log_tensorboard(self.tb, row, histograms or {})
 
@@ -66,9 +66,19 @@ class Tracker:
         pct = 100 * step / self.max_steps
         print(f"[{pct:5.1f}% {_fmt_time(elapsed)}<{_fmt_time(eta)}] {line}", flush=True)
 
+    def _to_wandb(self, call) -> None:
+        """`call` on wandb; if wandb's service is gone (killed with the terminal's Ctrl-C, say, or by a launcher
+        that terminates every process below a rank), say so once and go on without it. why not an error: the run
+        must still reach its checkpoint, and metrics.jsonl has every row."""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - wandb's service errors come as many types (broken pipe, timeouts)
+            self.wandb = None
+            self.info(f"warning: wandb stopped logging ({type(e).__name__}: {str(e)[:120]}); {self.path} has every row")
+
     def finish(self) -> None:
         if self.wandb is not None:
-            self.wandb.finish()
+            self._to_wandb(self.wandb.finish)
             self.wandb = None
         if self.tb is not None:
             self.tb.close()

@@ -113,3 +113,51 @@ def test_a_bug_inside_a_command_shows_its_traceback_not_a_user_error(cli, traine
     assert "Traceback" in proc.stderr and "KeyError: 'a key the code forgot'" in proc.stderr
     assert "error: a key the code forgot" not in proc.stderr
     assert not (tmp_path / "export").exists()  # the output folder is still written whole or not at all
+
+
+ALIAS_BOMB = "".join(
+    [f"l0: &l0 [{', '.join(['x'] * 10)}]\n"]
+    + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9)]
+    + ["model:\n  dim: *l8\n"]
+)
+
+
+def test_a_yaml_alias_bomb_in_a_checkpoints_config_is_refused_in_one_short_line(cli, copied_run, tmp_path):
+    copied_run()
+    for config in (tmp_path / "run").rglob("config.yaml"):
+        config.write_text(ALIAS_BOMB)
+    proc = cli("export", "--run", tmp_path / "run", "--out", tmp_path / "export")
+    refused(proc, "aliases (*name) are not accepted")
+    assert len(proc.stderr) < 1000 and not (tmp_path / "export").exists()
+
+
+def test_long_values_in_config_errors_are_cut(tmp_path):
+    from moe_lm.config import ConfigError, load_config
+
+    (tmp_path / "c.yaml").write_text("train:\n  max_steps: [" + ", ".join(["123456789"] * 100000) + "]\n")
+    with pytest.raises(ConfigError, match="expected an integer") as err:
+        load_config(tmp_path / "c.yaml")
+    assert len(str(err.value)) < 300
+
+
+def test_a_checkpoint_whose_config_was_edited_to_another_architecture_is_one_line(cli, copied_run, tmp_path):
+    import yaml
+
+    copied_run()
+    ckpt = max((tmp_path / "run" / "checkpoints").glob("step_*"))
+    for edit in ({"n_layers": 3}, {"dim": 48}, {"attention": "gqa"}):
+        config = yaml.safe_load((ckpt / "config.yaml").read_text())
+        config["model"].update(edit)
+        (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+        proc = cli("generate", "--run", tmp_path / "run", "--prompt", "the", "--max-new-tokens", "2")
+        refused(proc, "config.yaml does not describe the weights saved beside it")
+        shutil.copyfile(tmp_path / "run" / "config.yaml", ckpt / "config.yaml")  # restored: it generates again
+        assert cli("generate", "--run", tmp_path / "run", "--max-new-tokens", "2").returncode == 0
+
+
+@pytest.mark.parametrize("flag", ["--prompt", "--chart-tokens"])
+def test_bytes_that_are_not_utf8_in_text_flags_are_refused(cli, trained_run, tmp_path, flag):
+    latin1 = b"caf\xe9".decode("utf-8", "surrogateescape")  # what Python makes of a Latin-1 byte in argv
+    command = ["generate", "--run", trained_run()] if flag == "--prompt" else ["analyze", "--run", trained_run(),
+                                                                               "--out", tmp_path / "a"]  # fmt: skip
+    refused(cli(*command, flag, latin1), flag, "not UTF-8")

@@ -331,3 +331,39 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train)
     untrained = initial_model(cfg).eval()
     assert ranked["erank_init"] == pytest.approx(erank_by_layer(lambda c: objective.run(untrained, c), probe))
     assert max(ranked["erank_init"]) < 2.0  # untrained bidirectional attention is near-uniform: rank near one
+
+
+def test_a_confirmatory_round_runs_its_declared_seeds_and_refuses_any_deviation(
+    base, tmp_path, monkeypatch, cli, process
+):
+    import dataclasses
+
+    from moe_lm.experiments import declaration, spec
+
+    defs = tmp_path / "experiments"
+    (defs / "confirmatory").mkdir(parents=True)
+    path = definition(defs, base, name="exp")
+    exp = load_experiment(path)
+    declared = {
+        "experiment": "exp", "definition_sha256": declaration.definition_hash(Path(path)), "arms": list(exp.arms),
+        "comparisons": [dataclasses.asdict(c) for c in exp.comparisons], "first_seed": 100, "seeds": 2, "steps": 3,
+        "schedule": "as the pilot", "power": {}, "declared": "2026-11-27",
+    }  # fmt: skip
+    (defs / "confirmatory" / "exp.yaml").write_text(yaml.safe_dump(declared, sort_keys=False))
+    monkeypatch.setattr(spec, "EXPERIMENTS_DIR", defs)
+    monkeypatch.setattr(declaration, "DECLARATIONS_DIR", defs / "confirmatory")
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    for flags in (["--seeds", "3"], ["--steps", "5"], ["--extended"]):
+        proc = cli("experiment", "exp", "--confirm", *flags, "--runs", runs, "--out", out)
+        assert proc.returncode == 2 and "--confirm runs the declared design" in proc.stderr, proc.stderr[-2000:]
+    proc = cli("experiment", "exp", "--confirm", "--runs", runs, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["confirmatory"].endswith("confirmatory/exp.yaml") and not results["exploratory"]
+    assert results["comparisons"][0]["seeds"] == [100, 101] and results["verdict"] != "exploratory (no verdict)"
+    assert "**Confirmatory round**" in (out / "report.md").read_text()
+    assert "--confirm" in results["command"]
+    # the definition changed after the declaration: no confirmatory verdict
+    Path(path).write_text(Path(path).read_text().replace("expect: lower", "expect: higher"))
+    proc = cli("experiment", "exp", "--confirm", "--runs", runs, "--out", tmp_path / "again")
+    assert proc.returncode == 2 and "no confirmatory verdict" in proc.stderr and "changed since" in proc.stderr

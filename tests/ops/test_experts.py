@@ -291,3 +291,18 @@ def test_extensions_build_with_the_ninja_of_this_environment(monkeypatch):
     with ck.environment_ninja():
         assert shutil.which("ninja") == str(beside)
     assert os.environ["PATH"] == before
+
+
+def test_a_lock_left_by_a_killed_kernel_build_does_not_hang_the_next_load(process):
+    """Ctrl-C during the first build leaves torch's `lock` file in the build folder; torch alone would wait on it
+    forever. A fresh interpreter loads the kernels all the same."""
+    kernel()
+    from moe_lm.ops.cpu_kernels import build_folder
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    folder = build_folder(f"moe_lm_cpu_kernels_{capability}")
+    (folder / "lock").write_text("")  # what the killed build left
+    code = "from moe_lm.ops.cpu_kernels import load_cpu_kernels as k; m = k(); print(m.__name__ if m else None)"
+    out = process.python(code, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == f"moe_lm_cpu_kernels_{capability}", out.stderr[-2000:]
+    assert not (folder / "lock").exists()

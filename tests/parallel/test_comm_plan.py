@@ -153,3 +153,24 @@ def test_estimate_plans_from_a_routing_trace(tmp_path, cli):
     proc = cli("estimate", *argv, "--trace", other.folder)
     assert proc.returncode == 2  # a user error
     assert f"the trace {other.folder} routes to 2 of 4 experts but the config to 2 of 8" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda t: t.joinpath("experts_L1.u8").write_bytes(b"\xff" * (4096 * 2)), "experts_L1.u8 holds expert 255"),
+        (lambda t: t.joinpath("experts_L2.u8").write_bytes(b"\x00" * 10), "experts_L2.u8 is 10 bytes"),
+        (lambda t: t.joinpath("token.u32").unlink(), "token.u32 is missing"),
+        (lambda t: t.joinpath("meta.json").write_text('{"n_tokens": "many"}'), "n_tokens is 'many'"),
+        (lambda t: t.joinpath("meta.json").write_text("{"), "meta.json is not JSON"),
+    ],
+)
+def test_a_damaged_trace_is_one_line_naming_the_file(tmp_path, cli, damage, named):
+    rng = np.random.default_rng(0)
+    trace = write_trace(tmp_path / "trace", np.stack([rng.permutation(8)[:2] for _ in range(4096)]), 8)
+    damage(trace.folder)
+    argv = ["--config", "tiny", "--gpus-per-node", "2", "parallel.ep_size=2", "train.seq_len=64"]
+    proc = cli("estimate", *argv, "--trace", trace.folder)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
+    assert named in lines[0], lines[0]

@@ -12,6 +12,7 @@ import torch
 
 from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import Config, ConfigError, dump_config
+from moe_lm.parallel.pipeline import stages_without_experts
 from moe_lm.planning.stages import describe_stages, partition
 from tests.helpers.runs import rows, tiny_train_cfg
 from tests.workers.dist_reshard import fixed_tokens
@@ -228,3 +229,21 @@ def test_a_stage_builds_its_own_layers_only(tiny_data, tmp_path):
             stage = sum(other + experts for i, (other, experts, _, _) in enumerate(layers) if i in held)
             own_routers = sum(moe for i in held for moe in layers[i][2]) * router
             assert built == stage + (moe_blocks * router - own_routers), (schedule, rank)
+
+
+def test_a_stage_without_routed_experts_is_refused_before_it_hangs(tiny_data, tmp_path, ranks):
+    """2 blocks, the first dense: stage 0 would hold the embedding and a dense block only. DeepSpeed's ZeRO
+    optimizer would then reduce one gradient-norm group fewer on it than on stage 1, and both ranks would wait."""
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=2)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=1))
+    staged = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2))
+    assert stages_without_experts(staged, world=2) == [0]
+    four = pipeline_cfg(tiny_data, tmp_path / "four")
+    assert (
+        stages_without_experts(dataclasses.replace(four, parallel=dataclasses.replace(four.parallel, pp_size=2)), 2)
+        == []
+    )
+    dump_config(cfg, tmp_path / "two_blocks.yaml")
+    with pytest.raises(AssertionError, match="stage 0 would hold no routed experts"):
+        ranks(train_command, 2, "--config", tmp_path / "two_blocks.yaml", "parallel.pp_size=2", timeout=180)
+    assert not (tmp_path / "run").exists()

@@ -5,12 +5,14 @@ Each test injects one fault of the README's reliability table and checks what th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
 import os
 import signal
 import struct
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -283,6 +285,64 @@ def test_sigterm_to_a_two_rank_deepspeed_job_saves_on_every_rank(tiny_data, tmp_
     tag = latest_tag(tmp_path / "run")
     assert tag is not None and (tmp_path / "run" / "checkpoints" / tag / "rng_rank1.pt").is_file(), out[-3000:]
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
+MOE_LM = str(Path(sys.executable).with_name("moe-lm"))
+
+
+def wait_for_rows(run: Path, n: int, proc) -> None:
+    metrics, deadline = run / "metrics.jsonl", time.time() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+
+
+def still_running(marker: str) -> list[int]:
+    """Processes whose command line holds `marker` (a rank of that run), other than this test's."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if process.info["pid"] != os.getpid() and marker in " ".join(process.info["cmdline"] or []):
+            found.append(process.info["pid"])
+    return found
+
+
+@pytest.mark.parametrize(
+    "how, sig, settings",
+    [
+        # the terminal's Ctrl-C: SIGINT to the foreground process group (wandb's service on, pipeline stages)
+        (
+            "group",
+            signal.SIGINT,
+            ["logging.wandb_mode=offline", "parallel.pp_size=2", "parallel.zero_stage=1", "model.n_layers=4"],
+        ),
+        # `kill PID`, `timeout`, a scheduler: SIGTERM to the command's process only
+        ("pid", signal.SIGTERM, []),
+    ],
+)
+def test_a_signal_to_moe_lm_train_nproc_2_saves_on_every_rank_and_exits_128_plus_it(
+    tiny_data, tmp_path, launcher, how, sig, settings
+):
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=400, ckpt_interval=1000, eval_interval=1000)
+    dump_config(cfg, tmp_path / "cfg.yaml")
+    proc = launcher.start([MOE_LM, "train", "--nproc", "2", "--config", tmp_path / "cfg.yaml", *settings])
+    try:
+        wait_for_rows(tmp_path / "run", 3, proc)
+        os.killpg(proc.pid, sig) if how == "group" else proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        leftover = still_running(str(tmp_path / "cfg.yaml"))
+        for pid in leftover:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, (proc.returncode, out[-3000:])
+    assert not leftover, "ranks or the launcher went on training"
+    assert f"stopped by {signal.Signals(sig).name}" in out and "Traceback" not in out, out[-3000:]
+    tag = latest_tag(tmp_path / "run")
+    step = int(tag.split("_")[1])
+    assert step >= 3 and step == rows(tmp_path / "run")[-1]["step"], out[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / tag / "rng_rank1.pt").is_file()
 
 
 # ---- 7. one run per folder -------------------------------------------------------------------------------------

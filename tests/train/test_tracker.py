@@ -59,3 +59,25 @@ def test_wandb_banners_stay_off_the_console_unless_asked(tiny_data, tmp_path, tr
     banner = "wandb: Run data is saved locally"
     assert banner not in quiet.out + quiet.err and banner in loud.out + loud.err
     assert list((tmp_path / "quiet" / "wandb").glob("offline-run-*"))  # quiet, but the run is still recorded
+
+
+def test_a_dead_wandb_service_is_said_once_and_the_run_logs_on(tiny_data, tmp_path, capsys):
+    """A terminal's Ctrl-C (or a launcher terminating everything below a rank) can end wandb's service first: the
+    rank must go on to its checkpoint, with every row still in metrics.jsonl."""
+    from moe_lm.train.tracker import Tracker
+
+    class GoneService:
+        def log(self, data, step):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def finish(self):
+            raise AssertionError("finish after the service failed")
+
+    tracker = Tracker(tiny_train_cfg(tiny_data, tmp_path / "run"), tmp_path, enabled=True)
+    tracker.wandb = GoneService()
+    for step in (1, 2, 3):
+        tracker.log({"kind": "train", "step": step, "loss": 1.0})
+    tracker.finish()
+    said = capsys.readouterr().out
+    assert said.count("wandb stopped logging (BrokenPipeError") == 1
+    assert [json.loads(r)["step"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -1,0 +1,57 @@
+"""The power of a design (moe_lm/experiments/power.py) against closed forms, and `moe-lm experiment --power`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from moe_lm.experiments.power import TARGET, seeds_needed, verdict_probabilities
+from moe_lm.experiments.stats import t_quantile
+
+
+@pytest.mark.parametrize("mean, sd, n, margin", [(0.0, 0.02, 6, 0.01), (-0.005, 0.03, 10, 0.01), (0.02, 0.05, 4, 0.02)])
+def test_not_lower_is_a_one_sided_t_test_whose_power_is_the_noncentral_t(mean, sd, n, margin):
+    """not_lower is supported when the 95 % interval's low end lies above -margin: (mean_n + margin) / (s / sqrt(n))
+    above Student's 97.5 % quantile, whose probability is the noncentral t's tail (non-centrality
+    (mean + margin) sqrt(n) / sd)."""
+    supported, _ = verdict_probabilities(mean, sd, n, "not_lower", margin)
+    exact = scipy_stats.nct.sf(t_quantile(n - 1, 0.975), n - 1, (mean + margin) * math.sqrt(n) / sd)
+    assert supported == pytest.approx(exact, abs=0.01)
+
+
+def test_on_the_threshold_a_design_clears_it_two_and_a_half_percent_of_the_time():
+    supported, contradicted = verdict_probabilities(-0.01, 0.03, 8, "not_lower", 0.01)
+    assert supported == pytest.approx(0.025, abs=0.004) and contradicted == pytest.approx(0.025, abs=0.004)
+
+
+def test_lower_needs_every_seed_to_agree_so_small_effects_never_reach_a_verdict():
+    """P(supported) <= P(all n seeds below 0) = Phi(-mean / sd)^n, and <= the interval's own probability."""
+    mean, sd = -0.01, 0.05
+    for n in (3, 10, 30):
+        supported, _ = verdict_probabilities(mean, sd, n, "lower")
+        all_agree = scipy_stats.norm.cdf(-mean / sd) ** n
+        interval = scipy_stats.nct.cdf(-t_quantile(n - 1, 0.975), n - 1, mean * math.sqrt(n) / sd)
+        assert supported <= min(all_agree, interval) + 0.005
+    p = seeds_needed([-0.06, 0.04, 0.0], "lower")  # mean -0.007, sd 0.05: the clause wins, nothing reaches 80 %
+    assert p.seeds is None and p.p_verdict < TARGET
+
+
+def test_seeds_needed_is_the_smallest_design_that_reaches_the_target():
+    deltas = [0.012, -0.004, 0.008]  # mean +0.0053, sd 0.008, against a margin of 0.01
+    p = seeds_needed(deltas, "not_higher", 0.01)
+    mean, sd = float(np.mean(deltas)), float(np.std(deltas, ddof=1))
+    assert p.seeds is not None and p.p_verdict >= TARGET
+    assert sum(verdict_probabilities(mean, sd, p.seeds - 1, "not_higher", 0.01)) < TARGET
+    big = seeds_needed([-0.9, -0.8, -0.85], "lower")  # a large effect against its spread
+    assert big.seeds == 2 and big.p_supported > TARGET
+
+
+def test_power_prints_every_committed_report_of_an_experiment(cli):
+    proc = cli("experiment", "mtp", "--power")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| main-head loss"))
+    assert "docs/results/mtp (pilot)" in row and "3 x 360" in row
+    assert cli("experiment", "mtp", "--power", "--results", "no/such/folder").returncode == 2
