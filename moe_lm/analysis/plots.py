@@ -125,14 +125,25 @@ def load_over_training(train_rows: list[dict], eval_rows: list[dict], layers: li
     return fig
 
 
-def saturation_by_layer(layers: list[int], values: dict[int, float], k: int, E: int, label: str):
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(range(len(layers)), [values[layer] for layer in layers])
-    ax.axhline(k / E, color="black", ls="--", lw=1, label=f"uniform k/E = {k / E:.3f}")
-    ax.set_xticks(range(len(layers)), [f"L{layer}" for layer in layers])
-    ax.set_ylim(0, 1)
-    ax.set_title(f"router saturation vs {label}")
-    ax.legend(fontsize=7)
+def agreement_by_layer(layers: list[int], comparisons: dict[str, dict]):
+    """Per compared subject (a line each): top-1 agreement and top-k overlap with the subject, per MoE layer, with
+    their 95 % intervals over documents, and the chance level of the first (dotted)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    x = np.arange(len(layers))
+    for i, (label, c) in enumerate(comparisons.items()):
+        color = plt.cm.viridis(i / max(len(comparisons) - 1, 1))
+        for ax, key in zip(axes, ("top1_agreement", "topk_overlap"), strict=True):
+            rows = [c["layers"][str(layer)][key] for layer in layers]
+            mean = np.array([r["mean"] for r in rows])
+            err = np.abs(np.array([r["interval"] for r in rows]).T - mean)
+            ax.errorbar(x, mean, yerr=err, marker="o", ms=3, lw=1.2, capsize=2, color=color, label=label)
+            chance = [c["layers"][str(layer)]["chance"][key] for layer in layers]
+            ax.plot(x, chance, ls=":", lw=1, color=color)
+    for ax, title in zip(axes, ("same first choice", "top-k overlap |A∩B| / k"), strict=True):
+        ax.set_xticks(x, [f"L{layer}" for layer in layers])
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{title} with the subject (dotted: chance)", fontsize=9)
+    axes[0].legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     return fig
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.analysis import metrics
+from moe_lm.analysis.agreement import agreement
 from moe_lm.analysis.report_files import write_report
 from moe_lm.analysis.trace import Trace
 from moe_lm.data.tokenizer import Tokenizer
@@ -87,18 +88,19 @@ def routing_metrics(
     tok: Tokenizer,
     tokens: list[str],
     init_trace: Trace | None = None,
-    compare_trace: Trace | None = None,
-    compare_label: str = "",
+    compared: tuple[tuple[str, Trace], ...] = (),
     min_count: int = 20,
     n_boot: int = 500,
     layers_to_draw: list[int] | None = None,
+    no_untrained: str = "",
 ) -> dict:
     """Every number of the report (the content of metrics.json), from the traces alone.
 
     Keys, in this order (metrics.json keeps it): "trace" (what was recorded), "baseline_uniform_N0", "layers" (per
     MoE layer, keyed by str(layer); the drawn layers also carry "preferred_tokens"), "figure_layers" (the drawn
     layers: `figure_layers(trace.layers, layers_to_draw)`), "init_N1" (with `init_trace`), "tokens" (per requested
-    token: its [L, E] expert shares) and "saturation" (with `compare_trace`, labelled `compare_label`)."""
+    token: its [L, E] expert shares) and "comparisons" (per `compared` subject, by its label: `agreement`); without
+    N1, "init_N1_left_out" says why (`no_untrained`)."""
     drawn = figure_layers(trace.layers, layers_to_draw)
     result: dict = {
         "trace": trace_summary(trace),
@@ -108,9 +110,11 @@ def routing_metrics(
     }
     if init_trace is not None:
         result["init_N1"] = init_metrics(init_trace, trace.layers, trace.n_experts, min_count)
+    elif no_untrained:
+        result["init_N1_left_out"] = no_untrained
     result["tokens"] = token_shares(trace, chosen_token_ids(tok, tokens))
-    if compare_trace is not None:
-        result["saturation"] = saturation_metrics(trace, compare_trace, compare_label)
+    if compared:
+        result["comparisons"] = {label: agreement(trace, other, label, n_boot) for label, other in compared}
     return result
 
 
@@ -188,16 +192,6 @@ def token_shares(trace: Trace, token_ids: dict[str, int]) -> dict[str, dict]:
     return result
 
 
-def saturation_metrics(trace: Trace, compare_trace: Trace, label: str) -> dict:
-    """Router saturation against another checkpoint's trace of the same tokens, per layer (str keys), with the
-    label of that checkpoint and the K/E of two independent random routers."""
-    per_layer = {
-        str(layer): metrics.saturation(np.asarray(trace.experts(layer)), np.asarray(compare_trace.experts(layer)))
-        for layer in trace.layers
-    }
-    return {"against": label, **per_layer, "baseline": trace.k / trace.n_experts}
-
-
 def page_samples(trace: Trace, tok: Tokenizer, n_tokens: int) -> list[dict]:
     """The first document (up to n_tokens) of each domain, with its routing in every layer: what routing.html
     shows, as `routing_page` takes it ({"domain", "pieces", "experts": {layer: [N][K]}, "weights": ...})."""
@@ -231,8 +225,9 @@ class ReportRequest:
     tok: Tokenizer
     tokens: list[str]  # tokens whose routing across layers is charted
     init_trace: Trace | None = None  # the same tokens through the untrained model (baseline N1)
-    compare_trace: Trace | None = None  # another checkpoint on the same tokens (router saturation)
-    compare_label: str = ""
+    # other subjects' traces of the same token ids, by label: their agreement with this one
+    compared: tuple[tuple[str, Trace], ...] = ()
+    no_untrained: str = ""  # why there is no N1 (a GGUF file's)
     metrics_rows: list[dict] | None = None  # the run's metrics.jsonl rows (load over training), if any
     min_count: int = 20  # minimum occurrences for vocabulary specialisation
     n_boot: int = 500  # bootstrap resamples of the confidence intervals
@@ -244,8 +239,8 @@ def build_report(req: ReportRequest, out: Path) -> dict:
     """Compute the report (`routing_metrics`) and write it into `out` (`write_report`: metrics.json, metrics.csv,
     figures/*.png, routing.html); returns the metrics. `metrics_rows`: the run's metrics.jsonl rows, if any."""
     result = routing_metrics(
-        req.trace, req.tok, req.tokens, req.init_trace, req.compare_trace, req.compare_label, req.min_count,
-        req.n_boot, req.layers_to_draw,
+        req.trace, req.tok, req.tokens, req.init_trace, req.compared, req.min_count, req.n_boot, req.layers_to_draw,
+        req.no_untrained,
     )  # fmt: skip
     write_report(result, out, req.tok, page_samples(req.trace, req.tok, req.html_tokens), req.metrics_rows,
                  req.min_count)  # fmt: skip

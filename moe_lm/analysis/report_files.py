@@ -36,14 +36,14 @@ def write_report(
 
 
 def draw_figures(result: dict, figs: Path, metrics_rows: list[dict] | None = None) -> None:
-    """Every PNG of the report into `figs`: per drawn layer, then across layers, per token, saturation (when
-    compared) and load over training (when the run's metrics are given)."""
+    """Every PNG of the report into `figs`: per drawn layer, then across layers, per token, agreement with the
+    compared subjects (when there are) and load over training (when the run's metrics are given)."""
     for layer in result["figure_layers"]:
         draw_layer(result, layer, figs)
     draw_repetition(result, figs)
     draw_tokens(result, figs)
-    if "saturation" in result:
-        draw_saturation(result, figs)
+    if result.get("comparisons"):
+        plots.save(plots.agreement_by_layer(result["trace"]["layers"], result["comparisons"]), figs / "agreement.png")
     if metrics_rows:
         train = [r for r in metrics_rows if r["kind"] == "train"]
         evals = [r for r in metrics_rows if r["kind"] == "eval"]
@@ -87,17 +87,6 @@ def draw_tokens(result: dict, figs: Path) -> None:
         )
 
 
-def draw_saturation(result: dict, figs: Path) -> None:
-    """Router saturation by layer against the compared checkpoint."""
-    meta, sat = result["trace"], result["saturation"]
-    layers = meta["layers"]
-    per_layer = {layer: sat[str(layer)] for layer in layers}
-    plots.save(
-        plots.saturation_by_layer(layers, per_layer, meta["k"], meta["n_experts"], sat["against"]),
-        figs / "saturation.png",
-    )
-
-
 def routing_html(result: dict, samples: list[dict], tok: Tokenizer, min_count: int) -> str:
     """routing.html: the sample documents coloured by first-choice expert, the per-domain coverage and the
     preferred-token tables of the drawn layers."""
@@ -108,7 +97,9 @@ def routing_html(result: dict, samples: list[dict], tok: Tokenizer, min_count: i
         meta["layers"],
         meta["n_experts"],
         "Routing: first-choice expert per token",
-        coverage_table(meta) + preferred_tables(preferred, tok, min_count),
+        coverage_table(meta)
+        + comparison_tables(result.get("comparisons") or {})
+        + preferred_tables(preferred, tok, min_count),
     )
 
 
@@ -142,6 +133,34 @@ def coverage_table(meta: dict) -> str:
         "<h3>Tokens per domain</h3><table class='pref'><tr><th>domain</th><th>tokens</th><th>documents</th><th></th>"
         f"</tr>{rows}</table>"
     )
+
+
+def comparison_tables(comparisons: dict[str, dict]) -> str:
+    """Per compared subject: per layer its agreement with the subject (intervals over documents, chance beside),
+    flips and how many were near ties, and what the flips cost in log-prob."""
+    parts = []
+    for label, c in comparisons.items():
+        rows = []
+        for layer, m in c["layers"].items():
+            t1, ov, fl = m["top1_agreement"], m["topk_overlap"], m["flip_rate"]
+            rows.append(
+                f"<tr><td>{layer}</td><td>{t1['mean']:.4f} ({t1['interval'][0]:.4f}-{t1['interval'][1]:.4f}); chance "
+                f"{m['chance']['top1_agreement']:.3f}</td><td>{ov['mean']:.4f} ({ov['interval'][0]:.4f}-"
+                f"{ov['interval'][1]:.4f}); chance {m['chance']['topk_overlap']:.3f}</td><td>{m['flips']:,} "
+                f"({100 * fl['mean']:.3f} %), {m['flips_near_ties']:,} near ties</td></tr>"
+            )
+        any_layer, lp = c["tokens_differing_in_any_layer"], c.get("logprob") or {}
+        cost = lp.get("all", {})
+        cost_line = (f"; log-prob |Δ| mean {cost['mean_abs']:.2e}, p99 {cost['p99_abs']:.2e}, max {cost['max_abs']:.2e}"
+                     if cost.get("tokens") else "")  # fmt: skip
+        lo, hi = (100 * x for x in any_layer["interval"])
+        parts.append(
+            f"<h3>Against {html.escape(label)}</h3><p>Tokens whose experts differ in at least one layer: "
+            f"{100 * any_layer['mean']:.3f} % ({lo:.3f}-{hi:.3f}); chance {100 * any_layer['chance']:.1f} %"
+            f"{cost_line}.</p><table class='pref'><tr><th>layer</th><th>same first choice</th><th>top-k overlap</th>"
+            "<th>flips</th></tr>" + "".join(rows) + "</table>"
+        )
+    return ("<h2>Compared subjects (the same token ids)</h2>" + "".join(parts)) if parts else ""
 
 
 def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:

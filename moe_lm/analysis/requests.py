@@ -23,17 +23,30 @@ CHART_TOKENS = (".", ",", "the", "(", "def", "\n", "what")  # tokens whose routi
 
 @dataclass(frozen=True)
 class SubjectRequest:
-    """What is studied, on which documents: a moe-lm run's checkpoint (`run`), or a transformers MoE checkpoint
-    folder (`hf`, which needs `data`)."""
+    """What is studied, on which documents: a moe-lm run's checkpoint (`run`), a transformers MoE checkpoint folder
+    (`hf`), or a GGUF file run in llama.cpp (`gguf`); the last two need `data`."""
 
     run: RunRef | None = None
     hf: str | None = None
+    gguf: str | None = None
     data: tuple[str, ...] = ()  # sources as in data.sources; empty with a run: its validation split
     text_field: str = "text"  # the column (or .jsonl key) with the text
     domain_field: str = "domain"  # the column naming the domain (absent: the source's name)
     dtype: str = "float32"  # with hf: float32 or bfloat16
     device: str = "cpu"  # with hf: cpu, cuda, or auto (device_map="auto")
-    seq_len: int = 1024  # with hf: the window length (capped by the model's)
+    seq_len: int = 1024  # with hf or gguf: the window length (capped by the model's)
+    threads: int = 1  # with gguf: llama.cpp's threads
+    llama_defaults: bool = False  # with gguf: llama.cpp's default f16 KV cache and flash attention
+
+    @property
+    def label(self) -> str:
+        """How the subject is named in a report."""
+        if self.gguf:
+            return str(self.gguf)
+        if self.hf:
+            return str(self.hf)
+        run, tag = self.run
+        return f"{run}:{tag}" if tag else str(run)
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,9 @@ class RoutingRequest:
     out: Path  # the report folder: trace*/, figures/, routing.html, metrics.json, metrics.csv
     max_tokens: int = 200_000
     batch_size: int = 16  # sequences per forward pass
-    compare: RunRef | None = None  # another checkpoint on the same tokens: router saturation
+    # other subjects (a checkpoint of the same run, the run's GGUF export, an HF original) routing the same token
+    # ids: their agreement with this one, per layer and domain, and what their flips cost in log-prob
+    compare: tuple[SubjectRequest, ...] = ()
     chart_tokens: tuple[str, ...] = CHART_TOKENS
     min_count: int = 20  # minimum occurrences for vocabulary specialisation
     init_baseline: bool = True  # the untrained model's trace (baseline N1)

@@ -1,6 +1,7 @@
-"""The routing analysis, from checked flags to the report: the documents under the token budget, the traces (trained
-model, untrained baseline N1, an optional compared checkpoint), the report's numbers and files, an optional wandb
-log and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the flags and calls `analyze_routing`.
+"""The routing analysis, from checked flags to the report: the documents under the token budget, the traces (the
+subject, its untrained baseline N1, the compared subjects on the same token ids), the report's numbers and files, an
+optional wandb log and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the flags and calls
+`analyze_routing`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from moe_lm.analysis.report import ReportRequest, build_report, figure_layers
 from moe_lm.analysis.requests import RoutingRequest, SubjectRequest
 from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import Trace, record_trace
-from moe_lm.checkpoint.format import RunRef, load_model
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import UserError
@@ -35,16 +35,24 @@ def analyze_routing(req: RoutingRequest) -> dict:
     subject = load_subject(req.subject)
     docs, domains, source = budgeted_documents(subject, req.subject, req.max_tokens)
     common = dict(seq_len=subject.seq_len, batch_size=req.batch_size)
+    shape = routing_shape(subject.model)
     trace = record_trained(subject, docs, domains, source, out, common)
-    init_trace = None if not req.init_baseline else record_untrained(subject, docs, domains, source, out, common)
-    compare_trace, label = None, ""
-    if req.compare:
-        compare_trace, label = record_compared(req.compare, docs, domains, source, out, common)
+    init_trace = None
+    if req.init_baseline and subject.untrained is not None:
+        init_trace = record_untrained(subject, docs, domains, source, out, common)
+    elif req.init_baseline:
+        print(f"no untrained baseline N1: {subject.no_untrained}")
+    compared = tuple(
+        record_compared(other, subject, shape, docs, domains, source, out / f"trace_compare_{i}", common)
+        for i, other in enumerate(req.compare)
+    )
     rows = training_metrics(subject.run)
     drawn = figure_layers(trace.layers, list(req.layers) if req.layers is not None else None)
     print(f"figures and preferred-token tables for MoE layers {drawn} (--layers to choose)")
-    report = ReportRequest(trace, subject.tok, list(req.chart_tokens), init_trace, compare_trace, label, rows,
-                           req.min_count, layers_to_draw=drawn)  # fmt: skip
+    left_out = subject.no_untrained if init_trace is None else ""
+    report = ReportRequest(trace, subject.tok, list(req.chart_tokens), init_trace=init_trace, compared=compared,
+                           no_untrained=left_out, metrics_rows=rows, min_count=req.min_count,
+                           layers_to_draw=drawn)  # fmt: skip
     result = build_report(report, out)
     if req.wandb:
         log_to_wandb(subject, out, result)
@@ -106,21 +114,50 @@ def record_untrained(
     )  # fmt: skip
 
 
+# a text every tokenizer of a compared subject must cut into the subject's ids (same vocabulary, same pieces)
+PROBE_TEXT = "The expert routes each token.\n  def f(x): return x ** 2  # émigré, 中文, 🙂"
+
+
+def routing_shape(model) -> tuple[list[int], int, int]:
+    """(MoE layer ids, experts, experts per token) of a subject's model (PyTorch, or a GGUF in llama.cpp)."""
+    if hasattr(model, "route_batch"):
+        return list(model.layers), model.n_experts, model.k
+    return list(model.moe_layer_ids()), model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
+
+
 def record_compared(
-    spec: RunRef, docs: Documents, domains: list[str], source: dict, out: Path, common: dict
-) -> tuple[Trace, str]:
-    """--compare RUN[:TAG]: that checkpoint's trace of the same tokens, into out/trace_compare, and its label."""
-    crun, ctag = spec
+    what: SubjectRequest,
+    subject: Subject,
+    shape: tuple,
+    docs: Documents,
+    domains: list[str],
+    source: dict,
+    out: Path,
+    common: dict,
+) -> tuple[str, Trace]:
+    """Another subject's trace of the same token ids into `out`, with its label; refused in one line when its
+    vocabulary (size, or the ids of a probe text) or its MoE layers differ from the subject's."""
+    label = what.label
     try:
-        _, cmodel, ctag = load_model(crun, ctag)
+        other = load_subject(what)
     except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"--compare: {e}") from None
-    label = f"{crun}:{ctag}"
+        raise UserError(f"--compare {label}: {e}") from None
+    if other.vocab_size != subject.vocab_size or other.tok.encode(PROBE_TEXT) != subject.tok.encode(PROBE_TEXT):
+        raise UserError(
+            f"--compare {label}: another vocabulary than the subject's ({other.vocab_size:,} against "
+            f"{subject.vocab_size:,} ids, or other ids for the same text); subjects are compared on the same token ids"
+        )
+    if routing_shape(other.model) != shape:
+        layers, E, K = routing_shape(other.model)
+        raise UserError(
+            f"--compare {label}: MoE layers {layers} of {E} experts (top-{K}), the subject's {shape[0]} of {shape[1]} "
+            f"(top-{shape[2]}): not the same architecture"
+        )
     trace = record_trace(
-        cmodel, docs, out / "trace_compare", domains, source={**source, "run": label},
-        progress=f"routing ({label})", **common,
+        other.model, docs, out, domains, source={**source, **other.source}, progress=f"routing ({label})",
+        seq_len=min(common["seq_len"], other.seq_len), batch_size=common["batch_size"],
     )  # fmt: skip
-    return trace, label
+    return label, trace
 
 
 def training_metrics(run: Path | None) -> list[dict] | None:
@@ -154,7 +191,8 @@ def log_to_wandb(subject: Subject, out: Path, result: dict) -> None:
 
 
 def print_summary(result: dict) -> None:
-    """One console line per MoE layer (the headline numbers next to their baselines)."""
+    """One console line per MoE layer (the headline numbers next to their baselines), and one per compared
+    subject."""
     base = result["baseline_uniform_N0"]
     for layer, lm in result["layers"].items():
         r = lm["repetition"]
@@ -165,3 +203,9 @@ def print_summary(result: dict) -> None:
             f"same first choice {r['same_first']:.3f} (random {base['same_first']:.3f}) | top-k overlap "
             f"{r['topk_overlap']:.3f} (random {base['topk_overlap']:.3f})"
         )
+    for label, c in (result.get("comparisons") or {}).items():
+        any_layer, cost = c["tokens_differing_in_any_layer"], (c.get("logprob") or {}).get("all", {})
+        flips = ", ".join(f"L{layer} {100 * m['flip_rate']['mean']:.2f} %" for layer, m in c["layers"].items())
+        lp = f" | log-prob |Δ| mean {cost['mean_abs']:.2e}, max {cost['max_abs']:.2e}" if cost.get("tokens") else ""
+        print(f"vs {label}: experts differ for {100 * any_layer['mean']:.2f} % of tokens in some layer (chance "
+              f"{100 * any_layer['chance']:.1f} %) | flips {flips}{lp}")  # fmt: skip

@@ -1,5 +1,5 @@
-"""What the analytics study: a moe-lm run's checkpoint or a transformers MoE checkpoint, with its tokenizer and
-documents; shared by `moe-lm analyze` and `moe-lm ablate`."""
+"""What the analytics study: a moe-lm run's checkpoint, a transformers MoE checkpoint, or a GGUF file run in
+llama.cpp, with its tokenizer and documents; shared by `moe-lm analyze` and `moe-lm ablate`."""
 
 from __future__ import annotations
 
@@ -50,15 +50,18 @@ def user_documents(
 
 @dataclass
 class Subject:
-    """What is analysed: the model, its tokenizer, the window length, and how to build its untrained twin (N1)."""
+    """What is analysed: the model (a PyTorch module, or a GGUF file in llama.cpp), its tokenizer, the window
+    length, and how to build its untrained twin (N1; None, with the reason, where there is none)."""
 
     model: nn.Module
     tok: Tokenizer
     seq_len: int
-    untrained: Callable[[], nn.Module]
+    untrained: Callable[[], nn.Module] | None
     source: dict
     run: Path | None = None  # a moe-lm run folder (its metrics, wandb and validation split)
     cfg: Config | None = None
+    vocab_size: int = 0  # the model's embedding rows (subjects compared must have the same)
+    no_untrained: str = ""  # why there is no N1 baseline
 
 
 def run_subject(spec) -> Subject:
@@ -70,7 +73,8 @@ def run_subject(spec) -> Subject:
         return initial_model(cfg)
 
     tok = load_data_tokenizer(cfg.data.out_dir)
-    return Subject(model, tok, cfg.train.seq_len, untrained, {"run": str(run), "tag": tag}, run, cfg)
+    source = {"run": str(run), "tag": tag}
+    return Subject(model, tok, cfg.train.seq_len, untrained, source, run, cfg, vocab_size=cfg.model.vocab_size)
 
 
 def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
@@ -104,12 +108,46 @@ def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
 
     seq_len = min(seq_len, getattr(config, "max_position_embeddings", seq_len))
     source = {"hf": str(path), "model_type": config.model_type}
-    return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source)
+    return Subject(model, HFTokenizer(Path(path)), seq_len, untrained, source, vocab_size=config.vocab_size)
+
+
+NO_GGUF_N1 = (
+    "a GGUF file holds trained weights only, and llama.cpp has no way to initialise its architecture afresh: the "
+    "untrained baseline N1 comes from the same model's original (--run or --hf)"
+)
+
+
+def gguf_subject(path: str, threads: int, faithful: bool, seq_len: int) -> Subject:
+    """A GGUF file run in llama.cpp with the file's own tokenizer (no N1: NO_GGUF_N1)."""
+    from moe_lm.interop.llama_cpp import GGUFModel
+
+    context = int(_gguf_context(path) or seq_len)
+    model = GGUFModel(path, threads=threads, faithful=faithful, n_ctx=min(seq_len, context))
+    how = "an f32 KV cache, no flash attention" if faithful else "its default settings"
+    print(f"{path}: {model.arch}, {model.n_experts} experts, top-{model.k}, MoE blocks {model.layers[0]}.."
+          f"{model.layers[-1]}, run in llama.cpp with {how}")  # fmt: skip
+    source = {"gguf": str(path), **model.settings()}
+    return Subject(model, model.tok, model.n_ctx, None, source, vocab_size=model.n_vocab, no_untrained=NO_GGUF_N1)
+
+
+def _gguf_context(path: str) -> int | None:
+    """The context length a GGUF file declares, read with gguf-py (None if it cannot be read)."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+        return int(reader.fields[f"{arch}.context_length"].contents())
+    except Exception:  # noqa: BLE001 - a file llama.cpp then refuses with its own message
+        return None
 
 
 def load_subject(what: SubjectRequest) -> Subject:
-    """The Subject a request names: its hf folder or its run; a clear error for what cannot be loaded."""
+    """The Subject a request names: its run, its hf folder or its GGUF file; a clear error for what cannot be
+    loaded."""
     try:
+        if what.gguf:
+            return gguf_subject(what.gguf, what.threads, not what.llama_defaults, what.seq_len)
         return hf_subject(what.hf, what.dtype, what.device, what.seq_len) if what.hf else run_subject(what.run)
     except OSError as e:  # a folder transformers cannot read: the user's to fix, not a bug
         raise UserError(str(e)) from None

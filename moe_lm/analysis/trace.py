@@ -8,11 +8,14 @@ Format (a folder, append-only while recording; `meta.json` is written last and n
     domain.u16             domain index into meta       [N] uint16
     experts_L{l}.u8/u16    chosen experts, rank order   [N, K] uint8 (E <= 256) or uint16, one file per MoE layer
     weights_L{l}.f16       their gate weights            [N, K] float16
+    margin_L{l}.f32        each decision's margin       [N] float32 (format 2; NaN where the scores are not known)
+    logprob.f32            log p(token | its window's earlier tokens)  [N] float32 (format 2; NaN first in a window)
 Tokens of one document are contiguous and in order, so consecutive rows with the same doc are neighbours.
 
-Recording uses forward hooks on the routers' outputs (the `Routing` ours return, or the (logits, weights, indices)
-of a transformers gate; see hf_routing.py), never a recomputation from logits: under biased, group-limited routing
-only the router knows what it chose.
+Recording reads what the router chose, never a recomputation from logits (under biased, group-limited routing only
+the router knows what it chose): forward hooks on the routers' outputs (the `Routing` ours return, or the (logits,
+weights, indices) of a transformers gate; see hf_routing.py), or llama.cpp's own graph tensors for a GGUF file
+(moe_lm/interop/llama_cpp.py). A trace of format 1 (no margins, no log-probs) still reads.
 """
 
 from __future__ import annotations
@@ -28,10 +31,9 @@ import torch
 from tqdm import tqdm
 
 from moe_lm.errors import ConfigError, DataError, NotFound, shown
-from moe_lm.model import Transformer
-from moe_lm.routing.recorder import RoutingRecorder
+from moe_lm.routing.recorder import Routed, RoutingRecorder
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: margin_L{l}.f32 and logprob.f32
 
 
 @dataclass
@@ -96,6 +98,15 @@ class Trace:
     def weights(self, layer: int) -> np.ndarray:
         return self._col(f"weights_L{layer}.f16", np.float16, self.k)
 
+    def margins(self, layer: int) -> np.ndarray | None:
+        """[N] each decision's margin (stats.decision_margins), or None in a trace of format 1."""
+        return self._col(f"margin_L{layer}.f32", np.float32) if self.meta.get("format_version", 1) >= 2 else None
+
+    @property
+    def logprob(self) -> np.ndarray | None:
+        """[N] each token's log-prob given its window's earlier tokens, or None in a trace of format 1."""
+        return self._col("logprob.f32", np.float32) if self.meta.get("format_version", 1) >= 2 else None
+
 
 def _meta_problem(meta) -> str | None:
     """What is wrong with a trace's meta.json (a missing field, a value of the wrong type), or None."""
@@ -129,23 +140,29 @@ class TraceWriter:
             source,
         )
         suffix = _expert_suffix(n_experts)
-        names = ["token.u32", "doc.u32", "pos.u32", "domain.u16"]
+        names = ["token.u32", "doc.u32", "pos.u32", "domain.u16", "logprob.f32"]
         names += [f"experts_L{layer}.{suffix}" for layer in layers] + [f"weights_L{layer}.f16" for layer in layers]
+        names += [f"margin_L{layer}.f32" for layer in layers]
         self.files = {name: open(folder / name, "wb") for name in names}  # noqa: SIM115 - closed in close()
         self.n = 0
         self.docs = set()
 
-    def append(self, token, doc, pos, domain, experts: dict[int, np.ndarray], weights: dict[int, np.ndarray]) -> None:
-        f = self.files
+    def append(self, token, doc, pos, domain, routed: Routed) -> None:
+        """Rows in order: their token ids, document, position and domain, and how they were routed."""
+        f, n = self.files, len(token)
         np.asarray(token, np.uint32).tofile(f["token.u32"])
         np.asarray(doc, np.uint32).tofile(f["doc.u32"])
         np.asarray(pos, np.uint32).tofile(f["pos.u32"])
         np.asarray(domain, np.uint16).tofile(f["domain.u16"])
+        np.asarray(routed.logprob, np.float32).reshape(n).tofile(f["logprob.f32"])
         suffix = _expert_suffix(self.n_experts)
         for layer in self.layers:
-            np.asarray(experts[layer], _expert_dtype(self.n_experts)).tofile(f[f"experts_L{layer}.{suffix}"])
-            np.asarray(weights[layer], np.float16).tofile(f[f"weights_L{layer}.f16"])
-        self.n += len(token)
+            np.asarray(routed.experts[layer], _expert_dtype(self.n_experts)).tofile(f[f"experts_L{layer}.{suffix}"])
+            np.asarray(routed.weights[layer], np.float16).tofile(f[f"weights_L{layer}.f16"])
+            margin = routed.margins.get(layer)
+            margin = np.full(n, np.nan) if margin is None or len(margin) != n else margin
+            np.asarray(margin, np.float32).tofile(f[f"margin_L{layer}.f32"])
+        self.n += n
         self.docs.update(np.unique(doc).tolist())
 
     def close(self, extra: dict | None = None) -> Trace:
@@ -198,35 +215,60 @@ def chunk_batches(chunks: Iterable[DocChunk], batch_size: int) -> Iterator[list[
         yield batch
 
 
-def route_batch(model: Transformer, recorder: RoutingRecorder, batch: list[DocChunk]) -> torch.Tensor:
-    """Run `model` on the chunks, right-padded to the longest; the recorder then holds each MoE layer's
-    (experts, weights) [B*S, K]. Returns the [B*S] mask of the real (not padding) rows."""
-    S = max(len(c.tokens) for c in batch)
-    tokens = torch.zeros(len(batch), S, dtype=torch.long)  # right padding: causal, so it cannot affect real tokens
-    valid = torch.zeros(len(batch), S, dtype=torch.bool)
-    for b, c in enumerate(batch):
-        tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
-        valid[b, : len(c.tokens)] = True
-    recorder.last.clear()
-    model(tokens)  # the inference path: decoder layers only (a model's MTP modules do not run)
-    return valid.flatten()
+class TorchRouting:
+    """A PyTorch model (our Transformer, or an HFMoEModel) as a routing source: its routers' choices through hooks,
+    and each token's log-prob from its logits. `route_batch(chunks)` runs them right-padded in one forward pass."""
+
+    def __init__(self, model) -> None:
+        if model.cfg.attn_mask != "causal":
+            raise ConfigError("recording needs a causal model (padding would leak into a bidirectional prefix)")
+        self.model = model.eval()
+        self.recorder = RoutingRecorder(model, margins=True)
+        self.n_experts, self.k = model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
+        self.layers = self.recorder.layers
+
+    def __enter__(self) -> TorchRouting:
+        self.recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.recorder.__exit__(*exc)
+
+    @torch.no_grad()
+    def route_batch(self, batch: list[DocChunk]) -> Routed:
+        S = max(len(c.tokens) for c in batch)
+        tokens = torch.zeros(len(batch), S, dtype=torch.long)  # right padding: causal, so it cannot affect real tokens
+        valid = torch.zeros(len(batch), S, dtype=torch.bool)
+        for b, c in enumerate(batch):
+            tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
+            valid[b, : len(c.tokens)] = True
+        self.recorder.last.clear()
+        self.recorder.margins.clear()
+        out = self.model(tokens)  # the inference path: decoder layers only (a model's MTP modules do not run)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        real = valid.flatten().numpy()
+        layers = [layer for layer in self.layers if layer in self.recorder.last]  # those that ran
+        margins = {layer: m.reshape(-1)[real] for layer, m in self.recorder.margins.items()}
+        return Routed(
+            {layer: self.recorder.last[layer][0][valid.flatten()].numpy() for layer in layers},
+            {layer: self.recorder.last[layer][1][valid.flatten()].numpy() for layer in layers},
+            margins,
+            np.concatenate(
+                [window_logprobs(logits[b, : len(c.tokens)], tokens[b, : len(c.tokens)]) for b, c in enumerate(batch)]
+            ),  # fmt: skip
+        )
 
 
-def write_batch(writer: TraceWriter, batch: list[DocChunk], recorder: RoutingRecorder, valid: torch.Tensor) -> None:
-    """Append the batch's real rows: its chunks' tokens in order, with the routing the recorder holds."""
-    writer.append(
-        np.concatenate([c.tokens for c in batch]),
-        np.concatenate([np.full(len(c.tokens), c.doc) for c in batch]),
-        np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in batch]),
-        np.concatenate([np.full(len(c.tokens), c.domain) for c in batch]),
-        {layer: recorder.last[layer][0][valid].numpy() for layer in writer.layers},
-        {layer: recorder.last[layer][1][valid].numpy() for layer in writer.layers},
-    )
+def window_logprobs(logits_SV: torch.Tensor, tokens_S: torch.Tensor) -> np.ndarray:
+    """log p(token t | tokens < t) in one window [S] (NaN at t = 0), without holding its whole softmax."""
+    logits = logits_SV[:-1].float()
+    picked = logits.gather(-1, tokens_S[1:, None].to(logits.device))[:, 0] - torch.logsumexp(logits, dim=-1)
+    return np.concatenate([[np.nan], picked.cpu().double().numpy()])
 
 
 @torch.no_grad()
 def record_trace(
-    model: Transformer,
+    model,
     docs: Iterable[tuple[int, np.ndarray]],
     out: str | Path,
     domains: list[str],
@@ -236,27 +278,31 @@ def record_trace(
     source: dict | None = None,
     progress: bool | str = True,
 ) -> Trace:
-    """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`.
-    `progress`: a progress bar (a string labels it), counting the tokens given when `docs` is a list."""
-    if model.cfg.attn_mask != "causal":
-        raise ConfigError("recording needs a causal model (padding would leak into a bidirectional prefix)")
-    model.eval()
-    recorder = RoutingRecorder(model)
-    E, K = model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
+    """Run `model` over documents (domain index, token ids) and stream every token's routing to `out`. `model`: a
+    PyTorch model (our Transformer, an HFMoEModel), or a routing source of its own with `route_batch(chunks)`,
+    `layers`, `n_experts` and `k` (a GGUF file in llama.cpp). `progress`: a progress bar (a string labels it),
+    counting the tokens given when `docs` is a list."""
+    routing = model if hasattr(model, "route_batch") else TorchRouting(model)
     writer: TraceWriter | None = None  # made at the first batch: its layers are the routers that ran
     t0 = time.perf_counter()
     bar = _progress_bar(docs, max_tokens, progress)
-    with recorder:
+    with routing:
         for batch in chunk_batches(budgeted_chunks(docs, seq_len, max_tokens), batch_size):
-            valid = route_batch(model, recorder, batch)
+            routed = routing.route_batch(batch)
             if writer is None:
-                layers = [layer for layer in recorder.layers if layer in recorder.last]
-                writer = TraceWriter(Path(out), layers, E, K, domains, source or {})
-            write_batch(writer, batch, recorder, valid)
-            bar.update(int(valid.sum()))
+                layers = [layer for layer in routing.layers if layer in routed.experts]
+                writer = TraceWriter(Path(out), layers, routing.n_experts, routing.k, domains, source or {})
+            writer.append(
+                np.concatenate([c.tokens for c in batch]),
+                np.concatenate([np.full(len(c.tokens), c.doc) for c in batch]),
+                np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in batch]),
+                np.concatenate([np.full(len(c.tokens), c.domain) for c in batch]),
+                routed,
+            )
+            bar.update(sum(len(c.tokens) for c in batch))
     bar.close()
     if writer is None:  # no documents: an empty trace (the caller says there is nothing to analyse)
-        writer = TraceWriter(Path(out), recorder.layers, E, K, domains, source or {})
+        writer = TraceWriter(Path(out), list(routing.layers), routing.n_experts, routing.k, domains, source or {})
     seconds = time.perf_counter() - t0
     return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9)})
 

@@ -4,14 +4,20 @@
     moe-lm analyze --run runs/tiny --data my_corpus/ --out analysis_mine --chart-tokens . , the what
     moe-lm analyze --run runs/tiny --compare runs/tiny:step_00000250 --out analysis       # + router saturation
     moe-lm analyze --hf path/to/DeepSeek-V2-Lite --data corpus/ --out analysis_v2lite     # a released model
+    moe-lm analyze --gguf model-Q4_K_M.gguf --data corpus/ --out a_q4                     # as llama.cpp runs it
+    moe-lm analyze --hf path/to/Qwen3-30B-A3B --data mmlu.jsonl --domain-field subject \
+        --compare qwen3-f16.gguf qwen3-q8_0.gguf qwen3-q4_k_m.gguf --out drift           # what quantisation flips
 
 --run: a moe-lm run (default data: its validation split, documents with their domains); --hf: a transformers MoE
 checkpoint (DeepseekV3/V2, Glm4Moe, Qwen2Moe/Qwen3Moe, OlmoE, Mixtral) with its own tokenizer, in --dtype on
---device. --data takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the
-subject's tokenizer. Writes into --out: trace/ (the recorded routing), trace_init/ (the same tokens through the
-untrained model: baseline N1), figures/*.png, routing.html, metrics.json and metrics.csv; with --wandb, logs the
-figures to the run's own wandb run too. The token budget (--max-tokens) is spread equally over the domains.
-The same as `python launch/analyze_routing.py`.
+--device; --gguf: a GGUF MoE file of any type (f32 ... q2_K), run in llama.cpp with its own tokenizer (the llama
+extra), its experts read from llama.cpp's graph. --compare: other subjects routing the very same token ids (a
+checkpoint RUN[:TAG], an HF folder, a .gguf file): their agreement with this one per layer and domain. --data
+takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the subject's
+tokenizer. Writes into --out: trace/ (the recorded routing), trace_init/ (the same tokens through the untrained
+model: baseline N1; none for a GGUF file), trace_compare_<i>/, figures/*.png, routing.html, metrics.json and
+metrics.csv; with --wandb, logs the figures to the run's own wandb run too. The token budget (--max-tokens) is
+spread equally over the domains. The same as `python launch/analyze_routing.py`.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest
+from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest, SubjectRequest
 from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out, utf8_text
@@ -29,11 +36,11 @@ from moe_lm.errors import UserError, require
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    add_subject(ap)
+    add_subject(ap, gguf=True)
     add_out(ap, "the report folder (created)")
     ap.add_argument(
-        "--compare", type=parse_run, metavar="RUN[:TAG]",
-        help="another checkpoint routed on the same tokens: router saturation",
+        "--compare", nargs="+", default=[], metavar="SUBJECT",
+        help="other subjects on the same token ids: RUN[:TAG], an HF folder, or a .gguf file (each its agreement)",
     )  # fmt: skip
     ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> None:
                 folder,
                 args.max_tokens,
                 args.batch_size,
-                args.compare,
+                tuple(compared_subject(spec, args) for spec in args.compare),
                 tuple(args.chart_tokens),
                 args.min_count,
                 not args.no_init_baseline,
@@ -73,6 +80,19 @@ def run(args: argparse.Namespace) -> None:
         )
         figures = len(list((folder / "figures").glob("*.png")))
     print(f"wrote metrics.json, metrics.csv, routing.html and {figures} figures to {out.path}")
+
+
+def compared_subject(spec: str, args: argparse.Namespace) -> SubjectRequest:
+    """A --compare SUBJECT: a GGUF file (by its magic), a transformers folder (a config.json and no checkpoints), or
+    a run RUN[:TAG]; llama.cpp's and transformers' settings as for the subject."""
+    path = Path(spec)
+    common = dict(dtype=args.dtype, device=args.device, seq_len=args.seq_len, threads=args.threads,
+                  llama_defaults=args.llama_defaults)  # fmt: skip
+    if path.is_file():
+        return SubjectRequest(gguf=spec, **common)
+    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
+        return SubjectRequest(hf=spec, **common)
+    return SubjectRequest(run=parse_run(spec), **common)
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

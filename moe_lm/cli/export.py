@@ -27,6 +27,10 @@ from moe_lm.cli.options import CONFIG, add_out, add_run, preset_path
 from moe_lm.errors import UserError
 from moe_lm.output_folder import OutputFolder
 
+# written with gguf-py; then the k-quants, which llama.cpp's quantiser makes from an f32 file
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q2_K", "q3_K_S", "q3_K_M", "q3_K_L", "q4_K_S", "q4_K_M", "q5_K_S",
+              "q5_K_M", "q6_K")  # fmt: skip
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     src = ap.add_mutually_exclusive_group(required=True)
@@ -36,7 +40,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_out(ap, "the export folder (created): safetensors, config.json, generation_config.json, tokenizer",
             required=False)  # fmt: skip
     ap.add_argument("--gguf", metavar="FILE", help="also (or only) write a GGUF file for llama.cpp")
-    ap.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"), help="the GGUF tensors' type")
+    ap.add_argument("--gguf-type", default="f32", choices=GGUF_TYPES, metavar="TYPE",
+                    help=f"the GGUF tensors' type: {', '.join(GGUF_TYPES)} (the k-quants by llama.cpp's own quantiser, "
+                    "the llama extra)")  # fmt: skip
     ap.add_argument("--max-shard-size", help="safetensors shards of at most this size with an index, e.g. 5GB")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --config only: dotted overrides")
 
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> None:
     out = output_folder(args, "export") if args.out else None
     gguf = OutputFolder(args.gguf, "export", force=args.force, flag="--gguf", file=True) if args.gguf else None
     from moe_lm.config import load_config
-    from moe_lm.interop.gguf import export_gguf, hf_parameter_count, needed_bytes
+    from moe_lm.interop.gguf import OUT_TYPES, export_gguf, hf_parameter_count, needed_bytes
     from moe_lm.interop.hf import export_bytes
     from moe_lm.model.architectures import count_params
 
@@ -74,11 +80,21 @@ def run(args: argparse.Namespace) -> None:
     if gguf is None:
         return
     n = count_params(cfg.model).total if cfg else hf_parameter_count(Path(args.hf))
-    with gguf.staged(needed_bytes=needed_bytes(n, args.gguf_type) + (0 if out or args.hf else 4 * n)) as file:
+    quantised = args.gguf_type not in OUT_TYPES
+    if quantised:  # why before the model is loaded: a missing extra should not wait for it
+        from moe_lm.interop.llama_cpp import quantize
+    # the file, plus what is written beside it first: an HF export (not given), the f32 file a k-quant is made from
+    extra = (0 if out or args.hf else 4 * n) + (needed_bytes(n, "f32") if quantised else 0)
+    with gguf.staged(needed_bytes=needed_bytes(n, "q8_0" if quantised else args.gguf_type) + extra) as file:
         source = Path(args.hf) if args.hf else out.path if out else file.parent / "hf"
         if source == file.parent / "hf":  # an HF export in the staging folder, removed with it
             write_hf(args, cfg, tag, source)
-        said = export_gguf(source, file, args.gguf_type)
+        if not quantised:
+            said = export_gguf(source, file, args.gguf_type)
+        else:
+            f32 = file.parent / "f32.gguf"  # in the staging folder, removed with it
+            said = export_gguf(source, f32, "f32").replace("(f32,", f"({args.gguf_type} by llama.cpp's quantiser,")
+            said += f"; tensors: {quantize(f32, file, args.gguf_type)}"
     print(f"wrote {gguf.path}: {said}")
 
 

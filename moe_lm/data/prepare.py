@@ -156,21 +156,29 @@ class DataReadLock:
 
     def __init__(self, data_dir: str | Path) -> None:
         meta = Path(data_dir) / "meta.json"
+        self.fd = None
+        if not meta.is_file():
+            return  # nothing prepared: nothing to hold (reading it is an error that names the prepare command)
         self.fd = os.open(meta, os.O_RDONLY | os.O_NONBLOCK)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
+            self.close()
             raise DataError(
                 f"data.out_dir={data_dir} is being prepared again by another process; wait for it to finish, then "
                 "start the run (a run would record data that is about to change)"
             ) from None
 
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def __enter__(self) -> DataReadLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        os.close(self.fd)
+        self.close()
 
 
 class _not_read:  # noqa: N801 - used as a `with` clause

@@ -61,11 +61,13 @@ def _seeds(r: dict) -> list[int]:
     return list(range(r.get("seeds", 0)))
 
 
-def _steps(r: dict) -> int:
+def _steps(r: dict) -> int | str:
     """The steps of a report's runs (a probe records none: its definition takes the probed experiment's)."""
-    from moe_lm.experiments.spec import load_experiment
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
 
-    return r.get("steps") or load_experiment(r["experiment"]).steps
+    if r.get("steps"):
+        return r["steps"]
+    return load_experiment(r["experiment"]).steps if (EXPERIMENTS_DIR / f"{r['experiment']}.yaml").is_file() else "?"
 
 
 def _open(r: dict | None) -> str:

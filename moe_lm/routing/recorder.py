@@ -5,19 +5,38 @@ the router knows what it chose. Training's evaluation, the routing traces and th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from moe_lm.model import Routing, Transformer
+from moe_lm.routing.stats import decision_margins
+
+
+@dataclass
+class Routed:
+    """Routed rows (tokens in order), whoever ran them: per MoE layer id the chosen experts [N, K] (first choice
+    first), their gate weights [N, K] and each decision's margin [N] (`decision_margins`; NaN where the scores are
+    not known); and each token's log-prob given the tokens before it in its window [N] (NaN for a window's first)."""
+
+    experts: dict[int, np.ndarray]
+    weights: dict[int, np.ndarray]
+    margins: dict[int, np.ndarray]
+    logprob: np.ndarray
 
 
 class RoutingRecorder:
     """Context manager: forward hooks that keep each MoE layer's last choice, (experts [T, K], weights [T, K]) on
-    the CPU, from what the router returned. `model`: our Transformer, or an `HFMoEModel`."""
+    the CPU, from what the router returned, and with `margins` (our routers only) each decision's margin [T].
+    `model`: our Transformer, or an `HFMoEModel`."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, margins: bool = False) -> None:
         self.model = model
+        self.with_margins = margins
         self.layers = model.moe_layer_ids()
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.margins: dict[int, np.ndarray] = {}
         self._hooks = []
 
     def __enter__(self) -> RoutingRecorder:
@@ -34,6 +53,12 @@ class RoutingRecorder:
         def hook(module, inputs, output) -> None:
             idx, w = (output.topk_idx, output.topk_weight) if isinstance(output, Routing) else gate_choices(output)
             self.last[layer_id] = (idx.detach().cpu(), w.detach().cpu())
+            if self.with_margins and isinstance(output, Routing):  # selection scores: the affinities plus the bias
+                cfg, bias = module.cfg, module.e_score_correction_bias
+                scores = output.scores.detach().float() + (bias.float() if bias is not None else 0.0)
+                self.margins[layer_id] = decision_margins(
+                    scores.cpu().numpy(), cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+                )
 
         return hook
 

@@ -1,7 +1,8 @@
 """Routing statistics shared by training and analysis, as pure functions of arrays: expert counts and MaxVio
-(balance), the Jensen-Shannon divergence between domains' expert distributions (specialisation), and adjacent-token
-repetition (Mixtral §5). The trainer logs them (moe_lm/train/balance.py, evaluate.py); the routing report adds its
-baselines and intervals around the same functions (moe_lm/analysis/metrics.py). Definitions: docs/analytics.md.
+(balance), the Jensen-Shannon divergence between domains' expert distributions (specialisation), adjacent-token
+repetition (Mixtral §5), and each decision's margin (how near a tie it was). The trainer logs them
+(moe_lm/train/balance.py, evaluate.py); the routing report adds its baselines and intervals around the same
+functions (moe_lm/analysis/metrics.py). Definitions: docs/analytics.md.
 
 Notation: N tokens, E experts, K experts per token. `experts` is [N, K] (first choice first).
 """
@@ -69,3 +70,26 @@ def repetition_hits(experts: np.ndarray, doc: np.ndarray) -> tuple[np.ndarray, n
     t = consecutive_pairs(doc)
     a, b = np.asarray(experts[t]), np.asarray(experts[t + 1])
     return t, a[:, 0] == b[:, 0], (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
+
+
+def decision_margins(scores: np.ndarray, k: int, n_groups: int = 1, groups_used: int = 1) -> np.ndarray:
+    """Each token's decision margin from its selection scores [N, E] (the biased ones when a selection-only bias is
+    used): the k-th minus the (k+1)-th score among the experts of the kept groups, and with group-limited routing
+    also the smallest kept group's score minus the best dropped group's (a group's score: the sum of its two best
+    experts', DeepSeek-V3's rule), whichever is smaller. A decision this close to a tie can flip under any change
+    of rounding (another engine, a quantised file), whatever the expert margin says."""
+    s = np.asarray(scores, dtype=np.float64)
+    N, E = s.shape
+    margin = np.full(N, np.inf)
+    if n_groups > 1 and groups_used < n_groups:
+        group_scores = np.sort(s.reshape(N, n_groups, E // n_groups), axis=2)[:, :, -2:].sum(axis=2)  # [N, G]
+        ranked_groups = -np.sort(-group_scores, axis=1)
+        margin = ranked_groups[:, groups_used - 1] - ranked_groups[:, groups_used]
+        kept = np.argsort(-group_scores, axis=1, kind="stable")[:, :groups_used]
+        in_kept = np.zeros((N, n_groups), bool)
+        np.put_along_axis(in_kept, kept, True, axis=1)
+        s = np.where(np.repeat(in_kept, E // n_groups, axis=1), s, -np.inf)
+    if k < E:
+        ranked = -np.sort(-s, axis=1)
+        margin = np.minimum(margin, ranked[:, k - 1] - ranked[:, k])
+    return margin

@@ -114,12 +114,16 @@ def train(cfg: Config) -> dict:
     cfg, pretrained = start_from(cfg, run_dir, tracker.info) if t.init_from else (cfg, None)
     prepare_default_corpus(cfg, tracker.info)
     data_read = DataReadLock(cfg.data.out_dir)  # held to the end: the data cannot be prepared again under the run
-    data_meta = check_inputs(cfg)
-    # what this run reads, recorded once: a checkpoint never claims a tokenizer prepared after the run started
-    data_ref = data_reference(cfg)
-    windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
-    evalsets = eval_sets(cfg, tracker.info)
-    everyone = peers()  # who is who, to name a rank that dies later
+    try:
+        data_meta = check_inputs(cfg)
+        # what this run reads, recorded once: a checkpoint never claims a tokenizer prepared after the run started
+        data_ref = data_reference(cfg)
+        windows = TrainWindows(load_split(cfg.data.out_dir, "train"), t.seq_len, cfg.seed)
+        evalsets = eval_sets(cfg, tracker.info)
+        everyone = peers()  # who is who, to name a rank that dies later
+    except BaseException:
+        data_read.close()
+        raise
     # why WatchPeers innermost: it turns a dead peer's error into PeerLost before StopOnSignal exits, which then
     # keeps its handler so that the launcher's SIGTERM cannot end this rank before it reports
     with (

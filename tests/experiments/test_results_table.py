@@ -53,20 +53,31 @@ def test_an_exploratory_report_is_refused(tmp_path):
 
 
 def test_a_row_names_each_judged_comparison_once_and_leaves_out_context(tmp_path):
-    def comparison(role, name, mean, verdict):
-        return {"role": role, "name": name, "metric": "loss", "mean": mean, "t_interval": [mean - 0.05, mean + 0.05],
-                "verdict": verdict, "relative_percent": 2.0}  # fmt: skip
+    """Pilot and confirmatory round side by side, each with its seeds and steps; context rows left out; a claim
+    still open says what its last report's power estimate asks for."""
 
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "results.json").write_text(json.dumps({
-        "experiment": "x", "claim": "a claim", "verdict": "premise not met", "command": "moe-lm experiment x.yaml",
-        "comparisons": [comparison("premise", "a beats b", 0.1, "contradicted"),
-                        comparison("claim", "a equals c", -0.02, "inconclusive"),
-                        comparison("context", "a against d", 0.5, "-")],
-    }))  # fmt: skip
+    def comparison(role, name, mean, verdict, deltas):
+        return {"role": role, "name": name, "metric": "loss", "mean": mean, "t_interval": [mean - 0.05, mean + 0.05],
+                "verdict": verdict, "relative_percent": 2.0, "seeds": list(range(len(deltas))), "deltas": deltas,
+                "expect": "lower", "margin": 0.0}  # fmt: skip
+
+    def report(folder, verdict, command, comparisons):
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({
+            "experiment": "x", "claim": "a claim", "verdict": verdict, "command": command, "steps": 360,
+            "comparisons": comparisons}))  # fmt: skip
+
+    report(tmp_path / "x", "inconclusive", "moe-lm experiment x.yaml",
+           [comparison("claim", "a beats b", -0.02, "inconclusive", [-0.05, 0.01, -0.02]),
+            comparison("context", "a against d", 0.5, "-", [0.4, 0.5, 0.6])])  # fmt: skip
     row = next(line for line in results_table(tmp_path).splitlines() if line.startswith("| x |"))
-    assert row == (
-        "| x | a claim | premise: a beats b: +0.100 (+0.050, +0.150), +2.0 % → contradicted; "
-        "a equals c: -0.020 (-0.070, +0.030), +2.0 % → inconclusive | **premise not met** | "
-        "`moe-lm experiment x.yaml` |"
-    )
+    cells = [c.strip() for c in row.split(" | ")]
+    assert cells[2] == ("**inconclusive** (3 seeds x 360 steps): a beats b: -0.020 (-0.070, +0.030), +2.0 % → "
+                        "inconclusive (`moe-lm experiment x.yaml`)")  # fmt: skip
+    assert cells[3] == "not run under the current rules yet (`moe-lm experiment x --confirm`)"
+    assert cells[4].startswith("a beats b: ") and "a against d" not in row
+    report(tmp_path / "confirmatory" / "x", "supported", "moe-lm experiment x --confirm",
+           [comparison("claim", "a beats b", -0.03, "supported", [-0.03] * 8)])  # fmt: skip
+    row = next(line for line in results_table(tmp_path).splitlines() if line.startswith("| x |"))
+    cells = [c.strip() for c in row.split(" | ")]
+    assert cells[3].startswith("**supported** (8 seeds x 360 steps): a beats b: -0.030") and cells[4] == "- |"

@@ -25,6 +25,7 @@ from moe_lm.planning.comm_plan import (
     uniform_nodes_per_token,
     uniform_pairs,
 )
+from moe_lm.routing.recorder import Routed
 
 
 def sample_uniform(rng, E: int, K: int, G: int, M: int, n: int) -> np.ndarray:
@@ -127,7 +128,8 @@ def test_trace_tokens_are_dealt_to_ranks_by_sequence():
 def write_trace(folder, idx: np.ndarray, n_experts: int):
     writer = TraceWriter(folder, [1, 2], n_experts, idx.shape[1], ["d"], {"kind": "test"})
     zeros, weights = np.zeros(len(idx)), np.zeros(idx.shape)
-    writer.append(zeros, zeros, np.arange(len(idx)), zeros, {1: idx, 2: idx}, {1: weights, 2: weights})
+    nan = np.full(len(idx), np.nan)
+    writer.append(zeros, zeros, np.arange(len(idx)), zeros, Routed({1: idx, 2: idx}, {1: weights, 2: weights}, {}, nan))
     return writer.close()
 
 

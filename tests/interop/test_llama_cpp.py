@@ -1,0 +1,157 @@
+"""A GGUF file as llama.cpp runs it (moe_lm/interop/llama_cpp.py, through llama-cpp-python, part of the dev install):
+the experts and weights read from llama.cpp's own graph equal moe-lm's for every token at full precision (MLA and
+GQA exports with biased, group-limited routing), `moe-lm analyze --gguf` and `--compare` report it, llama.cpp's
+quantiser writes the k-quants, and bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from moe_lm.analysis.agreement import agreement
+from moe_lm.analysis.trace import record_trace
+from moe_lm.data.prepare import load_split
+from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.interop.check_models import check_model
+from moe_lm.interop.gguf import export_gguf
+from moe_lm.interop.hf import export_hf
+from moe_lm.interop.hf_tokenizer import export_tokenizer
+from moe_lm.interop.llama_cpp import GGUFModel, quantize
+from moe_lm.model import Transformer
+from tests.helpers.tiny import tiny_model_cfg
+
+VOCAB = 320
+
+
+def documents(data_dir) -> list[tuple[int, np.ndarray]]:
+    """Every validation document of the tiny corpus (its domain, its ids from the start token)."""
+    val = load_split(data_dir, "val")
+    return [(int(val.doc_domain[d]), np.asarray(val.document(d)).astype(np.int64)) for d in range(val.n_docs)]
+
+
+@pytest.fixture(scope="module", params=["mla", "gqa"])
+def exported(request, tiny_data, tmp_path_factory):
+    """A check model (weights scaled up, non-zero selection biases, group-limited top-3 of 8) on the tiny corpus'
+    tokenizer, exported to HF and to an f32 GGUF: (model, folder)."""
+    folder = tmp_path_factory.mktemp(f"llama_{request.param}")
+    tok = load_data_tokenizer(tiny_data.out_dir)
+    model = check_model(request.param, vocab_size=VOCAB, q_lora_rank=0)
+    export_hf(model, folder / "hf", tok.doc_start_id, tok.eos_id)
+    export_tokenizer(tiny_data.out_dir, folder / "hf", max_len=model.cfg.max_seq_len)
+    export_gguf(folder / "hf", folder / "f32.gguf", "f32")
+    return model, folder
+
+
+def test_llama_cpp_chooses_moe_lms_experts_for_every_token_at_full_precision(exported, tiny_data, tmp_path):
+    """Every token of the validation split, every MoE layer: the same experts in the same order, the same gate
+    weights (float32, matched by position), the same log-probs; near ties counted (none flip here)."""
+    model, folder = exported
+    docs = documents(tiny_data.out_dir)
+    domains = list(load_split(tiny_data.out_dir, "val").domains)
+    gguf_model = GGUFModel(folder / "f32.gguf", n_ctx=model.cfg.max_seq_len)
+    ours = record_trace(model, docs, tmp_path / "ours", domains, seq_len=model.cfg.max_seq_len, progress=False)
+    theirs = record_trace(gguf_model, docs, tmp_path / "llama", domains, seq_len=model.cfg.max_seq_len,
+                          progress=False)  # fmt: skip
+    assert ours.n >= 2000 and theirs.layers == ours.layers == model.moe_layer_ids()
+    a = agreement(ours, theirs, "f32.gguf", n_boot=10)
+    for layer, m in a["layers"].items():
+        assert m["flips"] == m["flips_near_ties"] == 0 and m["order_differs"] == 0, (layer, m)
+        assert m["top1_agreement"]["mean"] == 1.0 and m["topk_overlap"]["mean"] == 1.0
+    assert a["logprob"]["all"]["max_abs"] < 2e-5, a["logprob"]
+    # the weights at full width (the trace keeps float16): llama.cpp's final stage, normalised and scaled
+    tokens = docs[0][1][: model.cfg.max_seq_len]
+    routed = gguf_model.route(tokens)
+    from moe_lm.routing.recorder import RoutingRecorder
+
+    with RoutingRecorder(model) as recorder, torch.no_grad():
+        model(torch.from_numpy(tokens)[None])
+    for layer in model.moe_layer_ids():
+        idx, w = (t.numpy() for t in recorder.last[layer])
+        assert np.array_equal(idx, routed.experts[layer])
+        np.testing.assert_allclose(routed.weights[layer], w, rtol=0, atol=2e-6)
+        assert np.isfinite(routed.margins[layer]).all() and (routed.margins[layer] >= 0).all()
+    gguf_model.close()
+
+
+def test_analyze_a_gguf_and_compare_it_with_its_run_and_a_quantised_copy(exported, tiny_data, tmp_path, cli):
+    """`moe-lm analyze --hf` (the export's original) with --compare f32.gguf q4_K_M.gguf: one report, one
+    figure for both, the f32 file agreeing exactly and the quantised one reported as measured; `--gguf` alone
+    leaves N1 out and says why."""
+    model, folder = exported
+    said = quantize(folder / "f32.gguf", tmp_path / "q4.gguf", "q4_K_M")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q4.gguf").tensors}
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32" and types["blk.1.exp_probs_b.bias"] == "F32"  # the routers
+    assert any(t not in ("F32", "F16") for t in types.values()) and "Q" in said
+    data = tmp_path / "docs.jsonl"
+    val = load_split(tiny_data.out_dir, "val")
+    tok = load_data_tokenizer(tiny_data.out_dir)
+    data.write_text("".join(json.dumps({"text": tok.decode(list(val.document(d))[1:]), "domain": str(
+        val.domains[val.doc_domain[d]])}) + "\n" for d in range(val.n_docs)))  # fmt: skip
+    compare = ["--compare", folder / "f32.gguf", tmp_path / "q4.gguf"]
+    proc = cli("analyze", "--hf", folder / "hf", "--data", data, "--out", tmp_path / "a", "--max-tokens", "1500",
+               "--seq-len", "128", "--no-init-baseline", *compare)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    exact, quantised = (result["comparisons"][str(p)] for p in (folder / "f32.gguf", tmp_path / "q4.gguf"))
+    assert exact["tokens_differing_in_any_layer"]["mean"] == 0.0
+    assert exact["logprob"]["all"]["max_abs"] < 1e-4
+    assert quantised["logprob"]["all"]["mean_abs"] > exact["logprob"]["all"]["mean_abs"]
+    assert (tmp_path / "a" / "figures" / "agreement.png").is_file()
+    assert "Compared subjects" in (tmp_path / "a" / "routing.html").read_text()
+    proc = cli("analyze", "--gguf", folder / "f32.gguf", "--data", data, "--out", tmp_path / "g", "--max-tokens",
+               "500", "--seq-len", "128")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "g" / "metrics.json").read_text())
+    assert "init_N1" not in result and "no way to initialise" in result["init_N1_left_out"]
+    assert result["trace"]["tokens"] == 500
+
+
+def test_export_writes_k_quants_with_llama_cpps_quantiser(trained_run, tmp_path, cli):
+    proc = cli("export", "--run", trained_run(), "--gguf", tmp_path / "q.gguf", "--gguf-type", "q6_K")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "q6_K by llama.cpp's quantiser" in proc.stdout and "tensors:" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf"]  # the f32 file it was made from is gone
+    assert gguf.GGUFReader(tmp_path / "q.gguf").fields["general.file_type"].contents() == 18  # MOSTLY_Q6_K
+
+
+def one_line(proc, *needles: str) -> str:
+    """The one error line of a refused command (progress lines of the recording before it aside)."""
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
+    assert all(n in lines[0] for n in needles), lines[0]
+    return lines[0]
+
+
+def test_bad_gguf_subjects_are_one_line(exported, trained_run, tiny_data, tmp_path, cli, monkeypatch):
+    model, folder = exported
+    data = tmp_path / "docs.txt"
+    data.write_text("the telescope tracked a distant galaxy " * 40)
+    run = ["--data", data, "--max-tokens", "200"]
+    (tmp_path / "text.gguf").write_text("not a model")
+    one_line(cli("analyze", "--gguf", tmp_path / "text.gguf", *run, "--out", tmp_path / "o1"), "not a GGUF file")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((folder / "f32.gguf").read_bytes()[:5000])
+    one_line(cli("analyze", "--gguf", cut, *run, "--out", tmp_path / "o2"), str(cut), "could not load")
+    one_line(cli("analyze", "--gguf", folder / "f32.gguf", "--out", tmp_path / "o3"), "--gguf needs --data")
+    # a compared subject of another vocabulary (the trained run's 300 pieces against the check model's 320 rows)
+    proc = cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o4", "--compare", trained_run())
+    one_line(proc, "--compare", "another vocabulary")
+    # ... or of another architecture: the same vocabulary, another number of experts per token
+    other = tmp_path / "other"
+    tok = load_data_tokenizer(tiny_data.out_dir)
+    top2 = tiny_model_cfg("mla", vocab_size=VOCAB, moe=dict(num_experts_per_tok=2))
+    export_hf(Transformer(top2).eval(), other, tok.doc_start_id, tok.eos_id)
+    export_tokenizer(tiny_data.out_dir, other)
+    export_gguf(other, tmp_path / "other.gguf", "f32")
+    proc = cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o5", "--compare",
+               tmp_path / "other.gguf")  # fmt: skip
+    one_line(proc, "--compare", "not the same architecture")
+    # llama-cpp-python missing: the extra named
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    one_line(cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o6"), ".[llama]")
+    assert not any(tmp_path.glob("o[0-9]"))
