@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 # --system-site-packages and pip keeps it. Otherwise we install TORCH_SPEC before anything else so that no
 # dependency pulls the multi-GB default CUDA build onto a CPU machine.
 TORCH_SPEC ?= torch==2.13.0
+# as pyproject.toml's llama extra pins it (tests/interop/test_llama_cpp.py checks the two agree)
+LLAMA_CPP_PYTHON ?= 0.3.36
 HAVE_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo yes)
 
 # a preset name (moe-lm config --list) or a YAML file
@@ -17,12 +19,18 @@ ARGS ?=
 
 setup: $(VENV)/.installed
 
-# The last step compiles our CPU kernels and DeepSpeed's CPU communication op (~1 min each, cached in
+# The dev install builds llama.cpp (llama-cpp-python from source, without its multimodal library: ~4 min on 2
+# cores); llama.cpp's own converter (convert_hf_to_gguf.py, for the suite) is unpacked from the same source package
+# into $(VENV)/src (pip's cache has it: no second download). The last step compiles our CPU kernels and DeepSpeed's CPU communication op (~1 min each, cached in
 # ~/.cache/torch_extensions) rather than in the first run.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(HAVE_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -c 'import torch' >/dev/null 2>&1 || $(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e '.[dev]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/src "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
+	tar -xzf $(VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(VENV)/src $(addprefix \
+		llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py)
+	rm $(VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
 	$(BIN)/python -c 'from moe_lm.ops.cpu_kernels import load_cpu_kernels; load_cpu_kernels()'
 	$(BIN)/python -c 'from moe_lm.parallel.deepspeed_setup import init_distributed as i, shutdown_distributed as s; i(); s()'
 	touch $@
@@ -68,19 +76,10 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-# llama.cpp check (docs/serving.md): moe-lm's GGUF exports run in llama.cpp through llama-cpp-python, built from
-# source (its sdist vendors llama.cpp) with the default CPU flags in its own venv: about 20 min on a 2-core machine,
-# once. The check itself takes about a minute.
-LLAMA_VENV ?= .venv-llama
-LLAMA_SPEC ?= llama-cpp-python==0.3.36
-
-gguf-check: setup $(LLAMA_VENV)/.installed
-	$(BIN)/python launch/gguf_check.py --llama-python $(LLAMA_VENV)/bin/python
-
-$(LLAMA_VENV)/.installed:
-	$(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip install --no-binary llama-cpp-python "$(LLAMA_SPEC)" numpy
-	touch $@
+# llama.cpp check (docs/serving.md): moe-lm's GGUF exports run in llama.cpp through llama-cpp-python (part of the
+# dev install), with our log-probs and our tokenizer's ids. About a minute.
+gguf-check: setup
+	$(BIN)/python launch/gguf_check.py --llama-python $(BIN)/python
 
 # Optional GPU expert backend (model.moe.experts_impl=megablocks), on a CUDA machine only. --no-deps: MegaBlocks
 # pins an old torch and would replace the one installed; it builds its CUDA extensions against the torch here.

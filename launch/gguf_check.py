@@ -1,8 +1,8 @@
 """GGUF check: llama.cpp (through llama-cpp-python, built from source in its own venv) runs `moe-lm export --gguf`
 files with our model's prompt log-probs and our tokenizer's ids.
 
-    make gguf-check                                                        # sets up .venv-llama, then runs:
-    .venv/bin/python launch/gguf_check.py --llama-python .venv-llama/bin/python [--out DIR] [--cases mla gqa ...]
+    make gguf-check                                                        # runs:
+    .venv/bin/python launch/gguf_check.py [--llama-python PYTHON] [--out DIR] [--cases mla gqa ...]
 
 Two halves in two interpreters, as launch/serve_check.py does for vLLM:
 - the project half (this interpreter) prepares a small corpus and its sentencepiece tokenizer, builds the check
@@ -156,7 +156,8 @@ def report(results: dict[str, dict], tol: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-python", default=".venv-llama/bin/python", help="the interpreter with llama-cpp-python")
+    ap.add_argument("--llama-python", default=sys.executable,
+                    help="the interpreter with llama-cpp-python (default: this one; the dev install has it)")  # fmt: skip
     ap.add_argument("--out", help="folder for the exports and log-probs (default: a temporary one)")
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     ap.add_argument("--tol", type=float, default=1e-3, help="largest allowed |our log-prob - llama.cpp's| (f32)")
@@ -166,7 +167,7 @@ def main() -> None:
         run_llama(Path(args.llama))
         return
     if not Path(args.llama_python).exists():
-        sys.exit(f"error: no {args.llama_python}; `make gguf-check` sets up .venv-llama with llama-cpp-python")
+        sys.exit(f"error: no {args.llama_python}; give an interpreter with llama-cpp-python (pip install -e '.[llama]')")
     with tempfile.TemporaryDirectory() as tmp:
         results = run_check(Path(args.out or tmp), args.llama_python, args.cases, args.tol)
     print(report(results, args.tol))

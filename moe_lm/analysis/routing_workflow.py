@@ -140,7 +140,7 @@ def record_compared(
     label = what.label
     try:
         other = load_subject(what)
-    except (FileNotFoundError, ValueError) as e:
+    except (UserError, OSError, ValueError) as e:
         raise UserError(f"--compare {label}: {e}") from None
     if other.vocab_size != subject.vocab_size or other.tok.encode(PROBE_TEXT) != subject.tok.encode(PROBE_TEXT):
         raise UserError(

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "train": "training-step time of config variants (arms of dotted overrides), side by side",
     "decode": "decoding speed with MTP drafts against plain decoding, on a trained run",
     "routing": "routing recording (record_trace) against the same model's plain forward",
+    "served": "llama.cpp decoding a GGUF with the routing callback (analyze --gguf) against without it",
     "prepare": "preparation's tokenizing pass, 1 and 2 workers, against the tokenizer's own encode",
 }
 

@@ -75,7 +75,10 @@ class GGUFModel:
     """A GGUF MoE model loaded in llama.cpp (CPU), with its tokenizer (`tok`); `route(tokens)` runs one sequence,
     `route_batch(chunks)` several (what `record_trace` calls). `close()` frees it (the tokenizer with it)."""
 
-    def __init__(self, path: str | Path, threads: int = 1, faithful: bool = True, n_ctx: int = 1024) -> None:
+    def __init__(
+        self, path: str | Path, threads: int = 1, faithful: bool = True, n_ctx: int = 1024, record: bool = True
+    ) -> None:
+        """`record=False`: llama.cpp without the callback, for the recorder's cost (`moe-lm bench served`)."""
         self.path = Path(path)
         check_gguf(self.path)
         lc = _llama_cpp()
@@ -102,7 +105,7 @@ class GGUFModel:
         self.layers = list(range(dense, n_layers))
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx, self.threads, self.faithful = n_ctx, threads, faithful
+        self.n_ctx, self.threads, self.faithful, self.record = n_ctx, threads, faithful, record
         self._got: list[tuple[str, int, np.ndarray]] = []
         self._errors: list[BaseException] = []
         self._callback = lc.ggml_backend_sched_eval_callback(self._on_eval)  # kept alive with the context
@@ -126,7 +129,8 @@ class GGUFModel:
         cp = lc.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = self.n_ctx, self.n_ctx, min(self.n_ctx, 512)
         cp.n_seq_max, cp.n_threads, cp.n_threads_batch = 1, self.threads, self.threads
-        cp.cb_eval, cp.cb_eval_user_data = self._callback, None
+        if self.record:
+            cp.cb_eval, cp.cb_eval_user_data = self._callback, None
         if self.faithful:
             cp.flash_attn_type = 0  # off (the low-level default, AUTO, is on for CPU)
             cp.type_k = cp.type_v = GGML_TYPE_F32
@@ -219,7 +223,7 @@ class GGUFModel:
             logprob = next_token_logprobs(logits, np.asarray(tokens))
         finally:
             lc.llama_batch_free(batch)
-        return self._collect(T, logprob)
+        return self._collect(T, logprob) if self.record else Routed({}, {}, {}, logprob)
 
     def _collect(self, T: int, logprob: np.ndarray) -> Routed:
         """The callback's tensors (per ubatch, layer by layer) joined per layer and kind."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
+from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
@@ -108,14 +109,18 @@ def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, cli
     figs = {p.name for p in (out / "figures").glob("*.png")}
     for layer in (1,):
         assert {f"domain_experts_L{layer}.png", f"relative_load_L{layer}.png", f"coactivation_L{layer}.png"} <= figs
-    assert {"repetition.png", "load_over_training.png", "saturation.png"} <= figs
+    assert {"repetition.png", "load_over_training.png", "agreement.png"} <= figs
     assert any(name.startswith("token_") for name in figs)
     m = json.loads((out / "metrics.json").read_text())
     layer = m["layers"]["1"]
     assert set(m["trace"]["domains"]) == {"astronomy", "cooking", "finance"}
     np.testing.assert_allclose(np.array(layer["domain_token_share"]).sum(1), 2)  # shares sum to k
     assert {"same_first", "topk_overlap", "same_first_ci95"} <= set(layer["repetition"])
-    assert "init_N1" in m and "maxvio_floor" in m["baseline_uniform_N0"] and "1" in m["saturation"]
+    assert "init_N1" in m and "maxvio_floor" in m["baseline_uniform_N0"]
+    # the compared checkpoint's top-k overlap is OLMoE's router saturation of the two traces
+    compared = m["comparisons"][f"{tiny_run}:step_00000002"]["layers"]["1"]
+    saturation = M.saturation(Trace(out / "trace").experts(1), Trace(out / "trace_compare_0").experts(1))
+    assert compared["topk_overlap"]["mean"] == pytest.approx(saturation)
     page = (out / "routing.html").read_text()
     assert '<select id="layer"' in page and page.count("class='t'") > 100 and "L1: e" in page
     assert "Most preferred tokens per expert" in page and len(layer["preferred_tokens"]) == 8

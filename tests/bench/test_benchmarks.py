@@ -94,6 +94,12 @@ def test_routing(bench):
     assert "plain forward: " in out and "recording: " in out and "recording overhead " in out
 
 
+def test_served(bench, trained_run, cli, tmp_path):
+    assert cli("export", "--run", trained_run(), "--gguf", tmp_path / "m.gguf").returncode == 0
+    out = bench("served", "--gguf", tmp_path / "m.gguf", "--windows", 2, "--seq-len", 32, "--rounds", 1)
+    assert "llama.cpp: " in out and "llama.cpp + routing callback: " in out and "routing callback: " in out
+
+
 def test_prepare(bench):
     out = bench("prepare", "--repeat", 1, "--rounds", 1, "data.max_mb_per_domain=0.05", "model.vocab_size=512")
     assert "| arm | tokens/s | vs ceiling |" in out and "\n| 2 workers | " in out

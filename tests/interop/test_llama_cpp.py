@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -155,3 +156,88 @@ def test_bad_gguf_subjects_are_one_line(exported, trained_run, tiny_data, tmp_pa
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     one_line(cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o6"), ".[llama]")
     assert not any(tmp_path.glob("o[0-9]"))
+
+
+# llama.cpp's own converter, from the llama-cpp-python sdist `make setup` unpacks into the venv (never committed)
+CONVERTER = Path(sys.prefix) / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+# the pre-tokenizer regex of Qwen2 (tokenizer.json's Split), which llama.cpp implements as pre-tokenizer "qwen2"
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def tiny_hf_moe(kind: str, folder: Path, texts: list[str]) -> Path:
+    """A random transformers Qwen3Moe or OLMoE (2 MoE blocks of 8 experts, top-2; weights x5 so that routing is
+    far from uniform) with a byte-level BPE tokenizer trained here on `texts`, Qwen2's pre-tokenizer in front."""
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet,
+                                                       special_tokens=["<|endoftext|>"]))  # fmt: skip
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    common = dict(vocab_size=len(fast), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=fast.eos_token_id)  # fmt: skip
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=32, head_dim=16,
+                                          num_key_value_heads=2, norm_topk_prob=True,
+                                          tie_word_embeddings=False)  # fmt: skip
+    else:
+        cfg = transformers.OlmoeConfig(**common, intermediate_size=32, num_key_value_heads=4, norm_topk_prob=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(5.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind, arch", [("qwen3_moe", "qwen3moe"), ("olmoe", "olmoe")])
+def test_a_gguf_written_by_llama_cpps_converter_routes_as_transformers(kind, arch, tmp_path, process, cli):
+    """Released models reach llama.cpp through its own converter (convert_hf_to_gguf.py): a tiny random Qwen3Moe and
+    OLMoE, converted, recorded through --hf and through --gguf on the same ids: every decision equal. The converter
+    refuses a tokenizer whose ids on its check text hash to no published model's (ours is trained here): the test
+    tells it the pre-tokenizer (`qwen2`, the regex the tokenizer was built with) instead of letting it guess."""
+    assert (CONVERTER / "convert_hf_to_gguf.py").is_file(), f"no converter in {CONVERTER}: run make setup"
+    texts = [Path(p).read_text() for p in ("README.md", "docs/analytics.md", "moe_lm/output_folder.py")]
+    hf = tiny_hf_moe(kind, tmp_path / kind, texts)
+    code = (f"import runpy, sys; sys.path[:0] = [{str(CONVERTER / 'gguf-py')!r}, {str(CONVERTER)!r}]\n"
+            "import conversion.base as base\n"
+            "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outfile', {str(tmp_path / 'm.gguf')!r}, "
+            "'--outtype', 'f32']\n"
+            f"runpy.run_path({str(CONVERTER / 'convert_hf_to_gguf.py')!r}, run_name='__main__')\n")  # fmt: skip
+    converted = process.python(code)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.architecture"].contents() == arch
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t[i : i + 1200], "domain": name}) + "\n"
+                            for name, t in zip(("readme", "docs", "code"), texts, strict=True)
+                            for i in range(0, 12000, 1200)))  # fmt: skip
+    proc = cli("analyze", "--hf", hf, "--data", data, "--out", tmp_path / "a", "--max-tokens", "3000", "--seq-len",
+               "256", "--no-init-baseline", "--compare", tmp_path / "m.gguf")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads((tmp_path / "a" / "metrics.json").read_text())["comparisons"][str(tmp_path / "m.gguf")]
+    assert set(c["layers"]) == {"0", "1"}
+    for m in c["layers"].values():
+        assert m["flips"] == 0 and m["order_differs"] == 0 and m["weights"]["max"] < 1e-3  # the trace keeps float16
+    assert c["logprob"]["all"]["tokens"] > 2900 and c["logprob"]["all"]["max_abs"] < 1e-4
+
+
+def test_one_llama_cpp_python_version_everywhere():
+    """pyproject's llama extra, the Makefile's converter source and the installed build name one version."""
+    import llama_cpp
+
+    pinned = Path("pyproject.toml").read_text().split('"llama-cpp-python==', 1)[1].split('"', 1)[0]
+    unpacked = Path("Makefile").read_text().split("LLAMA_CPP_PYTHON ?= ", 1)[1].split("\n", 1)[0]
+    assert pinned == unpacked == llama_cpp.__version__ and pinned in str(CONVERTER)
