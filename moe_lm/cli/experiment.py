@@ -45,6 +45,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="print the seeds a design needs for a verdict, from the reports under --results (no training)",
     )
     ap.add_argument("--results", default="docs/results", metavar="DIR", help="where --power reads reports")
+    ap.add_argument("--declare", metavar="WHY", help="write its confirmatory declaration, sized from its pilot under "
+                    "--results, at --steps (default: the definition's); WHY: the schedule's reason")  # fmt: skip
     ap.add_argument("--confirm", action="store_true",
                     help="its declared confirmatory round (configs/experiments/confirmatory/)")  # fmt: skip
 
@@ -64,6 +66,9 @@ def run(args: argparse.Namespace) -> None:
         from moe_lm.experiments.power import power_table
 
         print(power_table(load_experiment(args.name).name, Path(args.results)), end="")
+        return
+    if args.declare:
+        write_declaration(load_experiment(args.name), args)
         return
     if args.long:
         if args.preset not in (None, "long"):
@@ -96,6 +101,27 @@ def run(args: argparse.Namespace) -> None:
         judged = {"claim": c["verdict"], "premise": f"premise {c['verdict']}"}.get(c["role"], "context, not judged")
         print(f"  {c['name']} ({c['metric']}): {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) -> {judged}")
     print(f"report: {out / 'report.md'} ({time.perf_counter() - t0:.0f} s)")
+
+
+def write_declaration(exp, args: argparse.Namespace) -> None:
+    """configs/experiments/confirmatory/NAME.yaml from the pilot's report (never over an existing declaration: once
+    committed, a declaration stands)."""
+    import json
+
+    from moe_lm.experiments.declaration import DECLARATIONS_DIR, declare
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR
+
+    pilot = Path(args.results) / exp.name / "results.json"
+    if not pilot.is_file():
+        raise UserError(f"--declare: no pilot report {pilot}; run and commit the pilot first")
+    path = DECLARATIONS_DIR / f"{exp.name}.yaml"
+    if path.exists():
+        raise UserError(f"--declare: {path} exists; a declaration stands once written (remove it by hand to redo it)")
+    text = declare(exp, EXPERIMENTS_DIR / f"{exp.name}.yaml", json.loads(pilot.read_text()), args.steps or exp.steps,
+                   args.declare)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}:\n{text}")
 
 
 def declared(exp, args: argparse.Namespace):

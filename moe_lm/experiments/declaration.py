@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +88,34 @@ def confirmatory(exp: Experiment, definition: Path, d: Declaration) -> Experimen
     where = d.path.resolve()
     shown = where.relative_to(Path.cwd()) if where.is_relative_to(Path.cwd()) else where  # the checkout's, shorter
     return dataclasses.replace(exp, first_seed=d.first_seed, seeds=d.seeds, steps=d.steps, confirmatory=str(shown))
+
+
+def declare(exp: Experiment, definition: Path, pilot: dict, steps: int, schedule: str, first_seed: int = 100) -> str:
+    """The declaration (YAML) of `exp`'s confirmatory round, sized from its pilot report (`pilot`: results.json):
+    as many seeds as the reachable judged comparisons need (`power.seeds_needed`), at `steps`, seeds from
+    `first_seed`. `schedule` says why these steps (the schedule study)."""
+    from moe_lm.experiments.power import TARGET, seeds_needed
+
+    sizing, needs = {}, []
+    for c in pilot["comparisons"]:
+        if c["role"] == "context" or len(c.get("deltas", [])) < 2:
+            continue
+        p = seeds_needed(c["deltas"], c["expect"], c["margin"])
+        sizing[c["name"]] = {"pilot_seeds": p.pilot_seeds, "pilot_steps": pilot["steps"], "mean": round(p.mean, 5),
+                             "sd": round(p.sd, 5), "seeds_needed": p.seeds, "p_supported": round(p.p_supported, 3),
+                             "p_contradicted": round(p.p_contradicted, 3)}  # fmt: skip
+        if p.seeds:
+            needs.append(p.seeds)
+    if not needs:
+        raise ConfigError(f"{exp.name}: no judged comparison reaches a verdict with {TARGET:.0%} probability in "
+                          "any design the power analysis considers; nothing to declare")  # fmt: skip
+    record = {
+        "experiment": exp.name, "definition_sha256": definition_hash(definition), "arms": list(exp.arms),
+        "comparisons": [dataclasses.asdict(c) for c in exp.comparisons], "first_seed": max(first_seed, exp.seeds),
+        "seeds": max(needs), "steps": steps, "schedule": schedule, "power": sizing,
+        "declared": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    head = (f"# Confirmatory round of `{exp.name}`, declared before its first run (docs/experiments.md §6): the "
+            "definition's arms,\n# comparisons, margins and rule unchanged; fresh seeds; sized from the pilot "
+            "(moe-lm experiment --power).\n")  # fmt: skip
+    return head + yaml.safe_dump(record, sort_keys=False, allow_unicode=True, width=118)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -55,3 +56,29 @@ def test_power_prints_every_committed_report_of_an_experiment(cli):
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| main-head loss"))
     assert "docs/results/mtp (pilot)" in row and "3 x 360" in row
     assert cli("experiment", "mtp", "--power", "--results", "no/such/folder").returncode == 2
+
+
+def test_a_declaration_is_sized_from_its_pilot_and_copies_what_is_judged(tmp_path, cli, monkeypatch):
+    import yaml
+
+    from moe_lm.experiments import declaration
+    from moe_lm.experiments.declaration import declare, definition_hash
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
+
+    exp = load_experiment("mtp")
+    pilot = {"steps": 360, "comparisons": [
+        {"name": "main-head loss, D = 1 vs D = 0", "role": "claim", "expect": "not_higher", "margin": 0.01,
+         "deltas": [-0.02, -0.06, -0.04]}]}  # fmt: skip
+    record = yaml.safe_load(declare(exp, EXPERIMENTS_DIR / "mtp.yaml", pilot, 360, "as the pilot"))
+    sized = seeds_needed([-0.02, -0.06, -0.04], "not_higher", 0.01)
+    assert record["seeds"] == sized.seeds and record["first_seed"] >= exp.seeds and record["steps"] == 360
+    assert record["definition_sha256"] == definition_hash(EXPERIMENTS_DIR / "mtp.yaml")
+    assert record["comparisons"][0]["margin"] == 0.01 and record["arms"] == ["d0", "d1"]
+    # the command writes it once, and never over a declaration that stands
+    monkeypatch.setattr(declaration, "DECLARATIONS_DIR", tmp_path / "confirmatory")
+    (tmp_path / "results" / "mtp").mkdir(parents=True)
+    (tmp_path / "results" / "mtp" / "results.json").write_text(json.dumps(pilot))
+    argv = ["experiment", "mtp", "--declare", "as the pilot", "--results", tmp_path / "results"]
+    assert cli(*argv).returncode == 0 and (tmp_path / "confirmatory" / "mtp.yaml").is_file()
+    again = cli(*argv)
+    assert again.returncode == 2 and "a declaration stands" in again.stderr
