@@ -146,3 +146,22 @@ def power_table(name: str, folder: Path) -> str:
                 f"{needed} | {p.p_supported:.2f} | {p.p_contradicted:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def power_section(results: dict) -> list[str]:
+    """A report's power, as markdown lines: per judged comparison (of a report from before power was part of it,
+    too), the seeds a design at its schedule needs for a verdict, from its own deltas."""
+    lines = ["", "## Power: seeds for a verdict", "",
+             f"Taking this report's seed-paired mean and sd as true, the smallest design whose verdict (supported or "
+             f"contradicted) the rule reaches with {100 * TARGET:.0f} % probability at {results.get('steps')} steps "
+             "(moe_lm/experiments/power.py; the sd of a few seeds is itself uncertain):", "",
+             "| comparison | mean | sd | seeds for a verdict | P(supported) | P(contradicted) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for c in results.get("comparisons", []):
+        if c["role"] == "context" or len(c.get("deltas", [])) < 2:
+            continue
+        p = seeds_needed(c["deltas"], c["expect"], c["margin"])
+        needed = str(p.seeds) if p.seeds else f"none up to {MOST_SEEDS} (best {p.best_seeds})"
+        lines.append(f"| {c['name']} | {p.mean:+.4f} | {p.sd:.4f} | {needed} | {p.p_supported:.2f} | "
+                     f"{p.p_contradicted:.2f} |")  # fmt: skip
+    return lines
