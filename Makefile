@@ -86,12 +86,12 @@ gguf-check: setup
 megablocks: setup
 	$(BIN)/pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
 
-# On a GPU machine (even one without network), in one call of at most 420 s (moe_lm/gpu_check.py, docs/gpu.md §5):
+# On a GPU machine (even one without network), in one call of at most 420 s (launch/gpu_check.py, docs/gpu.md §5):
 # install what is missing from the carried wheels, then the GPU tests, the MoE layer in bf16, a short gpu_1b run and
 # the whole step against HF; OUT receives summary.txt, results.json and logs.tgz. Without a GPU it says so (exit 1).
 OUT ?= gpu_check_out
 gpu-check:
-	$(PYTHON) -m moe_lm.gpu_check --out $(OUT)
+	$(PYTHON) launch/gpu_check.py --out $(OUT)
 
 # On this (networked, CPU) machine: what a bare GPU machine lacks, in .gpu_carry/ (carried beside the tree):
 # the wheels for its Python (GPU_PY) in whl/ (DeepSpeed publishes none: pip builds a pure-Python one from its
@@ -109,7 +109,7 @@ gpu-wheels: setup
 		stanford-stk==0.7.1 || echo "megablocks sources not downloaded (optional)"
 
 gpu-carry: gpu-wheels
-	$(BIN)/python -m moe_lm.gpu_check --carry-data $(CARRY)
+	$(BIN)/python launch/gpu_check.py --carry-data $(CARRY)
 	@tree=$$(git archive HEAD | wc -c); carry=$$(du -sb $(CARRY) | cut -f1); \
 	total=$$(( (tree + carry) / 1048576 )); \
 	echo "payload: tree $$((tree / 1048576)) MiB + $(CARRY) $$((carry / 1048576)) MiB = $$total MiB (limit 48)"; \

@@ -6,7 +6,7 @@ files with our model's prompt log-probs and our tokenizer's ids.
 
 Two halves in two interpreters, as launch/serve_check.py does for vLLM:
 - the project half (this interpreter) prepares a small corpus and its sentencepiece tokenizer, builds the check
-  models of moe_lm/interop/check_models.py on that vocabulary (CASES: MLA with and without a query LoRA, GQA, each
+  models of moe_lm/testing.py on that vocabulary (CASES: MLA with and without a query LoRA, GQA, each
   rotary with YaRN; every one with non-zero selection biases and group-limited routing that limits), exports each
   to HF with the tokenizer and then to GGUF (f32), and computes our log-prob of every prompt token;
 - the llama.cpp half (`--llama DIR`, run by --llama-python; it imports only llama_cpp and numpy) loads the GGUF
@@ -61,10 +61,10 @@ def prepare_case(case: str, data_dir: Path, case_dir: Path) -> dict:
     """The case's check model exported to case_dir/hf (with the tokenizer) and case_dir/model.gguf; writes and
     returns case_dir/expected.json: texts, our ids, our log-probs."""
     from moe_lm.data.tokenizer import load_data_tokenizer
-    from moe_lm.interop.check_models import check_model, prompt_logprobs
     from moe_lm.interop.gguf import export_gguf
     from moe_lm.interop.hf import export_hf
     from moe_lm.interop.hf_tokenizer import export_tokenizer
+    from moe_lm.testing import check_model, prompt_logprobs
 
     attention, yarn, q_lora_rank = CASES[case]
     tok = load_data_tokenizer(data_dir)
@@ -112,7 +112,7 @@ def run_llama(case_dir: Path) -> None:
 def run_check(out: Path, llama_python: str, cases: list[str], tol: float) -> dict[str, dict]:
     """Export, run in llama.cpp and compare each case; {case: {gap, gap_f16, ids_equal, llama_s, ok}}."""
     from moe_lm.console import quiet_deepspeed
-    from moe_lm.interop.check_models import max_abs_gap
+    from moe_lm.testing import max_abs_gap
 
     quiet_deepspeed()
     data_dir = prepare_tokenizer(out)
@@ -156,8 +156,11 @@ def report(results: dict[str, dict], tol: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-python", default=sys.executable,
-                    help="the interpreter with llama-cpp-python (default: this one; the dev install has it)")  # fmt: skip
+    ap.add_argument(
+        "--llama-python",
+        default=sys.executable,
+        help="the interpreter with llama-cpp-python (default: this one, as the dev install has it)",
+    )
     ap.add_argument("--out", help="folder for the exports and log-probs (default: a temporary one)")
     ap.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     ap.add_argument("--tol", type=float, default=1e-3, help="largest allowed |our log-prob - llama.cpp's| (f32)")
@@ -167,7 +170,7 @@ def main() -> None:
         run_llama(Path(args.llama))
         return
     if not Path(args.llama_python).exists():
-        sys.exit(f"error: no {args.llama_python}; give an interpreter with llama-cpp-python (pip install -e '.[llama]')")
+        sys.exit(f"error: no {args.llama_python}; give one with llama-cpp-python (pip install -e '.[llama]')")
     with tempfile.TemporaryDirectory() as tmp:
         results = run_check(Path(args.out or tmp), args.llama_python, args.cases, args.tol)
     print(report(results, args.tol))

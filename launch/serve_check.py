@@ -33,7 +33,7 @@ from pathlib import Path
 
 # why only the standard library at module level: the serving half runs in the vLLM venv, which has no moe_lm.
 
-PROMPTS = 4  # prompts per model (as moe_lm/interop/check_models.py; repeated: the serving half has no moe_lm)
+PROMPTS = 4  # prompts per model (as moe_lm/testing.py; repeated: the serving half has no moe_lm)
 PROMPT_LEN = 40
 
 
@@ -45,13 +45,13 @@ NAMES = {"mla": "DeepseekV3 (MLA)", "gqa": "Glm4Moe (GQA)"}
 def prepare_case(case: str, out_dir: Path) -> dict:
     """Export the check model of `case` (a CASES key) into out_dir and write out_dir/expected.json (prompts, our
     logprobs, the other-pairing logprobs); returns that record."""
-    from moe_lm.interop.check_models import (
+    from moe_lm.interop.hf import export_hf
+    from moe_lm.testing import (
         check_model,
         check_prompts,
         prompt_logprobs,
         wrong_layout_logprobs,
     )
-    from moe_lm.interop.hf import export_hf
 
     model = check_model(*CASES[case])
     export_hf(model, out_dir)
@@ -106,7 +106,7 @@ def serve(export_dir: Path) -> None:
 
 def run_check(out: Path, vllm_python: str, cases: list[str], tol: float) -> dict[str, dict]:
     """Export, serve and compare each case; {case: {gap, wrong_layout_gap, serve_s, ok}} (gap inf: vLLM failed)."""
-    from moe_lm.interop.check_models import max_abs_gap
+    from moe_lm.testing import max_abs_gap
 
     results = {}
     for case in cases:

@@ -1,4 +1,4 @@
-"""`make gpu-check` (moe_lm/gpu_check.py) is run on a GPU only inside a short lease: here it runs whole on the CPU
+"""`make gpu-check` (launch/gpu_check.py) is run on a GPU only inside a short lease: here it runs whole on the CPU
 in its dry-run mode, so that a wrong flag, a file missing from the carry or a broken summary fails here, not there."""
 
 from __future__ import annotations
@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import sys
 import tarfile
 from pathlib import Path
-
-from moe_lm import gpu_check
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+# the check is a script of launch/ (not a module of the package): its functions and constants, not run as __main__
+gpu_check = SimpleNamespace(**runpy.run_path(str(ROOT / "launch" / "gpu_check.py"), run_name="gpu_check"))
 
 
 def test_the_budget_adds_up_to_the_call_and_the_carried_wheels_are_the_ones_made():
@@ -27,7 +29,7 @@ def test_the_dry_run_exercises_every_step_and_its_summary(process, tmp_path):
     carry = tmp_path / "carry"
     gpu_check.carry_data(carry, preset="tiny")  # as `make gpu-carry` prepares gpu_1b's
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "moe_lm.gpu_check", "--out", str(out), "--dry-run", "--carry", str(carry)]
+    cmd = [sys.executable, str(ROOT / "launch" / "gpu_check.py"), "--out", str(out), "--dry-run", "--carry", str(carry)]
     proc = process.run(cmd, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "results.json", "summary.txt"]
@@ -60,7 +62,7 @@ def test_without_a_gpu_the_real_run_says_so_and_fails_and_runs_no_planted_code(p
     ran = tmp_path / "planted_code_ran"
     (planted / "sitecustomize.py").write_text(f"open({str(ran)!r}, 'w').write('yes')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "moe_lm.gpu_check", "--out", str(tmp_path / "out")]
+    cmd = [sys.executable, str(ROOT / "launch" / "gpu_check.py"), "--out", str(tmp_path / "out")]
     proc = process.run(cmd, env={**env, "TMPDIR": str(tmp)}, timeout=120)
     assert proc.returncode == 1
     assert "no CUDA GPU visible" in proc.stdout

@@ -8,6 +8,9 @@
   variants plug in through the core's extension points (model/masks.py, model/architectures.py,
   train/objective.py).
 - No two modules of the package import each other, directly or around a circle (imports inside functions count).
+- The rooms stand on floors (FLOORS, ground first): no module imports a room above its own, imports inside
+  functions included; DeepSpeed's layouts on paper (deepspeed_layout) sit under everything that reads them.
+- The core never imports the tools around it: the planner (planning), analytics, experiments, benchmarks.
 - No function in moe_lm/ or launch/ is longer than 70 lines.
 - A test file trains, runs commands and starts processes only through the fixtures that mark its tier
   (tests/conftest.py), so that `make test-fast` and the serial launch phase hold what they say.
@@ -22,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "moe_lm"
 CORE = (
+    "deepspeed_layout",
     "model",
     "ops",
     "parallel",
@@ -36,6 +40,31 @@ CORE = (
     "output_folder",
 )
 MAX_FUNCTION_LINES = 70
+# the rooms of the package, ground first: a module may import its own room and the rooms below it, never above
+FLOORS = (
+    "errors",
+    "console",
+    "ops",
+    "config",
+    "output_folder",
+    "model",
+    "data",
+    "routing",
+    "deepspeed_layout",
+    "parallel",
+    "checkpoint",
+    "planning",
+    "inference",
+    "interop",
+    "train",
+    "analysis",
+    "experiments",
+    "config_docs",
+    "cli",
+    "bench",
+    "testing",
+)
+TOOLS = ("planning", "analysis", "experiments", "bench", "cli", "testing")  # what the core never imports
 
 
 def module_name(path: Path) -> str:
@@ -89,6 +118,36 @@ def test_only_parallel_train_and_save_resume_import_deepspeed():
         for line, m in imports(path)
         if m.split(".")[0] == "deepspeed"
     ]
+    assert not offenders, offenders
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "moe_lm" and len(parts) > 1 else None
+
+
+def test_every_import_points_down_the_floors():
+    """Each room imports only rooms on lower floors (FLOORS); a room not on the list is an error too, so a new room
+    must be given its floor."""
+    rooms = {room_of(module_name(p)) for p in package_files()} - {None, "__main__"}
+    assert rooms <= set(FLOORS), f"rooms without a floor: {sorted(rooms - set(FLOORS))}"
+    up = []
+    for path in package_files():
+        mine = room_of(module_name(path))
+        for line, m in imports(path):
+            theirs = room_of(m)
+            if theirs and mine and theirs != mine and FLOORS.index(theirs) > FLOORS.index(mine):
+                up.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {m} ({theirs}, a floor above)")
+    assert not up, up
+
+
+def test_the_core_never_imports_the_tools():
+    """The trainer and its parts never import the planner, the analytics, the experiments, the benchmarks or the
+    command line: those read the core, not the other way round."""
+    core = tuple(f"moe_lm.{room}" for room in CORE)
+    offenders = [f"{path.relative_to(ROOT)}:{line} imports {m}" for path in package_files()
+                 if module_name(path).startswith(core) for line, m in imports(path)
+                 if room_of(m) in TOOLS]  # fmt: skip
     assert not offenders, offenders
 
 

@@ -31,7 +31,8 @@ import torch
 
 from moe_lm.config import Config, load_config
 from moe_lm.data.tokenizer import data_tokenizer_sha256
-from moe_lm.errors import DataError, MissingKey, NotFound
+from moe_lm.deepspeed_layout import model_keys, plain_state_dict
+from moe_lm.errors import DataError, NotFound
 from moe_lm.model import Transformer, build_model
 from moe_lm.output_folder import HASH, file_hash, read_small
 
@@ -45,8 +46,6 @@ STAGE_MODEL_FILES = "mp_rank_*_model_states.pt"
 STAGE_EXPERT_FILES = "layer_*_expert_*_mp_rank_*_model_states.pt"
 # one per data-parallel rank and pipeline stage (bf16_ prefix in bf16)
 ZERO_FILES = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
-STACKED = ("gate_up_proj", "down_proj")
-PER_EXPERT = re.compile(r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$")
 
 
 def ckpt_root(run_dir: Path) -> Path:
@@ -147,40 +146,6 @@ def parse_run(spec: str) -> RunRef:
 
 
 # ------------------------------------------------------------------------------------ expert keys
-
-
-def per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
-    """State-dict post-hook: stacked `<prefix>deepspeed_moe.experts.<w>` [E, ...] -> one key per expert."""
-    for name in STACKED:
-        stacked = state_dict.pop(f"{prefix}deepspeed_moe.experts.{name}")
-        for e, tensor in enumerate(stacked.unbind(0)):
-            state_dict[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = tensor
-
-
-def stacked_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """Load pre-hook: the per-expert keys of `module.num_local_experts` experts -> the stacked tensors."""
-    for name in STACKED:
-        keys = [f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}" for e in range(module.num_local_experts)]
-        if all(k in state_dict for k in keys):
-            state_dict[f"{prefix}deepspeed_moe.experts.{name}"] = torch.stack([state_dict.pop(k) for k in keys])
-
-
-def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Turn per-global-expert keys (`...experts.deepspeed_moe.experts.deepspeed_experts.<e>.<w>`) into the plain
-    model's stacked `...experts.<w>` tensors; `layout` is the plain model's state dict (for shapes)."""
-    out, pieces = {}, {}
-    for key, value in sharded.items():
-        m = PER_EXPERT.match(key)
-        if m is None:
-            out[key] = value
-        else:
-            pieces.setdefault(m["prefix"] + m["name"], {})[int(m["e"])] = value
-    for key, by_expert in pieces.items():
-        expected = layout[key].shape[0]
-        if sorted(by_expert) != list(range(expected)):
-            raise MissingKey(f"checkpoint has experts {sorted(by_expert)} of {key}, expected 0..{expected - 1}")
-        out[key] = torch.stack([by_expert[e] for e in range(expected)])
-    return out
 
 
 # ---------------------------------------------------------------------------------------- the data
@@ -289,26 +254,6 @@ def _load_folder(run_dir: Path, folder: Path) -> tuple[Config, Transformer, str]
             f"the run diverged; use an earlier checkpoint ({_others(run_dir, tag)})"
         )
     return cfg, model.eval(), tag
-
-
-def model_keys(pipeline_state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    """A pipeline checkpoint's keys -> the plain model's (moe_lm/parallel/pipeline.py numbers the layers): the tied
-    embedding `tied_modules.embed.embed_tokens.*`, block i at pipeline layer i + 1 (`<i+1>.block.*`), and the
-    final norm, output head and MTP modules at layer n_layers + 1. Each key carries its global pipeline layer, so
-    the stage-local numbering of the expert files does not enter."""
-    head = f"{n_layers + 1}."
-    out = {}
-    for key, value in pipeline_state.items():
-        if key.startswith("tied_modules.embed.embed_tokens."):
-            out[key.removeprefix("tied_modules.embed.")] = value
-        elif key.startswith(head):
-            out[key.removeprefix(head)] = value
-        else:
-            index, _, rest = key.partition(".")
-            if not index.isdigit() or not rest.startswith("block."):
-                raise MissingKey(f"a pipeline checkpoint key moe-lm does not write: {key}")
-            out[f"layers.{int(index) - 1}.{rest.removeprefix('block.')}"] = value
-    return out
 
 
 def _module_state(saved, path: Path) -> dict:

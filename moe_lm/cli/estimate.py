@@ -102,8 +102,9 @@ def print_memory(name: str, cfg, world: int) -> None:
 
 
 def print_stages(cfg, world: int, estimates) -> None:
+    from moe_lm.deepspeed_layout import describe_layer
     from moe_lm.planning.memory import GB, stage_estimates
-    from moe_lm.planning.stages import bubble, describe_layer, stages
+    from moe_lm.planning.stages import bubble, stages
 
     p, m = cfg.parallel, cfg.train.grad_accum_steps
     none, full = (stage_estimates(cfg, world, mode) for mode in ("none", "full"))

@@ -28,8 +28,8 @@ from deepspeed.moe.layer import MoE as DeepSpeedMoE
 from deepspeed.utils import groups
 from torch import nn
 
-from moe_lm.checkpoint.format import per_expert_keys, stacked_keys
 from moe_lm.config import require_ep_divides
+from moe_lm.deepspeed_layout import per_expert_keys, stacked_keys
 from moe_lm.model import Experts, Transformer
 from moe_lm.model.moe import local_dispatch
 from moe_lm.parallel.dispatch import AllToAllDispatcher

@@ -5,6 +5,8 @@
                      activation's shape, so only the hidden states [B, S, D] travel between stages
     layer n + 1      the final norm, then on the same stage the output head and the MTP modules (in the loss)
     (layer n + 2)    the embedding again, as a pass-through, so that the MTP modules on the last stage can read it
+(numbered and cut in moe_lm/deepspeed_layout.py). The loss the last stage ends in is the training objective's, given
+to `build_pipeline` (moe_lm/train/step.py: the next-token loss with the MTP modules).
 
 DeepSpeed's engine (runtime/pipe/engine.py) cuts the list by parameter count (the embedding and head counted),
 runs the 1F1B schedule through `engine.train_batch` / `eval_batch`, and all-reduces the tied embedding's gradient
@@ -26,9 +28,7 @@ gives each layer its counts over its stage's data-parallel ranks, and every rank
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,12 +39,10 @@ from torch import nn
 
 from moe_lm.config import Config
 from moe_lm.console import library_prints
+from moe_lm.deepspeed_layout import stage_slices
 from moe_lm.model import ModelOutput, Transformer
 from moe_lm.model.attention import rope_cos_sin
 from moe_lm.model.masks import mask_provider
-from moe_lm.parallel.engine import StagedEngine
-from moe_lm.planning.stages import partition
-from moe_lm.train.objective import logged_losses, next_token_losses, total_loss
 
 EMBED = "embed"  # the tied layers' key
 
@@ -133,38 +131,6 @@ class Head(nn.Module):
         return self.norm(x_BSD)  # h^0: what the output head and the first MTP module read
 
 
-class NextTokenLoss:
-    """The pipeline's loss_fn on the last stage: (h^0 [B, S, D], labels [B, S]) -> CE_main + lambda/D sum_k CE_k +
-    the MTP blocks' balance losses, as train/objective.py's total_loss; adds each part to the tally."""
-
-    def __init__(self, model: Transformer, head: Head, tally: StepTally, loss_chunk: int) -> None:
-        self.model, self.head, self.tally, self.chunk = model, head, tally, loss_chunk
-        self.__name__ = "next_token_loss"  # what DeepSpeed prints for the partition
-
-    def __call__(self, hidden_BSD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        model, lm_head = self.model, self.head.lm_head
-        out = ModelOutput(None, hidden_BSD.new_zeros((), dtype=torch.float32), hidden_BSD)
-        if len(model.mtp):
-            S = hidden_BSD.shape[1]
-            # token t_{i+k} of the window is label i + k - 1; mtp_states reads tokens[:, k : k + S - k] for k >= 1
-            tokens_BS = torch.cat((labels_BS[:, :1], labels_BS[:, :-1]), dim=1)
-            cos, sin = rope_cos_sin(
-                model.inv_freq.to(hidden_BSD.device), torch.arange(S, device=hidden_BSD.device), hidden_BSD.dtype,
-                model.rope_factor,
-            )  # fmt: skip
-            out.mtp_hidden, out.aux_loss = model.mtp_states(tokens_BS, hidden_BSD, cos, sin)
-        full_logits = not self.chunk or not torch.is_grad_enabled()  # evaluation sums the NLL from logits
-        if full_logits:
-            out.logits = lm_head(hidden_BSD)
-            out.mtp_logits = [lm_head(h) for h in out.mtp_hidden]
-        ce, mtp = next_token_losses(out, labels_BS, lm_head.weight, self.chunk)
-        if not torch.is_grad_enabled():
-            self.tally.last = out
-            return ce
-        self.tally.values += logged_losses(ce, mtp, out.aux_loss)
-        return total_loss(ce, mtp, self.tally.mtp_weight, out.aux_loss)
-
-
 @dataclass
 class Pipeline:
     """A model cut into stages: the PipelineModule DeepSpeed wraps, the tally its layers fill, and the full model
@@ -182,53 +148,12 @@ class Pipeline:
         return self.module._grid  # why private: DeepSpeed exposes the grid only through the module and engine
 
 
-def stage_slices(cfg: Config, rank: int, world: int) -> tuple[list[int], list[int]]:
-    """(the pipeline's layer bounds as DeepSpeed will cut them, the slices rank `rank` holds: its stage, and with
-    DualPipeV the mirrored one too). The cut is the planner's (moe_lm/planning/stages.py), which is DeepSpeed's."""
-    pp = cfg.parallel.pp_size
-    stage = rank // (world // pp)  # the grid's order: pipe, then data
-    if cfg.parallel.pp_schedule == "dualpipev":
-        slices = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2 * pp))
-        return partition(slices), [stage, 2 * pp - 1 - stage]
-    return partition(cfg), [stage]
-
-
-def stage_parts(cfg: Config, rank: int, world: int) -> Callable[[str], bool]:
-    """Which of the model's parts (moe_lm/model/transformer.py: build_by_layer) rank `rank` builds: those of the
-    pipeline layers its stage holds."""
-    bounds, slices = stage_slices(cfg, rank, world)
-    n = cfg.model.n_layers
-    parts = set()
-    for layer in (i for s in slices for i in range(bounds[s], bounds[s + 1])):
-        if layer in (0, n + 2):  # the embedding, or its tied copy on the head's stage
-            parts.add("embed_tokens")
-        elif layer <= n:
-            parts.add(f"layers.{layer - 1}")
-        else:
-            parts |= {"head", *(f"mtp.{k}" for k in range(cfg.model.mtp.depth))}
-    return parts.__contains__
-
-
-def stages_without_experts(cfg: Config, world: int) -> list[int]:
-    """The pipeline stages that would hold no routed experts (only dense blocks, the embedding or the head).
-
-    why they are refused: DeepSpeed's ZeRO optimizer reduces the gradient norm of each of its parameter groups over
-    the pipeline group, and a stage without experts has no expert group: its ranks go on to the next collective
-    while the others wait in that one, and the run hangs at its first step."""
-    pp, m = cfg.parallel.pp_size, cfg.model
-    moe_parts = [f"layers.{i}" for i in range(m.first_k_dense_replace, m.n_layers)] + [
-        f"mtp.{k}" for k in range(m.mtp.depth)
-    ]
-    return [s for s in range(pp) if not any(map(stage_parts(cfg, s * (world // pp), world), moe_parts))]
-
-
-def build_pipeline(
-    model: Transformer, pp_size: int, loss_chunk: int, grad_accum_steps: int, schedule: str = "1f1b"
-) -> Pipeline:
-    """The model as pipeline layers in `pp_size` stages, partitioned by parameters (a collective: every rank).
-    schedule "dualpipev": 2 x pp_size slices, rank r holding slices r and 2 pp_size - 1 - r (DeepSpeed's
-    DualPipeVModule; its engine is chosen by deepspeed.initialize from the module's type)."""
-    tally = StepTally(depth=len(model.mtp), aux_scale=1.0 / grad_accum_steps)
+def build_pipeline(model: Transformer, pp_size: int, tally: StepTally, loss_fn, schedule: str = "1f1b") -> Pipeline:
+    """The model as pipeline layers in `pp_size` stages, partitioned by parameters (a collective: every rank), its
+    last stage ending in `loss_fn(h^0 [B, S, D], labels [B, S])` (the training objective's: moe_lm/train/step.py);
+    `tally` is what the layers and the loss add up. schedule "dualpipev": 2 x pp_size slices, rank r holding slices
+    r and 2 pp_size - 1 - r (DeepSpeed's DualPipeVModule; its engine is chosen by deepspeed.initialize from the
+    module's type)."""
     embed = TiedLayerSpec(EMBED, Embedding, model.embed_tokens, tied_weight_attr=["embed_tokens.weight"])
     head = Head(model)
     layers = [embed, *(BlockLayer(model, i, tally) for i in range(len(model.layers))), head]
@@ -248,7 +173,7 @@ def build_pipeline(
         module = (DualPipeVModule if dualpipev else PipelineModule)(
             layers,
             num_stages=pp_size,
-            loss_fn=NextTokenLoss(model, head, tally, loss_chunk),
+            loss_fn=loss_fn,
             partition_method="parameters",
             # evaluation's last micro-batch can be shorter than training's: 1F1B sends the shape every time;
             # DualPipeV refuses that and has its shapes reset instead (`PipelineObjective`, `pipeline_step`)
@@ -266,24 +191,3 @@ def check_cut(pipeline: Pipeline, cfg: Config) -> None:
             f"DeepSpeed cut the pipeline's layers at {list(pipeline.module.parts)}, moe-lm built this stage for "
             f"{planned} (moe_lm/planning/stages.py follows DeepSpeed 0.19's partition_balanced): report it"
         )
-
-
-@dataclass(frozen=True)
-class PipelineObjective:
-    """The evaluation's objective (train/evaluate.py) for a model in stages: one window batch through
-    `engine.eval_batch`; the output exists on the last stage only (None elsewhere)."""
-
-    engine: StagedEngine
-    pipeline: Pipeline
-    loss_chunk: int = 0
-
-    def run(self, engine, window_BS1: torch.Tensor, mtp: bool = False, logits: bool = True):
-        """One batch of windows through the stages. DualPipeV runs it 2 x pp_size times (its engine's least): the
-        same windows, so the last output and routing are theirs."""
-        labels, p = window_BS1[:, 1:], self.pipeline
-        p.tally.last = None
-        self.engine.reset_activation_shape()  # why: windows of another batch size than the last call's
-        p.shapes_changed = True
-        batches = [(window_BS1[:, :-1], labels)] * p.eval_micro_batches
-        self.engine.eval_batch(iter(batches), num_micro_batches=len(batches), bcast_loss=False)
-        return p.tally.last, labels

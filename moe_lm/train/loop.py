@@ -28,6 +28,7 @@ from moe_lm.console import set_verbose
 from moe_lm.data.batches import TrainWindows
 from moe_lm.data.prepare import DataReadLock, load_split
 from moe_lm.data.shards import unigram_entropy
+from moe_lm.deepspeed_layout import describe_stages, stage_parts, stage_slices, stages_without_experts
 from moe_lm.errors import RunError
 from moe_lm.model import (
     Transformer,
@@ -39,34 +40,22 @@ from moe_lm.model import (
     uses_layer_seeds,
 )
 from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
-from moe_lm.parallel.engine import Engine, StagedEngine
+from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
-from moe_lm.parallel.pipeline import (
-    Pipeline,
-    PipelineObjective,
-    build_pipeline,
-    check_cut,
-    stage_parts,
-    stage_slices,
-    stages_without_experts,
-)
-from moe_lm.planning.stages import describe_stages
+from moe_lm.parallel.pipeline import Pipeline, StepTally, build_pipeline, check_cut
 from moe_lm.train.balance import balance_step
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.flops import Throughput, peak_flops
 from moe_lm.train.init_from import start_from
 from moe_lm.train.inputs import check_inputs, eval_sets, prepare_default_corpus
 from moe_lm.train.objective import (
-    NEXT_TOKEN,
     Objective,
-    logged_losses,
-    next_token_losses,
     objective_for,
-    total_loss,
 )
 from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
+from moe_lm.train.step import NextTokenLoss, PipelineObjective, pipeline_step, train_step
 from moe_lm.train.stop import StopOnSignal, Stopped, WatchPeers
 from moe_lm.train.tracker import Tracker
 
@@ -190,7 +179,10 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
     model = apply_compile(model, cfg.performance.compile)
     schedule = cfg.parallel.pp_schedule
-    pipeline = build_pipeline(model, pp, loss_chunk(cfg), t.grad_accum_steps, schedule) if pp > 1 else None
+    pipeline = None
+    if pp > 1:
+        tally = StepTally(depth=len(model.mtp), aux_scale=1.0 / t.grad_accum_steps)
+        pipeline = build_pipeline(model, pp, tally, NextTokenLoss(model, tally, loss_chunk(cfg)), schedule)
     if pipeline:
         check_cut(pipeline, cfg)
         tracker.info(f"pipeline ({schedule}): {describe_stages(cfg, pipeline.module.parts)} (cut by parameters)")
@@ -260,62 +252,6 @@ def _count_bad_step(run: _Run, applied: bool, loss: float, step_done: int) -> No
             f"Lower optim.lr, raise optim.warmup_steps, or check the data; the last good checkpoint is "
             f"{latest_tag(run.run_dir) or 'none (no checkpoint was written)'} in {run.run_dir / 'checkpoints'}"
         )
-
-
-def train_step(
-    engine: Engine,
-    model: Transformer,
-    micro_batches,
-    lr: float,
-    mtp_weight: float = 0.0,
-    objective: Objective = NEXT_TOKEN,
-) -> tuple[dict, bool]:
-    """One optimizer step over this rank's micro-batches [micro, seq_len + 1]. Returns the losses averaged over all
-    micro-batches and ranks ({"loss": the main head's CE, "aux_loss", "mtp_loss/depth_k" per MTP depth}) and
-    whether the update was applied (DeepSpeed skips it when the gradient norm is not finite, which a NaN/inf loss
-    makes it)."""
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-    engine.train()
-    for d in dispatchers(model):
-        d.reset_stats()
-    depth = len(model.mtp)
-    sums = torch.zeros(3 + depth, device=next(model.parameters()).device)  # ce, aux, mtp depths, micro-batches
-    for batch in micro_batches:
-        out, labels = objective.run(engine, batch, mtp=depth > 0, logits=not objective.loss_chunk)
-        ce, mtp = next_token_losses(out, labels, model.lm_head.weight, objective.loss_chunk)
-        engine.backward(total_loss(ce, mtp, mtp_weight, out.aux_loss))
-        engine.step()
-        sums += logged_losses(ce, mtp, out.aux_loss)
-    return _step_losses(engine, sums)
-
-
-def pipeline_step(engine: StagedEngine, pipeline: Pipeline, micro_batches, lr: float, mtp_weight: float = 0.0):
-    """train_step's result for a model in pipeline stages: DeepSpeed's train_batch runs its schedule (1F1B or
-    DualPipeV) over the micro-batches (forward, backward, the tied embedding's and the data-parallel gradient
-    reductions, the step); the stages' layers and loss add up the losses they computed (pipeline.tally)."""
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-    for d in dispatchers(pipeline.model):
-        d.reset_stats()
-    tally = pipeline.tally
-    tally.reset(next(pipeline.module.parameters()).device)
-    tally.mtp_weight = mtp_weight
-    if pipeline.shapes_changed:  # an evaluation ran since: training's shapes are sent again
-        engine.reset_activation_shape()
-        pipeline.shapes_changed = False
-    engine.train_batch(iter([(w[:, :-1], w[:, 1:]) for w in micro_batches]))
-    return _step_losses(engine, tally.values)
-
-
-def _step_losses(engine: Engine, sums: torch.Tensor) -> tuple[dict, bool]:
-    """[ce, aux, mtp depths, micro-batches] summed over this rank's micro-batches -> the means over all ranks'
-    (on every rank), and whether the step was applied."""
-    dist.all_reduce(sums)
-    means = (sums[:-1] / sums[-1]).tolist()
-    losses = {"loss": means[0], "aux_loss": means[1]}
-    losses.update({f"mtp_loss/depth_{k}": v for k, v in enumerate(means[2:], start=1)})
-    return losses, engine.was_step_applied() and math.isfinite(means[0])
 
 
 def _micro_batches(run: _Run, first: int):

@@ -10,7 +10,7 @@ import torch
 from moe_lm.analysis.ablation import ablation_study, document_losses, route_around
 from moe_lm.model import Transformer
 from moe_lm.routing.recorder import RoutingRecorder
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
+from moe_lm.testing import replace_moe, tiny_model_cfg
 
 
 def docs(n=12, seed=0):

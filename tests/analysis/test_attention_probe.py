@@ -17,7 +17,7 @@ from moe_lm.analysis.attention_probe import (
     synthetic_erank,
 )
 from moe_lm.model import Transformer
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import tiny_model_cfg
 
 
 def test_a_causal_softmax_matrix_is_exactly_full_rank_in_float64():

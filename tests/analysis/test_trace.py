@@ -15,8 +15,8 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
+from moe_lm.testing import replace_moe, tiny_model_cfg
 from tests.helpers.runs import tiny_train_cfg
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
 
 def analyze(cli, *args):

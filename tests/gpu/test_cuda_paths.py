@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_lm.model import Experts, Transformer
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
+from moe_lm.testing import replace_moe, tiny_model_cfg
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from moe_lm.model import Transformer
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
+from moe_lm.testing import replace_moe, tiny_model_cfg
 
 
 def random_model(attention: str, **moe) -> Transformer:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.config import CadenceConfig, Config, DataConfig, LoggingConfig, MLAConfig, OptimConfig, TrainConfig
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import tiny_model_cfg
 
 WORDS = {
     "cooking": "stir the onions slowly until golden then add garlic salt pepper and a splash of wine".split(),

@@ -16,8 +16,8 @@ from moe_lm.inference.sampling import Sampling
 from moe_lm.inference.speculative import _Drafter, accept_or_resample, speculative_generate
 from moe_lm.model import Transformer
 from moe_lm.model.attention import KVCache
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.objective import next_token_losses, total_loss
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def markov_model(depth: int, vocab: int = 97, steps: int = 150, attention: str = "mla", seed: int = 0) -> Transformer:

@@ -202,7 +202,7 @@ def test_a_gpt2_style_export_is_scored_after_eos(tmp_path):
     from moe_lm.interop.hf_tokenizer import export_tokenizer
     from moe_lm.interop.lm_eval import harness_lm
     from moe_lm.model import Transformer
-    from tests.helpers.tiny import tiny_model_cfg
+    from moe_lm.testing import tiny_model_cfg
     from tests.helpers.tokenizers import bpe_json, prepare_with
 
     raw = bpe_json(tmp_path / "raw", ["<|endoftext|>"])

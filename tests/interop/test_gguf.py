@@ -22,7 +22,7 @@ from moe_lm.interop.gguf import export_gguf, spm_proto
 from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_tokenizer import export_tokenizer
 from moe_lm.model import Transformer
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import tiny_model_cfg
 
 U32, F32, BOOL, STR, ARR = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.BOOL,
                             gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY)  # fmt: skip

@@ -13,8 +13,8 @@ import moe_lm.experiments.variants  # noqa: F401  (registers the research varian
 from moe_lm.config import RopeScalingConfig
 from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
 from moe_lm.model import Transformer, build_model
+from moe_lm.testing import tiny_model_cfg
 from tests.helpers.hf import answer_yes_if_asked, native_deepseek_config, random_model, remote_code_folder
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def logits(model, tokens):

@@ -18,13 +18,12 @@ from moe_lm.analysis.agreement import agreement
 from moe_lm.analysis.trace import record_trace
 from moe_lm.data.prepare import load_split
 from moe_lm.data.tokenizer import load_data_tokenizer
-from moe_lm.interop.check_models import check_model
 from moe_lm.interop.gguf import export_gguf
 from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_tokenizer import export_tokenizer
 from moe_lm.interop.llama_cpp import GGUFModel, quantize
 from moe_lm.model import Transformer
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import check_model, tiny_model_cfg
 
 VOCAB = 320
 

@@ -7,7 +7,7 @@ import torch
 
 from moe_lm.model import Transformer
 from moe_lm.model.attention import KVCache
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import tiny_model_cfg
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])

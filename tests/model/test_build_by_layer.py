@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from moe_lm.model import build_by_layer
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import tiny_model_cfg
 
 
 def test_a_part_built_alone_has_its_weights_in_the_whole_model():

@@ -15,10 +15,10 @@ from moe_lm.config import ConfigError, MTPConfig, load_config
 from moe_lm.model import Transformer, count_params
 from moe_lm.model.attention import rope_cos_sin
 from moe_lm.model.block import Block
+from moe_lm.testing import replace_moe, tiny_model_cfg
 from moe_lm.train.balance import balance_step
 from moe_lm.train.objective import next_token_losses, total_loss
 from moe_lm.train.schedule import mtp_weight_at
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
 
 
 def with_mtp(cfg, depth: int, **kw):

@@ -15,7 +15,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, 
 
 from moe_lm.model import MoE, Router, update_biases
 from moe_lm.model.router import batch_balance_loss, select_experts, select_experts_torch, sequence_balance_loss
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
+from moe_lm.testing import replace_moe, tiny_model_cfg
 
 
 def hf_config(cfg) -> DeepseekV3Config:

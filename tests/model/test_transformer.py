@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from moe_lm.config import load_config
 from moe_lm.model import MoE, Transformer, count_params
-from tests.helpers.tiny import replace_moe, tiny_model_cfg
+from moe_lm.testing import replace_moe, tiny_model_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -250,7 +250,7 @@ def test_moe_layer_with_shared_experts_equals_loop_reference(n_shared, threads):
     weights, input) equal the loop path in float64."""
     kernel()
     from moe_lm.model import MoE
-    from tests.helpers.tiny import tiny_model_cfg
+    from moe_lm.testing import tiny_model_cfg
 
     moe = dict(n_group=1, topk_group=1, num_experts_per_tok=2, routed_scaling_factor=1.0, moe_inter_dim=12)
     cfg = tiny_model_cfg(dim=24, moe={**moe, "n_shared_experts": n_shared})

@@ -182,7 +182,7 @@ def test_cuda_kernels_equal_loop_in_bf16(impl):
 def test_cuda_training_step_with_megablocks_equals_loop():
     """GPU only: a whole model's loss and an AdamW step agree between MegaBlocks' kernels and the loop, bf16."""
     _gpu_backend_or_skip()
-    from tests.helpers.tiny import replace_moe, tiny_model_cfg
+    from moe_lm.testing import replace_moe, tiny_model_cfg
 
     losses = {}
     for impl in ("loop", "megablocks"):

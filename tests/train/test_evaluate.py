@@ -9,9 +9,9 @@ import torch
 from moe_lm.experiments.variants.objectives import PrefixLM
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import init_distributed
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.evaluate import evaluate
 from moe_lm.train.objective import NEXT_TOKEN
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def test_loss_scored_is_the_loss_on_the_labels_from_score_from():

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from moe_lm.checkpoint.format import load_model
 from moe_lm.config import MTPConfig
 from moe_lm.model import Transformer
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.recompute import apply_activation_checkpointing
 from tests.helpers.runs import tiny_train_cfg, with_train
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def step(model, tokens):

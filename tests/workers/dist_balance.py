@@ -14,8 +14,8 @@ import torch.distributed as dist
 from moe_lm.config import Config, LoggingConfig, MLAConfig, ParallelConfig, TrainConfig
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.balance import balance_step
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def bias_update_checks(zero: int) -> dict | None:

@@ -23,8 +23,8 @@ from moe_lm.config import Config, LoggingConfig, MLAConfig, MTPConfig, OptimConf
 from moe_lm.model import Transformer
 from moe_lm.parallel.deepspeed_setup import build_engine, param_groups
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers, ensure_groups, ep_nodes
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.objective import next_token_losses, total_loss
-from tests.helpers.tiny import tiny_model_cfg
 
 MICRO, SEQ, VOCAB = 2, 12, 64
 

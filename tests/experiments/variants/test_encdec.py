@@ -13,9 +13,9 @@ from moe_lm.config import ConfigError, load_config
 from moe_lm.experiments.variants.encdec import EncoderDecoder
 from moe_lm.experiments.variants.objectives import PrefixLM
 from moe_lm.model import build_model, count_params
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.objective import objective_for
 from tests.helpers.runs import tiny_train_cfg
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def encdec_cfg(**fields):

@@ -10,7 +10,7 @@ import torch
 
 from moe_lm.experiments.variants.masks import prefix_mask
 from moe_lm.model import Transformer
-from tests.helpers.tiny import tiny_model_cfg
+from moe_lm.testing import tiny_model_cfg
 from tests.model.test_attention import kv_cache_decoding_matches_full_forward
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from moe_lm.config import ConfigError, load_config
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import Transformer
+from moe_lm.testing import tiny_model_cfg
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, loss_sums, next_token_losses, objective_for
 from tests.helpers.runs import tiny_train_cfg, with_train
-from tests.helpers.tiny import tiny_model_cfg
 
 
 def test_prefix_lm_labels_only_the_tokens_after_the_prefix():

@@ -1,37 +1,72 @@
-"""Small models built to tell engines apart, for the checks that run our exports in other engines (vLLM:
-launch/serve_check.py, llama.cpp: launch/gguf_check.py): weights large enough that positions and routing change the
-logits, non-zero routing biases, grouped routing; and the measures those checks compare."""
+"""Small models for the tests and the check scripts, their configs written once: the tiny MoE config every test builds
+on (`tiny_model_cfg`), and the check models that tell engines apart (`check_model`: launch/serve_check.py for vLLM,
+launch/gguf_check.py and the llama.cpp tests): weights large enough that positions and routing change the logits,
+non-zero routing biases, group-limited routing; with the prompts and measures those checks compare. Nothing of the
+trainer imports this module."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-PROMPTS = 4  # prompts per model
+from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
+
+TINY_MOE = dict(
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    moe_inter_dim=24,
+)
+
+
+def tiny_model_cfg(attention: str = "mla", moe: dict | None = None, **fields) -> ModelConfig:
+    """A 3-layer MLA (or GQA) MoE model of a few thousand parameters; `moe` overrides fields of the MoE section
+    (`moe=dict(n_group=1)`), other keywords override ModelConfig fields."""
+    base = dict(
+        vocab_size=97,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        inter_dim=48,
+        first_k_dense_replace=1,
+        attention=attention,
+        max_seq_len=64,
+        mla=MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+        gqa=GQAConfig(n_kv_heads=2, head_dim=8, partial_rotary_factor=0.5),
+        moe=MoEConfig(**{**TINY_MOE, **(moe or {})}),
+    )
+    return ModelConfig(**{**base, **fields})
+
+
+def replace_moe(cfg: ModelConfig, **kw) -> ModelConfig:
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **kw))
+
+
+PROMPTS = 4  # prompts per check model
 PROMPT_LEN = 40  # tokens per prompt (positions far enough apart for the rotary layout to matter)
-WEIGHT_SCALE = 5.0  # matrices times this: attention far from uniform, so a wrong rotary layout shows
+WEIGHT_SCALE = 5.0  # a check model's matrices times this: attention far from uniform, so a wrong rotary layout shows
 
 
 def check_model(attention: str, yarn: bool = False, vocab_size: int = 256, q_lora_rank: int = 32):
-    """A small model with vLLM-friendly sizes: attention head size 32 (the CPU kernel's smallest), MoE layers with
-    grouped routing, non-zero routing biases and weights large enough that positions change the logits.
+    """The tiny config at vLLM-friendly sizes (attention head size 32, the CPU kernel's smallest; d 64), grouped
+    routing, non-zero routing biases and weights large enough that positions change the logits.
     `q_lora_rank` 0: MLA with a plain query projection."""
     import torch
 
-    from moe_lm.config import GQAConfig, MLAConfig, ModelConfig, MoEConfig, RopeScalingConfig
     from moe_lm.model import Transformer
 
     rope_scaling = RopeScalingConfig()
     if yarn:  # DeepSeek-V3's shape of YaRN (mscale = mscale_all_dim = 1), at a small scale
         rope_scaling = RopeScalingConfig("yarn", 4.0, 32, mscale=1.0, mscale_all_dim=1.0)  # 32 * 4 = max_seq_len
-
-    cfg = ModelConfig(
+    cfg = tiny_model_cfg(
+        attention,
+        moe=dict(moe_inter_dim=32),
         vocab_size=vocab_size,
         dim=64,
-        n_layers=3,
-        n_heads=4,
         inter_dim=96,
-        first_k_dense_replace=1,
-        attention=attention,
         max_seq_len=128,
         rope_scaling=rope_scaling,
         # MLA: q/k head 16 + 16 = 32; vLLM's MHA path pads v to the q/k head size
@@ -39,15 +74,6 @@ def check_model(attention: str, yarn: bool = False, vocab_size: int = 256, q_lor
             q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
         ),
         gqa=GQAConfig(n_kv_heads=2, head_dim=32, partial_rotary_factor=0.5),
-        moe=MoEConfig(
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            moe_inter_dim=32,
-        ),
     )
     torch.manual_seed(0)
     model = Transformer(cfg).eval()

@@ -1,10 +1,10 @@
-"""The first GPU run, in one call that fits a short lease: `make gpu-check OUT=dir` (= `python -m moe_lm.gpu_check
+"""The first GPU run, in one call that fits a short lease: `make gpu-check OUT=dir` (= `python launch/gpu_check.py
 --out dir`), budgeted to BUDGET_S of wall time in all, every step cut at its own budget and reported, never the call.
 
-    python -m moe_lm.gpu_check --out OUT              # on the GPU machine (the carried tree, .gpu_carry/ with it)
-    python -m moe_lm.gpu_check --out OUT --dry-run    # anywhere: every step at tiny shapes on CPU (the suite runs it)
-    python -m moe_lm.gpu_check --read OUT             # the returned files as the rows of docs/gpu.md and the README
-    python -m moe_lm.gpu_check --carry-data .gpu_carry   # make gpu-carry: the token shards the train step reads
+    python launch/gpu_check.py --out OUT              # on the GPU machine (the carried tree, .gpu_carry/ with it)
+    python launch/gpu_check.py --out OUT --dry-run    # anywhere: every step at tiny shapes on CPU (the suite runs it)
+    python launch/gpu_check.py --read OUT             # the returned files as the rows of docs/gpu.md and the README
+    python launch/gpu_check.py --carry-data .gpu_carry   # make gpu-carry: the token shards the train step reads
 
 Steps, in order of value (STEPS): the environment (what the carried wheels install, versions, the attention
 backend MLA's head sizes get), the GPU tests, the MoE layer in bf16 (ours against the dense twin and HF), a short
@@ -49,7 +49,7 @@ def plan(dry_run: bool, carry: Path, work: Path) -> dict[str, list[str]]:
     steps = 3 if dry_run else 100
     small = ["train.micro_batch_size=2", "train.seq_len=32"] if dry_run else []
     return {
-        "env": [py, "-m", "moe_lm.gpu_check", "--env", str(work / "env.json")],
+        "env": [py, str(ROOT / "launch" / "gpu_check.py"), "--env", str(work / "env.json")],
         "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/gpu",
                   "tests/ops/test_megablocks.py"],
         "bench_moe": [py, "-m", "moe_lm.bench", "moe", "--device", device, "--dtype", dtype,
@@ -331,7 +331,7 @@ def size_mib(*paths: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m moe_lm.gpu_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", help="the folder that comes back: summary.txt, results.json, logs.tgz")
     ap.add_argument("--carry", default=str(CARRY), help="the carried folder: whl/ and data/")
