@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from moe_lm.analysis.requests import AblationRequest
 from moe_lm.cli import main_of, output_folder
-from moe_lm.cli.options import add_out
+from moe_lm.cli.options import add_out, default_of, from_flags
 from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
 
@@ -38,9 +38,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_subject(ap)
     add_out(ap, "the report folder (created)")
     ap.add_argument("--targets", nargs="*", type=target, metavar="LAYER:EXPERTS", help="experts to route around")
-    ap.add_argument("--controls", type=int, default=3, help="random same-size expert sets per target")
-    ap.add_argument("--max-documents", type=int, default=400, help="documents evaluated, spread equally over domains")
-    ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples")
+    ap.add_argument("--controls", type=int, default=default_of(AblationRequest, "controls"),
+                    help="random same-size expert sets per target")  # fmt: skip
+    ap.add_argument("--max-documents", type=int, default=default_of(AblationRequest, "max_documents"),
+                    help="documents evaluated, spread equally over domains")  # fmt: skip
+    ap.add_argument("--n-boot", type=int, default=default_of(AblationRequest, "n_boot"), help="bootstrap resamples")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,8 +54,8 @@ def run(args: argparse.Namespace) -> None:
     from moe_lm.analysis.ablation_workflow import ablate_experts
 
     with out.staged() as folder:
-        ablate_experts(AblationRequest(subject_request(args), folder, tuple(args.targets or ()), args.controls,
-                                       args.max_documents, args.n_boot))  # fmt: skip
+        ablate_experts(from_flags(AblationRequest, args, subject=subject_request(args), out=folder,
+                                  targets=tuple(args.targets or ())))  # fmt: skip
     print(f"wrote ablation.json, ablation.md and ablation.png to {out.path}")
 
 

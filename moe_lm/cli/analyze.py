@@ -30,7 +30,7 @@ from pathlib import Path
 from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest, SubjectRequest
 from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import main_of, output_folder
-from moe_lm.cli.options import add_out, utf8_text
+from moe_lm.cli.options import add_out, default_of, from_flags, utf8_text
 from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
 
@@ -44,9 +44,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
-    ap.add_argument("--max-tokens", type=int, default=200_000, help="tokens recorded, spread equally over the domains")
-    ap.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass")
-    ap.add_argument("--min-count", type=int, default=20, help="minimum occurrences for vocabulary specialisation")
+    ap.add_argument("--max-tokens", type=int, default=default_of(RoutingRequest, "max_tokens"),
+                    help="tokens recorded, spread equally over the domains")  # fmt: skip
+    ap.add_argument("--batch-size", type=int, default=default_of(RoutingRequest, "batch_size"), metavar="N",
+                    help="sequences per forward pass")  # fmt: skip
+    ap.add_argument("--min-count", type=int, default=default_of(RoutingRequest, "min_count"),
+                    help="minimum occurrences for vocabulary specialisation")  # fmt: skip
     ap.add_argument("--no-init-baseline", action="store_true", help="skip the untrained-model baseline (N1)")
     ap.add_argument(
         "--layers", nargs="*", type=int, metavar="LAYER", help="MoE layers to draw and tabulate (default: all up to "
@@ -64,20 +67,12 @@ def run(args: argparse.Namespace) -> None:
     from moe_lm.analysis.routing_workflow import analyze_routing
 
     with out.staged() as folder:
-        analyze_routing(
-            RoutingRequest(
-                subject_request(args),
-                folder,
-                args.max_tokens,
-                args.batch_size,
-                tuple(compared_subject(spec, args) for spec in args.compare),
-                tuple(args.chart_tokens),
-                args.min_count,
-                not args.no_init_baseline,
-                tuple(args.layers) if args.layers is not None else None,
-                args.wandb,
-            )  # fmt: skip
-        )
+        request = from_flags(
+            RoutingRequest, args, subject=subject_request(args), out=folder,
+            compare=tuple(compared_subject(spec, args) for spec in args.compare), chart_tokens=tuple(args.chart_tokens),
+            init_baseline=not args.no_init_baseline, layers=tuple(args.layers) if args.layers is not None else None,
+        )  # fmt: skip
+        analyze_routing(request)
         figures = len(list((folder / "figures").glob("*.png")))
     print(f"wrote metrics.json, metrics.csv, routing.html and {figures} figures to {out.path}")
 

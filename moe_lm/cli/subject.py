@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moe_lm.analysis.hf_routing import SUPPORTED
 from moe_lm.analysis.requests import SubjectRequest
-from moe_lm.cli.options import add_run
+from moe_lm.cli.options import add_run, default_of, from_flags
 from moe_lm.errors import UserError
 
 
@@ -24,28 +24,32 @@ def add_subject(ap: argparse.ArgumentParser, gguf: bool = False) -> None:
     )  # fmt: skip
     if gguf:
         what.add_argument("--gguf", metavar="FILE", help="a GGUF MoE model, run in llama.cpp (the llama extra)")
-        ap.add_argument("--threads", type=int, default=1, help="with GGUF files: llama.cpp's threads (1: steadiest "
-                        "on a shared machine)")  # fmt: skip
+        ap.add_argument("--threads", type=int, default=default_of(SubjectRequest, "threads"),
+                        help="with GGUF files: llama.cpp's threads (1: steadiest on a shared machine)")  # fmt: skip
         ap.add_argument("--llama-defaults", action="store_true", help="with GGUF files: llama.cpp's default f16 KV "
                         "cache and flash attention (default: an f32 cache, no flash attention)")  # fmt: skip
     ap.add_argument(
         "--data", nargs="*", metavar="SOURCE", help="sources as in data.sources: files, folders, parquet, hf:NAME "
         "(default with --run: its validation split)",
     )  # fmt: skip
-    ap.add_argument("--text-field", default="text", help="the column (or .jsonl key) with the text")
-    ap.add_argument("--domain-field", default="domain", help="the column naming the domain (absent: source name)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --hf")
-    ap.add_argument("--device", default="cpu", help="with --hf: cpu, cuda, or auto (device_map='auto')")
-    ap.add_argument("--seq-len", type=int, default=1024,
+    ap.add_argument("--text-field", default=default_of(SubjectRequest, "text_field"),
+                    help="the column (or .jsonl key) with the text")  # fmt: skip
+    ap.add_argument("--domain-field", default=default_of(SubjectRequest, "domain_field"),
+                    help="the column naming the domain (absent: source name)")  # fmt: skip
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=default_of(SubjectRequest, "dtype"),
+                    help="with --hf")  # fmt: skip
+    ap.add_argument("--device", default=default_of(SubjectRequest, "device"),
+                    help="with --hf: cpu, cuda, or auto (device_map='auto')")  # fmt: skip
+    ap.add_argument("--seq-len", type=int, default=default_of(SubjectRequest, "seq_len"),
                     help="with --hf or --gguf: window length (capped by the model's)")  # fmt: skip
 
 
 def subject_request(args: argparse.Namespace) -> SubjectRequest:
     """The subject flags as the analyses take them."""
-    return SubjectRequest(run=args.run, hf=args.hf, gguf=getattr(args, "gguf", None), data=tuple(args.data or ()),
-                          text_field=args.text_field, domain_field=args.domain_field, dtype=args.dtype,
-                          device=args.device, seq_len=args.seq_len, threads=getattr(args, "threads", 1),
-                          llama_defaults=getattr(args, "llama_defaults", False))  # fmt: skip
+    # why defaults for what is not a flag: ablate has no GGUF flags (nothing reroutes inside llama.cpp)
+    gguf_flags = ("gguf", "threads", "llama_defaults")
+    absent = {name: default_of(SubjectRequest, name) for name in gguf_flags if name not in args}
+    return from_flags(SubjectRequest, args, data=tuple(args.data or ()), **absent)
 
 
 def check_subject(args: argparse.Namespace) -> None:

@@ -313,7 +313,8 @@ class TrainConfig:
     max_steps: int = 600
     # Tokens per training window (at most model.max_seq_len).
     seq_len: int = 256
-    # Sequences per rank per micro-step; the global batch is micro_batch_size * grad_accum_steps * world size.
+    # Sequences per rank per micro-step; the global batch is micro_batch_size * grad_accum_steps * the data-parallel
+    # size (the world size / parallel.pp_size: the ranks of one pipeline stage).
     micro_batch_size: int = 8
     # Micro-batches per optimizer step on every rank.
     grad_accum_steps: int = 1
@@ -486,6 +487,11 @@ class Config:
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def global_batch(self, world: int = 1) -> int:
+        """Sequences one optimizer step consumes over `world` ranks: micro_batch_size x grad_accum_steps on each
+        data-parallel rank (world / parallel.pp_size: every stage of a replica reads the same micro-batches)."""
+        return self.train.micro_batch_size * self.train.grad_accum_steps * (world // self.parallel.pp_size)
 
     def validate(self) -> None:
         _require(

@@ -51,7 +51,7 @@ def _draw_curves(exp: Experiment, by_arm: dict[str, ArmData], path: Path) -> Pat
         seconds = np.array([c[2][p] for c, p in zip(curves, pick, strict=True)]).mean(0)
         cfg = data.runs[0].cfg
         t = cfg.train
-        tokens = np.array(steps) * t.micro_batch_size * t.grad_accum_steps * t.seq_len
+        tokens = np.array(steps) * cfg.global_batch() * t.seq_len  # one process
         flops = tokens * train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len)
         for ax, x in zip(axes, (tokens, flops, seconds), strict=True):
             ax.plot(x, loss.mean(0), marker="o", label=arm)

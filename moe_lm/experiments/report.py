@@ -94,7 +94,7 @@ def arm_table(exp: Experiment, by_arm: dict[str, ArmData]) -> list[dict]:
             "arm": arm, "overrides": exp.arms[arm], "total_params": n.total + n.mtp_total, "active_params":
             n.active + n.mtp_active, "train_flops_per_token": train_flops_per_token(cfg.model, t.seq_len, prefix),
             "decode_flops_per_token": decode_flops_per_token(cfg.model, t.seq_len, prompt),
-            "tokens_seen": t.max_steps * t.micro_batch_size * t.grad_accum_steps * t.seq_len,
+            "tokens_seen": t.max_steps * cfg.global_batch() * t.seq_len,  # one process
             "train_seconds": float(np.mean(times)) if times else None,
             "loss": [r.result["loss"] for r in data.runs],
             "training": [{"seed": r.seed, **train_validation_gap(r)} for r in data.runs],

@@ -77,15 +77,9 @@ MAX_EPOCHS = 4.0  # past a few epochs a larger model's loss measures memorisatio
 
 
 def epochs(cfg: Config) -> float:
-    """Passes over the training split that `cfg`'s run makes (its data prepared)."""
+    """Passes over the training split that `cfg`'s run (one process) makes (its data prepared)."""
     t = cfg.train
-    return (
-        t.max_steps
-        * t.micro_batch_size
-        * t.grad_accum_steps
-        * t.seq_len
-        / read_meta(cfg.data.out_dir)["tokens"]["train"]
-    )
+    return t.max_steps * cfg.global_batch() * t.seq_len / read_meta(cfg.data.out_dir)["tokens"]["train"]
 
 
 def check_epochs(cfg: Config, exp: Experiment, arm: str) -> None:

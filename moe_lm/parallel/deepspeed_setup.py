@@ -209,8 +209,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_engine(model: torch.nn.Module, o: OptimConfig, t: TrainConfig, p: ParallelConfig) -> Engine:
-    """Wrap the plain model in a DeepSpeed engine with AdamW and the derived config."""
+def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConfig, parallel: ParallelConfig) -> Engine:
+    """Wrap the plain model in a DeepSpeed engine with AdamW and the config derived from the three sections."""
+    o, t, p = optim, train, parallel
     dev = device()
     bf16 = use_bf16(p, dev)
     model = model.to(dev)

@@ -1,16 +1,15 @@
 """The training loop under DeepSpeed: one optimizer step, and the cadence of logging, evaluation and checkpoints.
 
 One optimizer step = grad_accum_steps micro-batches on every data-parallel rank. Step `s` consumes the global
-samples [base + s*G, base + (s+1)*G) with G = micro_batch_size * grad_accum_steps * dp (dp = world / pp_size),
-micro-batch m of data-parallel rank r taking its slice; so a run at another layout with the same G sees identical
-batches, and resuming continues the sample stream exactly where the checkpoint left it. With pipeline stages
-(parallel.pp_size > 1) the step is DeepSpeed's `train_batch` (moe_lm/parallel/pipeline.py): every stage of a
-data-parallel replica reads the same micro-batches, the first its inputs, the last its labels.
+samples [base + s*G, base + (s+1)*G) with G = cfg.global_batch(world) (micro_batch_size x grad_accum_steps x dp,
+dp = world / pp_size), micro-batch m of data-parallel rank r taking its slice; so a run at another layout with the
+same G sees identical batches, and resuming continues the sample stream exactly where the checkpoint left it. The
+step itself is moe_lm/train/step.py's: with pipeline stages (parallel.pp_size > 1) DeepSpeed's `train_batch`, every
+stage of a data-parallel replica reading the same micro-batches, the first its inputs, the last its labels.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import signal
 import time
@@ -87,8 +86,7 @@ class _Run:
 
     @property
     def global_batch(self) -> int:
-        t = self.cfg.train
-        return t.micro_batch_size * t.grad_accum_steps * self.dp_size
+        return self.cfg.global_batch(self.world)
 
 
 def train(cfg: Config) -> dict:
@@ -186,19 +184,20 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     if pipeline:
         check_cut(pipeline, cfg)
         tracker.info(f"pipeline ({schedule}): {describe_stages(cfg, pipeline.module.parts)} (cut by parameters)")
-    engine = build_engine(pipeline.module if pipeline else model, cfg.optim, cfg.train, cfg.parallel)
+    engine = build_engine(pipeline.module if pipeline else model, optim=cfg.optim, train=t, parallel=cfg.parallel)
     dp_rank, dp_size = (pipeline.grid.data_parallel_id, world // pp) if pipeline else (rank, world)
-    G = t.micro_batch_size * t.grad_accum_steps * dp_size
+    tokens = cfg.global_batch(world) * t.seq_len
     peak, peak_source = peak_flops(dev, cfg.logging.peak_tflops)
-    flops_per_step = train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len) * G * t.seq_len
-    throughput = Throughput(flops_per_step, G * t.seq_len, peak * world, tracker.info, f"MFU against {peak_source}")
+    flops_per_step = train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len) * tokens
+    throughput = Throughput(flops_per_step, tokens, peak * world, tracker.info, f"MFU against {peak_source}")
     objective = PipelineObjective(engine, pipeline) if pipeline else objective_for(cfg)
-    evaluate_at = functools.partial(
-        _evaluate, engine, model, evalsets, cfg, dev, data_meta["bos_id"], tracker, objective, (dp_rank, dp_size)
-    )
+    evaluation = Evaluation(engine=engine, model=model, evalsets=evalsets, cfg=cfg, device=dev,
+                            doc_start_id=data_meta["bos_id"], tracker=tracker, objective=objective,
+                            data_parallel=(dp_rank, dp_size))  # fmt: skip
     return _Run(
-        cfg, run_dir, tracker, windows, engine, model, objective, throughput, evaluate_at, watch, rank, world,
-        dp_rank, dp_size, pipeline,
+        cfg=cfg, run_dir=run_dir, tracker=tracker, windows=windows, engine=engine, model=model, objective=objective,
+        throughput=throughput, evaluate=evaluation, watch=watch, rank=rank, world=world, dp_rank=dp_rank,
+        dp_size=dp_size, pipeline=pipeline,
     )  # fmt: skip
 
 
@@ -262,14 +261,30 @@ def _micro_batches(run: _Run, first: int):
         yield run.windows.batch(start, t.micro_batch_size).to(dev)
 
 
-def _evaluate(
-    engine: Engine, model, evalsets, cfg: Config, dev, doc_start_id: int, tracker: Tracker, objective, dp, step: int
-) -> dict:
-    micro, score_from = cfg.train.micro_batch_size, cfg.cadence.eval_score_from
-    result = evaluate(engine, model, evalsets, micro, dev, doc_start_id, objective, score_from, dp)
-    tracker.log({"kind": "eval", "step": step, **result})
-    tracker.console(_eval_line(result), step)
-    return result
+@dataclass(frozen=True)
+class Evaluation:
+    """The evaluation a run does every cadence.eval_interval steps: `evaluation(step)` evaluates, logs the row and
+    its console line, and returns the metrics."""
+
+    engine: Engine
+    model: Transformer
+    evalsets: dict
+    cfg: Config
+    device: torch.device
+    doc_start_id: int
+    tracker: Tracker
+    objective: Objective
+    data_parallel: tuple[int, int]  # (this rank's place among its stage's ranks, their number)
+
+    def __call__(self, step: int) -> dict:
+        cfg = self.cfg
+        result = evaluate(
+            self.engine, self.model, self.evalsets, cfg.train.micro_batch_size, self.device, self.doc_start_id,
+            self.objective, cfg.cadence.eval_score_from, self.data_parallel,
+        )  # fmt: skip
+        self.tracker.log({"kind": "eval", "step": step, **result})
+        self.tracker.console(_eval_line(result), step)
+        return result
 
 
 def _log_train(tracker: Tracker, engine: Engine, model: Transformer, row: dict, counts: list[torch.Tensor]) -> None:

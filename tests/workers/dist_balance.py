@@ -43,7 +43,7 @@ def bias_update_checks(zero: int) -> dict | None:
     )
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    engine = build_engine(model, cfg.optim, cfg.train, cfg.parallel)
+    engine = build_engine(model, optim=cfg.optim, train=cfg.train, parallel=cfg.parallel)
     gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     checks = 0
     for _ in range(3):

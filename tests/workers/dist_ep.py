@@ -83,7 +83,7 @@ def run_case(case: str, ep: int) -> dict:
     reference = copy.deepcopy(full).train()
     o = cfg.optim
     ref_opt = torch.optim.AdamW(param_groups(reference, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    engine = build_engine(apply_expert_parallel(full, ep), cfg.optim, cfg.train, cfg.parallel)
+    engine = build_engine(apply_expert_parallel(full, ep), optim=cfg.optim, train=cfg.train, parallel=cfg.parallel)
     model = engine.module
     routing: list[list] = [[] for _ in model.moe_layers()]
     for i, moe in enumerate(model.moe_layers()):

@@ -25,7 +25,9 @@ def resharded_logits(run: Path, ep: int) -> torch.Tensor:
     tag = latest_tag(run)
     cfg = load_config(run / "checkpoints" / tag / "config.yaml")
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep_size=ep))
-    engine = build_engine(apply_expert_parallel(Transformer(cfg.model), ep), cfg.optim, cfg.train, cfg.parallel)
+    engine = build_engine(
+        apply_expert_parallel(Transformer(cfg.model), ep), optim=cfg.optim, train=cfg.train, parallel=cfg.parallel
+    )
     save_resume.load(engine, run, tag, load_optimizer_states=False)
     engine.eval()
     with torch.no_grad():
