@@ -42,6 +42,7 @@ from pathlib import Path
 
 import xxhash
 
+from moe_lm.compat import old_form
 from moe_lm.errors import UserError
 
 MARKER = ".moe-lm.json"
@@ -89,6 +90,7 @@ def made_by(folder: Path) -> str | None:
     if os.path.lexists(folder / MARKER):
         return None  # a marker that proves nothing
     if legacy_run(folder):
+        old_form(f"the run folder {folder} (no {MARKER})", "train on it with moe-lm 0.2 once, which adds the marker")
         return "train"
     if (folder / "meta.json").is_file() and (folder / "train").is_dir() and (folder / "val").is_dir():
         return "prepare"

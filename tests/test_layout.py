@@ -37,12 +37,15 @@ CORE = (
     "routing",
     "config",
     "errors",
+    "compat",
     "output_folder",
 )
 MAX_FUNCTION_LINES = 70
 # the rooms of the package, ground first: a module may import its own room and the rooms below it, never above
 FLOORS = (
     "errors",
+    "compat",
+    "flags",
     "console",
     "ops",
     "config",

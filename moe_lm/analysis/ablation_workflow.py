@@ -59,7 +59,7 @@ def check_targets(targets: list[Target], layers: list[int], n_experts: int) -> N
     """A user error naming the targets that are not (MoE layer, existing experts) of the model."""
     bad = [t for t in targets if t[0] not in layers or not all(0 <= e < n_experts for e in t[1])]
     if bad:
-        raise UserError(f"--targets {bad}: MoE layers are {layers}, experts 0..{n_experts - 1}")
+        raise UserError(f"targets {bad}: MoE layers are {layers}, experts 0..{n_experts - 1}")
 
 
 def specialised_targets(model, docs, domains, seq_len: int, out: Path) -> list[Target]:

@@ -76,7 +76,7 @@ def figure_layers(layers: list[int], chosen: list[int] | None = None) -> list[in
     if chosen:
         unknown = sorted(set(chosen) - set(layers))
         if unknown:
-            raise ConfigError(f"--layers {unknown} are not MoE layers of this model (those are {layers})")
+            raise ConfigError(f"layers {unknown} are not MoE layers of this model (those are {layers})")
         return sorted(set(chosen))
     if len(layers) <= MAX_DEFAULT_FIGURE_LAYERS:
         return list(layers)
@@ -114,8 +114,17 @@ def routing_metrics(
         result["init_N1_left_out"] = no_untrained
     result["tokens"] = token_shares(trace, chosen_token_ids(tok, tokens))
     if compared:
-        result["comparisons"] = {label: agreement(trace, other, label, n_boot) for label, other in compared}
+        result["comparisons"] = {
+            label: {**agreement(trace, other, label, n_boot), "source": _compared_source(other)}
+            for label, other in compared
+        }
     return result
+
+
+def _compared_source(other: Trace) -> dict:
+    """What a compared subject was (a run, an HF folder, a GGUF file and the types its tensors hold), without the
+    sampling its trace shares with the subject's."""
+    return {k: v for k, v in other.meta["source"].items() if k not in ("sampling", "data")}
 
 
 def trace_summary(trace: Trace) -> dict:

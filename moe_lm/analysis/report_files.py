@@ -33,6 +33,8 @@ def write_report(
     (out / "routing.html").write_text(routing_html(result, samples, tok, min_count))
     write_tidy(result, out / "metrics.csv")
     (out / "metrics.json").write_text(json.dumps(result, indent=1))
+    if result.get("comparisons"):
+        (out / "comparisons.md").write_text(comparisons_markdown(result))
 
 
 def draw_figures(result: dict, figs: Path, metrics_rows: list[dict] | None = None) -> None:
@@ -161,6 +163,49 @@ def comparison_tables(comparisons: dict[str, dict]) -> str:
             "<th>flips</th></tr>" + "".join(rows) + "</table>"
         )
     return ("<h2>Compared subjects (the same token ids)</h2>" + "".join(parts)) if parts else ""
+
+
+def comparisons_markdown(result: dict) -> str:
+    """The compared subjects in one Markdown table (comparisons.md): per subject, the tokens whose experts differ in
+    some layer, the flips per layer with their intervals, how many were near ties, what they cost in log-prob, and
+    what the subject is (a GGUF file: the types its tensors hold)."""
+    trace, comparisons = result["trace"], result["comparisons"]
+    chance = max(c["tokens_differing_in_any_layer"]["chance"] for c in comparisons.values())
+    lines = [
+        f"Routing of {trace['tokens']:,} tokens ({trace['documents']} documents, {len(trace['domains'])} domains) "
+        f"by the subject and by each compared subject on the same token ids; intervals: 95 % over documents; two "
+        f"routers choosing independently with these frequencies would differ in some layer on {100 * chance:.1f} % "
+        "of tokens. Definitions: docs/analytics.md (Comparing subjects).",
+        "",
+        "| subject | tokens whose experts differ in some layer, % | flips per layer, % (95 % interval) | flips that "
+        "were near ties | log-prob \\|Δ\\| mean / p99 / max | what it is |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, c in comparisons.items():
+        any_layer, cost = c["tokens_differing_in_any_layer"], (c.get("logprob") or {}).get("all") or {}
+        per_layer = "; ".join(
+            f"L{layer} {100 * m['flip_rate']['mean']:.2f} ({100 * m['flip_rate']['interval'][0]:.2f}-"
+            f"{100 * m['flip_rate']['interval'][1]:.2f})"
+            for layer, m in c["layers"].items()
+        )
+        near, flips = (sum(m[key] for m in c["layers"].values()) for key in ("flips_near_ties", "flips"))
+        lo, hi = (100 * x for x in any_layer["interval"])
+        gap = (f"{cost['mean_abs']:.2e} / {cost['p99_abs']:.2e} / {cost['max_abs']:.2e}" if cost.get("tokens")
+               else "not recorded")  # fmt: skip
+        what = _what_it_is(c.get("source") or {})
+        lines.append(
+            f"| {label} | {100 * any_layer['mean']:.2f} ({lo:.2f}-{hi:.2f}) | {per_layer} | {near:,} of {flips:,} | "
+            f"{gap} | {what} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _what_it_is(source: dict) -> str:
+    if "gguf" in source:
+        return f"GGUF in llama.cpp ({source.get('kv_cache', '?')} KV cache): {source.get('tensors', '?')}"
+    if "hf" in source:
+        return f"transformers {source.get('model_type', '')}"
+    return f"checkpoint {source.get('tag') or 'latest'}" if "run" in source else ""
 
 
 def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:

@@ -37,10 +37,13 @@ class SubjectRequest:
     seq_len: int = 1024  # with hf or gguf: the window length (capped by the model's)
     threads: int = 1  # with gguf: llama.cpp's threads
     llama_defaults: bool = False  # with gguf: llama.cpp's default f16 KV cache and flash attention
+    name: str | None = None  # how a report names it (default: its path)
 
     @property
     def label(self) -> str:
         """How the subject is named in a report."""
+        if self.name:
+            return self.name
         if self.gguf:
             return str(self.gguf)
         if self.hf:

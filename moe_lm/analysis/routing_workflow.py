@@ -21,7 +21,7 @@ from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import Trace, record_trace
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
-from moe_lm.errors import UserError
+from moe_lm.errors import ConfigError, UserError
 
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
 
@@ -67,7 +67,7 @@ def budgeted_documents(subject: Subject, what: SubjectRequest, max_tokens: int) 
     try:
         docs, samples = budget_documents(stream, domains, max_tokens)
     except DataError as e:
-        raise UserError(f"--data: {e}") from None
+        raise UserError(f"data: {e}") from None
     if not docs:
         raise UserError(f"no tokens to analyse in {source['data']}")
     total = sum(s.tokens for s in samples)
@@ -140,18 +140,18 @@ def record_compared(
     label = what.label
     try:
         other = load_subject(what)
-    except (UserError, OSError, ValueError) as e:
-        raise UserError(f"--compare {label}: {e}") from None
+    except (UserError, DataError, ConfigError) as e:  # the project's errors only: anything else is a bug
+        raise UserError(f"compared subject {label}: {e}") from None
     if other.vocab_size != subject.vocab_size or other.tok.encode(PROBE_TEXT) != subject.tok.encode(PROBE_TEXT):
         raise UserError(
-            f"--compare {label}: another vocabulary than the subject's ({other.vocab_size:,} against "
+            f"compared subject {label}: another vocabulary than the subject's ({other.vocab_size:,} against "
             f"{subject.vocab_size:,} ids, or other ids for the same text); subjects are compared on the same token ids"
         )
     if routing_shape(other.model) != shape:
         layers, E, K = routing_shape(other.model)
         raise UserError(
-            f"--compare {label}: MoE layers {layers} of {E} experts (top-{K}), the subject's {shape[0]} of {shape[1]} "
-            f"(top-{shape[2]}): not the same architecture"
+            f"compared subject {label}: MoE layers {layers} of {E} experts (top-{K}), the subject's {shape[0]} of "
+            f"{shape[1]} (top-{shape[2]}): not the same architecture"
         )
     trace = record_trace(
         other.model, docs, out, domains, source={**source, **other.source}, progress=f"routing ({label})",

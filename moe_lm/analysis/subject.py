@@ -87,8 +87,8 @@ def hf_subject(path: str, dtype: str, device: str, seq_len: int) -> Subject:
     except ValueError as e:
         if remote_code_refused(e):
             raise UserError(
-                f"--hf {path}: its config.json {REMOTE_CODE_OFF}; the model types --hf reads are built into "
-                f"transformers: {', '.join(SUPPORTED)}"
+                f"{path}: its config.json {REMOTE_CODE_OFF}; the transformers model types the analytics read are "
+                f"built into transformers: {', '.join(SUPPORTED)}"
             ) from None
         raise
     gib = n * torch.tensor([], dtype=torch_dtype).element_size() / 2**30
@@ -119,14 +119,14 @@ NO_GGUF_N1 = (
 
 def gguf_subject(path: str, threads: int, faithful: bool, seq_len: int) -> Subject:
     """A GGUF file run in llama.cpp with the file's own tokenizer (no N1: NO_GGUF_N1)."""
-    from moe_lm.interop.llama_cpp import GGUFModel
+    from moe_lm.interop.llama_cpp import GGUFModel, tensor_types
 
     context = int(_gguf_context(path) or seq_len)
     model = GGUFModel(path, threads=threads, faithful=faithful, n_ctx=min(seq_len, context))
     how = "an f32 KV cache, no flash attention" if faithful else "its default settings"
     print(f"{path}: {model.arch}, {model.n_experts} experts, top-{model.k}, MoE blocks {model.layers[0]}.."
           f"{model.layers[-1]}, run in llama.cpp with {how}")  # fmt: skip
-    source = {"gguf": str(path), **model.settings()}
+    source = {"gguf": str(path), "tensors": tensor_types(path), **model.settings()}
     return Subject(model, model.tok, model.n_ctx, None, source, vocab_size=model.n_vocab, no_untrained=NO_GGUF_N1)
 
 

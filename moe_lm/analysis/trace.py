@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moe_lm.compat import old_form
 from moe_lm.errors import ConfigError, DataError, NotFound, shown
 from moe_lm.routing.recorder import Routed, RoutingRecorder
 
@@ -69,6 +70,8 @@ class Trace:
         self.pos = self._col("pos.u32", np.uint32)
         self.domain = self._col("domain.u16", np.uint16)
         self._checked: set[int] = set()
+        if self.meta.get("format_version", 1) < FORMAT_VERSION:
+            old_form(f"the trace {self.folder} (format 1)", "record it again (moe-lm analyze)")
 
     def _col(self, name: str, dtype, width: int | None = None) -> np.ndarray:
         shape = (self.n,) if width is None else (self.n, width)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_lm.bench import from_flags
 from moe_lm.bench.timing import Stat, interleave, markdown_table, summarize
 from moe_lm.errors import UserError
+from moe_lm.flags import from_flags
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moe_lm.bench import from_flags
 from moe_lm.bench.timing import markdown_row, markdown_table, no_sync, time_interleaved
 from moe_lm.config import ModelConfig, MoEConfig
 from moe_lm.errors import UserError
+from moe_lm.flags import from_flags
 from moe_lm.interop.hf import to_hf_config
 from moe_lm.model import MoE
 from moe_lm.model.layers import MLP

@@ -23,9 +23,9 @@ import transformers
 
 from moe_lm.analysis.hf_routing import HFMoEModel
 from moe_lm.analysis.trace import document_chunks, record_trace
-from moe_lm.bench import from_flags
 from moe_lm.bench.timing import time_interleaved
 from moe_lm.errors import UserError
+from moe_lm.flags import from_flags
 
 VOCAB = 4096
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_lm.compat import old_form
 from moe_lm.config import Config, load_config
 from moe_lm.data.tokenizer import data_tokenizer_sha256
 from moe_lm.deepspeed_layout import model_keys, plain_state_dict
@@ -82,6 +83,8 @@ def damage(folder: Path, names: Iterable[str] | None = None) -> str | None:
         return f"{folder / COMPLETE} is unreadable"
     wanted = set(record) if names is None else set(names) & set(record)
     for name in sorted(wanted):
+        if not isinstance(record[name], dict):  # sizes only: before the hashes
+            old_form(f"{folder / COMPLETE} (sizes without hashes)", "resume the run once with moe-lm 0.2 to save again")
         entry = record[name] if isinstance(record[name], dict) else {"bytes": record[name]}
         path = folder / name
         if not path.is_file():

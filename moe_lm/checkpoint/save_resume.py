@@ -47,6 +47,7 @@ from moe_lm.checkpoint.format import (
     safe_load,
     saved_world_size,
 )
+from moe_lm.compat import old_form
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.errors import RunError
 from moe_lm.model import Transformer, build_model
@@ -334,7 +335,7 @@ def load(engine: Engine, run_dir: Path, tag: str, load_optimizer_states: bool = 
         raise RunError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{rank()}.pt"
     if rng_file.is_file():
-        _set_rng_state(safe_load(rng_file, legacy_rng_classes()))
+        _set_rng_state(safe_load(rng_file, legacy_rng_classes()), rng_file)
     return client_state
 
 
@@ -409,7 +410,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, source: Path) -> None:
     torch.set_rng_state(state["torch"])
     numpy, python = state["numpy"], state["python"]
     if isinstance(numpy, dict):
@@ -417,6 +418,7 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state((numpy["name"], keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
         random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
     else:  # a checkpoint written before the RNG state was tensors: numpy's tuple and python's as they were
+        old_form(f"{source} (numpy arrays)", "resume the run once with moe-lm 0.2, which saves tensors")
         np.random.set_state(numpy)
         random.setstate(python)
     if "cuda" in state and torch.cuda.is_available():

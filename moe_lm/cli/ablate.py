@@ -21,9 +21,10 @@ from collections.abc import Sequence
 
 from moe_lm.analysis.requests import AblationRequest
 from moe_lm.cli import main_of, output_folder
-from moe_lm.cli.options import add_out, default_of, from_flags
+from moe_lm.cli.options import add_out
 from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
+from moe_lm.flags import default_of, from_flags
 
 
 def target(spec: str) -> tuple[int, list[int]]:

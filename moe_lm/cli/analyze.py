@@ -5,6 +5,7 @@
     moe-lm analyze --run runs/tiny --compare runs/tiny:step_00000250 --out analysis       # + router saturation
     moe-lm analyze --hf path/to/DeepSeek-V2-Lite --data corpus/ --out analysis_v2lite     # a released model
     moe-lm analyze --gguf model-Q4_K_M.gguf --data corpus/ --out a_q4                     # as llama.cpp runs it
+    moe-lm analyze --run runs/tiny --quantise f16 q8_0 q4_K_M --out drift             # what quantising it flips
     moe-lm analyze --hf path/to/Qwen3-30B-A3B --data mmlu.jsonl --domain-field subject \
         --compare qwen3-f16.gguf qwen3-q8_0.gguf qwen3-q4_k_m.gguf --out drift           # what quantisation flips
 
@@ -12,7 +13,9 @@
 checkpoint (DeepseekV3/V2, Glm4Moe, Qwen2Moe/Qwen3Moe, OlmoE, Mixtral) with its own tokenizer, in --dtype on
 --device; --gguf: a GGUF MoE file of any type (f32 ... q2_K), run in llama.cpp with its own tokenizer (the llama
 extra), its experts read from llama.cpp's graph. --compare: other subjects routing the very same token ids (a
-checkpoint RUN[:TAG], an HF folder, a .gguf file): their agreement with this one per layer and domain. --data
+checkpoint RUN[:TAG], an HF folder, a .gguf file): their agreement with this one per layer and domain, in
+comparisons.md and the report. --quantise: the run exported as GGUF at each type, each file run in llama.cpp and
+compared the same way (the files are deleted afterwards; `moe-lm export --gguf-type` keeps one). --data
 takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the subject's
 tokenizer. Writes into --out: trace/ (the recorded routing), trace_init/ (the same tokens through the untrained
 model: baseline N1; none for a GGUF file), trace_compare_<i>/, figures/*.png, routing.html, metrics.json and
@@ -23,6 +26,7 @@ spread equally over the domains. The same as `python launch/analyze_routing.py`.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,9 +34,11 @@ from pathlib import Path
 from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest, SubjectRequest
 from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import main_of, output_folder
-from moe_lm.cli.options import add_out, default_of, from_flags, utf8_text
+from moe_lm.cli.export import GGUF_TYPES
+from moe_lm.cli.options import add_out, utf8_text
 from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
+from moe_lm.flags import default_of, from_flags
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -42,6 +48,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--compare", nargs="+", default=[], metavar="SUBJECT",
         help="other subjects on the same token ids: RUN[:TAG], an HF folder, or a .gguf file (each its agreement)",
     )  # fmt: skip
+    ap.add_argument(
+        "--quantise",
+        nargs="+",
+        default=[],
+        choices=GGUF_TYPES,
+        metavar="TYPE",
+        help=f"with --run: compare the run exported as GGUF at each TYPE ({', '.join(GGUF_TYPES)})",
+    )
     ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=default_of(RoutingRequest, "max_tokens"),
@@ -61,20 +75,46 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.quantise and not args.run:
+        raise UserError("--quantise exports a moe-lm run as GGUF: give the run as --run RUN[:TAG]")
     out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
     check_subject(args)
     require("matplotlib", "analysis", "moe-lm analyze (its figures)")
     from moe_lm.analysis.routing_workflow import analyze_routing
 
     with out.staged() as folder:
+        compare = tuple(compared_subject(spec, args) for spec in args.compare)
+        compare += quantised_subjects(args, folder / "quantised")
         request = from_flags(
-            RoutingRequest, args, subject=subject_request(args), out=folder,
-            compare=tuple(compared_subject(spec, args) for spec in args.compare), chart_tokens=tuple(args.chart_tokens),
-            init_baseline=not args.no_init_baseline, layers=tuple(args.layers) if args.layers is not None else None,
+            RoutingRequest, args, subject=subject_request(args), out=folder, compare=compare,
+            chart_tokens=tuple(args.chart_tokens), init_baseline=not args.no_init_baseline,
+            layers=tuple(args.layers) if args.layers is not None else None,
         )  # fmt: skip
         analyze_routing(request)
+        shutil.rmtree(folder / "quantised", ignore_errors=True)  # moe-lm's own files, in its staging folder
         figures = len(list((folder / "figures").glob("*.png")))
-    print(f"wrote metrics.json, metrics.csv, routing.html and {figures} figures to {out.path}")
+    tables = ", comparisons.md" if compare else ""
+    print(f"wrote metrics.json, metrics.csv{tables}, routing.html and {figures} figures to {out.path}")
+
+
+def quantised_subjects(args: argparse.Namespace, folder: Path) -> tuple[SubjectRequest, ...]:
+    """--quantise: the run written once as an HF export, then as a GGUF file of each type (`moe-lm export`), each
+    to be run in llama.cpp and named by its type in the report."""
+    if not args.quantise:
+        return ()
+    from moe_lm.cli import export
+
+    ap = argparse.ArgumentParser()
+    export.add_arguments(ap)
+    run, tag = args.run
+    export.run(ap.parse_args(["--run", f"{run}:{tag}" if tag else str(run), "--out", str(folder / "hf")]))
+    subjects = []
+    for kind in args.quantise:
+        file = folder / f"model-{kind}.gguf"
+        export.run(ap.parse_args(["--hf", str(folder / "hf"), "--gguf", str(file), "--gguf-type", kind]))
+        subjects.append(SubjectRequest(gguf=str(file), name=kind, threads=args.threads, seq_len=args.seq_len,
+                                       llama_defaults=args.llama_defaults))  # fmt: skip
+    return tuple(subjects)
 
 
 def compared_subject(spec: str, args: argparse.Namespace) -> SubjectRequest:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from moe_lm.cli import main_of
 from moe_lm.cli.options import add_config, load
-from moe_lm.errors import UserError
+from moe_lm.errors import ConfigError, DataError, UserError
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -140,7 +140,7 @@ def print_communication(args, cfg, layout) -> None:
         redundant = layout.ep_size if args.redundant is None else args.redundant
         try:
             step, load = trace_plan(Trace(args.trace), cfg, layout, redundant, out_elem, elem)
-        except (ValueError, FileNotFoundError) as e:
+        except (DataError, ConfigError) as e:  # a trace or a layout the user gave
             raise UserError(str(e)) from None
         steps.append(step)
     t, m = cfg.train, cfg.model

@@ -12,9 +12,7 @@ KEY=VALUE ...        dotted overrides of the config (`optim.lr=1e-3 model.moe.n_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-from typing import TypeVar
 
 import yaml
 
@@ -76,17 +74,3 @@ def utf8_text(value: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("holds bytes that are not UTF-8 text; give it in UTF-8") from None
     return value
-
-
-T = TypeVar("T")
-
-
-def from_flags(cls: type[T], args: argparse.Namespace, **given) -> T:
-    """The request dataclass `cls` from the parsed flags: each field from `given`, else from the flag of the same
-    name. With `default_of` for the flags' defaults, a request's defaults are written once, in its dataclass."""
-    return cls(**{f.name: given[f.name] if f.name in given else getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def default_of(cls, name: str):
-    """A request dataclass's default for field `name` (what its flag defaults to)."""
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from moe_lm.analysis.hf_routing import SUPPORTED
 from moe_lm.analysis.requests import SubjectRequest
-from moe_lm.cli.options import add_run, default_of, from_flags
+from moe_lm.cli.options import add_run
 from moe_lm.errors import UserError
+from moe_lm.flags import default_of, from_flags
 
 
 def add_subject(ap: argparse.ArgumentParser, gguf: bool = False) -> None:
@@ -49,7 +50,7 @@ def subject_request(args: argparse.Namespace) -> SubjectRequest:
     # why defaults for what is not a flag: ablate has no GGUF flags (nothing reroutes inside llama.cpp)
     gguf_flags = ("gguf", "threads", "llama_defaults")
     absent = {name: default_of(SubjectRequest, name) for name in gguf_flags if name not in args}
-    return from_flags(SubjectRequest, args, data=tuple(args.data or ()), **absent)
+    return from_flags(SubjectRequest, args, data=tuple(args.data or ()), name=None, **absent)
 
 
 def check_subject(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from moe_lm.compat import release
 from moe_lm.errors import ConfigError
 
 MOVED = {
@@ -21,17 +22,6 @@ MOVED = {
 }
 MOVED_UNTIL = (0, 3)  # from moe-lm 0.3 on, an old spelling is an error that names the new one
 _noted: set[str] = set()
-
-
-def release() -> tuple[int, int]:
-    """This installation's moe-lm release (major, minor), from the package's metadata."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        major, minor = version("moe-lm").split(".")[:2]
-        return int(major), int(minor)
-    except (PackageNotFoundError, ValueError):
-        return (0, 0)  # a source tree that was never installed: the old spellings still load
 
 
 def new_spelling(key: str, where: str) -> str:

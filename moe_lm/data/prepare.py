@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from moe_lm.compat import old_form
 from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
 from moe_lm.data.documents import DataError, Document, ReadReport
@@ -382,4 +383,6 @@ def load_split(data_dir: str | Path, split: str) -> TokenShard:
     tokens.bin against the hash meta.json records (folders prepared before the hashes: the ids only)."""
     meta = read_meta(data_dir)
     hashes = meta.get("tokens_xxh3_128") or {}
+    if not hashes or "bos_id" not in meta:
+        old_form(f"{Path(data_dir) / 'meta.json'} (no token hashes)", "prepare the data again: moe-lm prepare --force")
     return TokenShard(Path(data_dir) / split, meta["domains"], meta["vocab_size"], hashes.get(split))

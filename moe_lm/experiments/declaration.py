@@ -60,7 +60,7 @@ def load_declaration(name: str) -> Declaration:
     path = DECLARATIONS_DIR / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in DECLARATIONS_DIR.glob("*.yaml"))) or "none"
-        raise ConfigError(f"--confirm: no declaration for {name} ({path}); declared: {known}")
+        raise ConfigError(f"no confirmatory declaration for {name} ({path}); declared: {known}")
     try:
         raw = safe_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from moe_lm.errors import UserError
+from moe_lm.experiments.declaration import DECLARATIONS_DIR, load_declaration
 from moe_lm.experiments.power import seeds_needed
 
 
@@ -42,6 +43,8 @@ def results_table(folder: Path) -> str:
         pilot, confirm = pilots.get(name), confirmed.get(name)
         claim = pilot["claim"] if pilot else load_experiment(name).claim
         cells = [_cell(pilot, f"moe-lm experiment {name}"), _cell(confirm, f"moe-lm experiment {name} --confirm")]
+        if confirm is None and (DECLARATIONS_DIR / f"{name}.yaml").is_file():
+            cells[1] = _declared(name)
         lines.append(f"| {name} | {claim} | {cells[0]} | {cells[1]} | {_open(confirm or pilot)} |")
     return "\n".join(lines) + "\n"
 
@@ -51,6 +54,14 @@ def _cell(r: dict | None, command: str) -> str:
         return f"not run under the current rules yet (`{command}`)"
     judged = "; ".join(_judged(r)) or "-"
     return f"**{r['verdict']}** ({len(_seeds(r))} seeds x {_steps(r)} steps): {judged} (`{_command(r)}`)"
+
+
+def _declared(name: str) -> str:
+    """A confirmatory round declared (and committed) but not yet reported."""
+    d = load_declaration(name)
+    where = d.path.relative_to(d.path.parents[3])  # moe_lm/configs/experiments/confirmatory/NAME.yaml
+    return (f"declared, not yet reported: {d.seeds} seeds x {d.steps} steps from seed {d.first_seed} ({where}; "
+            f"`moe-lm experiment {name} --confirm`)")  # fmt: skip
 
 
 def _seeds(r: dict) -> list[int]:

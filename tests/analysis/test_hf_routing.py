@@ -214,6 +214,6 @@ def test_a_model_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(
     proc = cli(command, "--hf", folder, "--data", tmp_path / "doc.txt", "--out", tmp_path / "out")
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
-    assert line.startswith(f"error: --hf {folder}: its config.json asks to run the folder's own Python code")
+    assert line.startswith(f"error: {folder}: its config.json asks to run the folder's own Python code")
     assert "trust_remote_code is off" in line and ", ".join(SUPPORTED) in line
     assert not asked and not (folder / "RAN").exists()

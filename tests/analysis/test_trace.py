@@ -184,4 +184,5 @@ def test_analyze_routing_errors_name_the_problem(tiny_run, cli, tmp_path):
     )
     listed = fails("--run", f"{tiny_run}:step_09", "--out", tmp_path / "c")
     assert "not a complete checkpoint" in listed and "step_00000002" in listed
-    assert "--compare" in fails("--run", tiny_run, "--compare", f"{tiny_run}:nope", "--out", tmp_path / "d")
+    assert f"compared subject {tiny_run}:nope" in fails("--run", tiny_run, "--compare", f"{tiny_run}:nope", "--out",
+                                                       tmp_path / "d")  # fmt: skip

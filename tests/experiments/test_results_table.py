@@ -43,6 +43,26 @@ def test_every_committed_result_is_a_declared_design_on_the_shipped_corpus(tmp_p
         assert r["command"] == f"moe-lm experiment {r['experiment']}" and not r.get("exploratory")
 
 
+def test_a_declared_round_not_yet_reported_says_so_with_its_design():
+    """A declaration committed before its runs shows in the table as declared, with the design it fixed (read here
+    from the declaration file itself), until its report is committed."""
+    from moe_lm.experiments.declaration import DECLARATIONS_DIR, load_declaration
+
+    confirmed = (
+        {r["experiment"] for r in load_results(RESULTS / "confirmatory")}
+        if (RESULTS / "confirmatory").is_dir()
+        else set()
+    )
+    pending = [p.stem for p in sorted(DECLARATIONS_DIR.glob("*.yaml")) if p.stem not in confirmed]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in results_table(RESULTS).splitlines()[2:]}
+    for name in pending:
+        d = load_declaration(name)
+        assert rows[name][3].startswith(f"declared, not yet reported: {d.seeds} seeds x {d.steps} steps from seed "
+                                        f"{d.first_seed} (configs/experiments/confirmatory/{name}.yaml")  # fmt: skip
+    for name in confirmed:
+        assert rows[name][3].startswith("**"), rows[name][3]
+
+
 def test_an_exploratory_report_is_refused(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "results.json").write_text(json.dumps({"experiment": "x", "exploratory": "--seeds 1"}))

@@ -111,6 +111,28 @@ def test_analyze_a_gguf_and_compare_it_with_its_run_and_a_quantised_copy(exporte
     assert result["trace"]["tokens"] == 500
 
 
+def test_analyze_quantise_compares_the_run_with_its_gguf_exports(trained_run, tmp_path, cli):
+    """`moe-lm analyze --run R --quantise f32 q8_0`: each export run in llama.cpp on the run's own token ids, named by
+    its type; the f32 file routes exactly as the run, comparisons.md says what metrics.json holds, and the files
+    themselves are gone with the staging folder."""
+    out = tmp_path / "drift"
+    proc = cli("analyze", "--run", trained_run(), "--quantise", "f32", "q8_0", "--max-tokens", "1500",
+               "--no-init-baseline", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "metrics.json").read_text())
+    assert list(result["comparisons"]) == ["f32", "q8_0"]
+    exact, q8 = result["comparisons"]["f32"], result["comparisons"]["q8_0"]
+    assert exact["tokens_differing_in_any_layer"]["mean"] == 0.0 and exact["logprob"]["all"]["max_abs"] < 1e-4
+    assert "Q8_0" in q8["source"]["tensors"] and q8["source"]["kv_cache"] == "f32"
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in (out / "comparisons.md").read_text().splitlines()}
+    any_layer = q8["tokens_differing_in_any_layer"]
+    assert rows["q8_0"].split(" | ")[1].startswith(f"{100 * any_layer['mean']:.2f} (")
+    assert rows["f32"].split(" | ")[1] == "0.00 (0.00-0.00)"
+    assert not list(out.rglob("*.gguf")) and not (out / "quantised").exists()
+    refused = cli("analyze", "--hf", tmp_path, "--data", tmp_path, "--quantise", "q8_0", "--out", tmp_path / "x")
+    one_line(refused, "--quantise exports a moe-lm run")
+
+
 def test_export_writes_k_quants_with_llama_cpps_quantiser(trained_run, tmp_path, cli):
     proc = cli("export", "--run", trained_run(), "--gguf", tmp_path / "q.gguf", "--gguf-type", "q6_K")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -140,7 +162,7 @@ def test_bad_gguf_subjects_are_one_line(exported, trained_run, tiny_data, tmp_pa
     one_line(cli("analyze", "--gguf", folder / "f32.gguf", "--out", tmp_path / "o3"), "--gguf needs --data")
     # a compared subject of another vocabulary (the trained run's 300 pieces against the check model's 320 rows)
     proc = cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o4", "--compare", trained_run())
-    one_line(proc, "--compare", "another vocabulary")
+    one_line(proc, "compared subject", "another vocabulary")
     # ... or of another architecture: the same vocabulary, another number of experts per token
     other = tmp_path / "other"
     tok = load_data_tokenizer(tiny_data.out_dir)
@@ -150,7 +172,7 @@ def test_bad_gguf_subjects_are_one_line(exported, trained_run, tiny_data, tmp_pa
     export_gguf(other, tmp_path / "other.gguf", "f32")
     proc = cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o5", "--compare",
                tmp_path / "other.gguf")  # fmt: skip
-    one_line(proc, "--compare", "not the same architecture")
+    one_line(proc, "compared subject", "not the same architecture")
     # llama-cpp-python missing: the extra named
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     one_line(cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o6"), ".[llama]")

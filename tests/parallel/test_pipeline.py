@@ -12,8 +12,7 @@ import torch
 
 from moe_lm.checkpoint.format import latest_tag, load_model
 from moe_lm.config import Config, ConfigError, dump_config
-from moe_lm.parallel.pipeline import stages_without_experts
-from moe_lm.planning.stages import describe_stages, partition
+from moe_lm.deepspeed_layout import describe_stages, partition, stages_without_experts
 from tests.helpers.runs import rows, tiny_train_cfg
 from tests.workers.dist_reshard import fixed_tokens
 from tests.workers.train_ranks import train_command
@@ -208,9 +207,8 @@ def test_pipeline_layout_refusals(tiny_data, tmp_path, train):
 def test_a_stage_builds_its_own_layers_only(tiny_data, tmp_path):
     """Each rank of PP 2 (and of DualPipeV) builds the parameters of the layers its stage holds, as the planner
     counts them, and of the other layers only their routers (on the meta device otherwise)."""
+    from moe_lm.deepspeed_layout import layer_params, stage_parts, stage_slices
     from moe_lm.model import build_by_layer
-    from moe_lm.parallel.pipeline import stage_parts, stage_slices
-    from moe_lm.planning.stages import layer_params
 
     cfg = pipeline_cfg(tiny_data, tmp_path / "run")
     m = cfg.model

@@ -74,7 +74,7 @@ def test_chunked_loss_estimate_holds_one_chunk_of_logits():
 def test_pipeline_layers_have_the_modules_parameters():
     """The planner's per-layer parameter counts are those of the modules the pipeline stages hold (the embedding,
     each block, the head with the MTP module, the tied embedding), counted on the model built on the meta device."""
-    from moe_lm.planning.stages import layer_params
+    from moe_lm.deepspeed_layout import layer_params
 
     cfg = load_config(ROOT / "configs" / "gpu_1b.yaml", ["model.mtp.depth=1"])
     with torch.device("meta"):
@@ -140,7 +140,7 @@ def test_stage_cut_is_deepspeeds():
 
     from deepspeed.runtime.utils import partition_balanced
 
-    from moe_lm.planning.stages import balanced_bounds, layer_params
+    from moe_lm.deepspeed_layout import balanced_bounds, layer_params
 
     rng = random.Random(0)
     for _ in range(200):

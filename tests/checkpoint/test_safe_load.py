@@ -163,5 +163,6 @@ def test_the_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     np.random.normal(), random.gauss(0, 1)  # cached Gaussians are part of the state too
     torch.save(_rng_state(), tmp_path / "rng.pt")
     expected = (np.random.normal(size=3).tolist(), random.random(), random.gauss(0, 1), torch.rand(3).tolist())
-    _set_rng_state(safe_load(tmp_path / "rng.pt"))  # no allowlist: tensors, numbers and strings only
+    # no allowlist: tensors, numbers and strings only
+    _set_rng_state(safe_load(tmp_path / "rng.pt"), tmp_path / "rng.pt")
     assert (np.random.normal(size=3).tolist(), random.random(), random.gauss(0, 1), torch.rand(3).tolist()) == expected
