@@ -18,8 +18,9 @@ and so is always full rank. Measured per matrix (singular values s_1 >= ... >= s
   model itself and for its attention-only path (the first layer's input multiplied by each layer's head-averaged
   A in turn, without skips or MLPs: where Dong et al. prove the collapse).
 
-The probe wraps the attention kernel call of moe_lm.model.attention (`_sdpa`) for the duration of a forward pass and
-recomputes A from the same q, k, mask and scale; the model code is untouched.
+The probe hooks each attention layer's kernel module (moe_lm.model.attention.ScaledDotProductAttention, a public
+forward hook) for the duration of a forward pass and recomputes A from the same q, k, mask and scale; the model code
+is untouched.
 """
 
 from __future__ import annotations
@@ -29,26 +30,27 @@ import math
 
 import torch
 
-from moe_lm.model import attention
+from moe_lm.model.attention import ScaledDotProductAttention
 
 EPS64 = torch.finfo(torch.float64).eps
 
 
 @contextlib.contextmanager
-def capture_attention(store: list):
-    """Within the block, every attention call of our models appends (q, k, v, mask, scale, enable_gqa) to `store`
-    (in layer order within a forward pass)."""
-    original = attention._sdpa
+def capture_attention(model: torch.nn.Module, store: list):
+    """Within the block, every attention call of `model` appends (q, k, v, mask, scale, enable_gqa) to `store` (in
+    layer order within a forward pass)."""
 
-    def probe(q, k, v, mask, scale, enable_gqa=False):
-        store.append((q.detach(), k.detach(), v.detach(), mask, scale, enable_gqa))
-        return original(q, k, v, mask, scale, enable_gqa)
+    def probe(module, args, kwargs, output):
+        q, k, v, mask, scale, *gqa = (*args, *kwargs.values())
+        store.append((q.detach(), k.detach(), v.detach(), mask, scale, bool(gqa and gqa[0])))
 
-    attention._sdpa = probe
+    kernels = [m for m in model.modules() if isinstance(m, ScaledDotProductAttention)]
+    hooks = [m.register_forward_hook(probe, with_kwargs=True) for m in kernels]
     try:
         yield store
     finally:
-        attention._sdpa = original
+        for hook in hooks:
+            hook.remove()
 
 
 def attention_logits(q, k, scale: float, enable_gqa: bool = False) -> torch.Tensor:
@@ -86,14 +88,16 @@ def rank_metrics(A: torch.Tensor, taus: tuple[float, ...] = (1e-6, 1e-3)) -> dic
 
 
 @torch.no_grad()
-def erank_by_layer(forward, windows: torch.Tensor, batch: int = 8) -> list[float]:
-    """Per attention layer, the effective rank of its full attention matrices (mean over heads and windows) while
-    `forward(chunk)` runs the model on chunks of `windows`: the caller decides the inputs (an MLM its masked ones)."""
+def erank_by_layer(model: torch.nn.Module, windows: torch.Tensor, batch: int = 8, forward=None) -> list[float]:
+    """Per attention layer of `model`, the effective rank of its full attention matrices (mean over heads and
+    windows) while `forward(chunk)` (default: `model(chunk)`) runs it on chunks of `windows`: the caller decides the
+    inputs (an MLM its masked ones)."""
+    forward = forward or model
     sums: list[float] = []
     count = 0
     for chunk in windows.split(batch):
         store = []
-        with capture_attention(store):
+        with capture_attention(model, store):
             forward(chunk)
         sums = sums or [0.0] * len(store)
         for layer, (q, k, _, mask, scale, gqa) in enumerate(store):

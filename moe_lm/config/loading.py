@@ -80,9 +80,6 @@ def read_preset(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _merge(read_preset(path.parent / base, (*chain, path.resolve())), raw)
 
 
-# Keys that moved when the training section was split (old spelling -> new). Configs, experiment definitions and
-
-
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():

@@ -85,8 +85,8 @@ def evaluate_run(
         probe, untrained = probe_windows(cfg, RANK_WINDOWS), initial_model(cfg).eval()
         result["attention_rank"] = {
             "windows": len(probe),
-            "erank": erank_by_layer(lambda chunk: objective.run(model, chunk), probe),
-            "erank_init": erank_by_layer(lambda chunk: objective.run(untrained, chunk), probe),
+            "erank": erank_by_layer(model, probe, forward=lambda chunk: objective.run(model, chunk)),
+            "erank_init": erank_by_layer(untrained, probe, forward=lambda chunk: objective.run(untrained, chunk)),
         }
     np.savez(Path(run_dir) / ARRAYS, **arrays)
     (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))

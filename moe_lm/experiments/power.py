@@ -47,20 +47,6 @@ class Power:
     def p_verdict(self) -> float:
         return self.p_supported + self.p_contradicted
 
-    def describe(self) -> str:
-        """One line for a report: how many seeds, and which verdict they would most likely give."""
-        likely = "supported" if self.p_supported >= self.p_contradicted else "contradicted"
-        if self.seeds is not None:
-            return (
-                f"{self.seeds} seeds for a verdict with {100 * self.p_verdict:.0f} % probability (most likely "
-                f"{likely}), taking the pilot's mean {self.mean:+.4f} and sd {self.sd:.4f} over {self.pilot_seeds} "
-                "seeds as true"
-            )
-        return (
-            f"no design up to {MOST_SEEDS} seeds reaches {100 * TARGET:.0f} % (best: {self.best_seeds} seeds, "
-            f"{100 * self.p_verdict:.0f} %), taking the pilot's mean {self.mean:+.4f} and sd {self.sd:.4f} as true"
-        )
-
     def as_dict(self) -> dict:
         return {"pilot_seeds": self.pilot_seeds, "mean": self.mean, "sd": self.sd, "seeds_needed": self.seeds,
                 "target": TARGET, "p_supported": self.p_supported, "p_contradicted": self.p_contradicted,
@@ -146,22 +132,3 @@ def power_table(name: str, folder: Path) -> str:
                 f"{needed} | {p.p_supported:.2f} | {p.p_contradicted:.2f} |"
             )
     return "\n".join(lines) + "\n"
-
-
-def power_section(results: dict) -> list[str]:
-    """A report's power, as markdown lines: per judged comparison (of a report from before power was part of it,
-    too), the seeds a design at its schedule needs for a verdict, from its own deltas."""
-    lines = ["", "## Power: seeds for a verdict", "",
-             f"Taking this report's seed-paired mean and sd as true, the smallest design whose verdict (supported or "
-             f"contradicted) the rule reaches with {100 * TARGET:.0f} % probability at {results.get('steps')} steps "
-             "(moe_lm/experiments/power.py; the sd of a few seeds is itself uncertain):", "",
-             "| comparison | mean | sd | seeds for a verdict | P(supported) | P(contradicted) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for c in results.get("comparisons", []):
-        if c["role"] == "context" or len(c.get("deltas", [])) < 2:
-            continue
-        p = seeds_needed(c["deltas"], c["expect"], c["margin"])
-        needed = str(p.seeds) if p.seeds else f"none up to {MOST_SEEDS} (best {p.best_seeds})"
-        lines.append(f"| {c['name']} | {p.mean:+.4f} | {p.sd:.4f} | {needed} | {p.p_supported:.2f} | "
-                     f"{p.p_contradicted:.2f} |")  # fmt: skip
-    return lines

@@ -59,7 +59,7 @@ def probe_model(model: Transformer, windows: torch.Tensor, prefix_len: int, batc
     try:
         for chunk in windows.split(batch):
             store, first_input[:] = [], []
-            with capture_attention(store):
+            with capture_attention(model, store):
                 model(chunk[:, :-1], prefix_len=P if bidirectional else None)
             x = first_input[0].double()  # the attention-only path: X <- mean_h(A) X, layer after layer
             for layer, (q, k, _, mask, scale, gqa) in enumerate(store):

@@ -95,10 +95,15 @@ def decode_mask(S: int, start: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(start + S, device=device)[None, :] <= q[:, None])[None, None]
 
 
-def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False) -> torch.Tensor:
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
-    )
+class ScaledDotProductAttention(nn.Module):
+    """softmax(q k^T * scale + mask) v through PyTorch's fused kernels (mask None: causal). A module of its own, with
+    no weights, because it is where the attention matrix arises: a forward hook on it sees q, k, v, the mask and the
+    scale (the attention probe, moe_lm/analysis/attention_probe.py) without the model knowing."""
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+        )
 
 
 class MLA(nn.Module):
@@ -132,6 +137,7 @@ class MLA(nn.Module):
         if r.rope_type == "yarn" and r.mscale_all_dim:  # DeepSeek-V3 sharpens the softmax with the context
             self.scale *= yarn_mscale(r.factor, r.mscale_all_dim) ** 2
         self.rot_dim = m.qk_rope_head_dim
+        self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x_BSD, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
         """x [B, S, D] -> [B, S, D]; cos/sin [S, R] for the new positions."""
@@ -160,7 +166,7 @@ class MLA(nn.Module):
         # (S = 1): there neither path wins at every cache length (docs/benchmarks.md), and decoding stays as it was.
         width = max(self.nope + self.rope, self.v_dim) if S > 1 else 0
         q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
-        out = _sdpa(q, k, v, mask, self.scale)[..., : self.v_dim]
+        out = self.sdpa(q, k, v, mask, self.scale)[..., : self.v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
 
@@ -179,6 +185,7 @@ class GQA(nn.Module):
         self.v_proj = nn.Linear(D, g.n_kv_heads * g.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * g.head_dim, D, bias=False)
         self.scale = g.head_dim**-0.5
+        self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x_BSD, cos, sin, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
         """x [B, S, D] -> [B, S, D]; cos/sin [S, R] for the new positions."""
@@ -189,7 +196,7 @@ class GQA(nn.Module):
         q, k = (torch.cat((apply_rope(t[..., : self.rot_dim], cos, sin), t[..., self.rot_dim :]), -1) for t in (q, k))
         if cache is not None:
             k, v = cache.extend(self.layer_id, k, v)
-        out = _sdpa(q, k, v, mask, self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = self.sdpa(q, k, v, mask, self.scale, self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

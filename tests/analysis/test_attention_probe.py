@@ -64,7 +64,7 @@ def test_probe_matrices_reproduce_the_models_attention_output():
         cfg = dataclasses.replace(tiny_model_cfg(attention_kind), attn_mask=mask)
         model = Transformer(cfg).eval()
         store = []
-        with torch.no_grad(), capture_attention(store):
+        with torch.no_grad(), capture_attention(model, store):
             model(torch.randint(0, 97, (2, 20)), prefix_len=8 if mask == "prefix" else None)
         assert len(store) == cfg.n_layers
         for q, k, v, m, scale, gqa in store:
@@ -115,7 +115,7 @@ def test_erank_by_layer_on_equal_logits_known_answers():
     # a trained-like (random) model: the per-layer value is the mean of each window's and head's effective rank
     model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask="mixed_heads")).eval()
     store = []
-    with torch.no_grad(), capture_attention(store):
+    with torch.no_grad(), capture_attention(model, store):
         model(windows)
     want = [
         sum(_erank(A) for A in attention_matrices(q, k, m, scale, gqa).flatten(0, 1)) / (5 * 4)

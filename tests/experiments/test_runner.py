@@ -284,7 +284,7 @@ def numerically_full_rank_shares(run, windows: int) -> list[float]:
     by numpy's SVD of matrices rebuilt from the captured q and k."""
     _, model, _ = load_model(run.folder)
     store = []
-    with torch.no_grad(), capture_attention(store):
+    with torch.no_grad(), capture_attention(model, store):
         model(probe_windows(run.cfg, windows)[:, :-1])
     shares = []
     for q, k, _, mask, scale, gqa in store:
@@ -327,9 +327,11 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train)
     ranked = evaluate_run(tmp_path / "run", attention_rank=True)["attention_rank"]
     probe = probe_windows(cfg, RANK_WINDOWS)
     assert ranked["windows"] == len(probe) and len(ranked["erank"]) == cfg.model.n_layers
-    assert ranked["erank"] == pytest.approx(erank_by_layer(lambda c: objective.run(model, c), probe), rel=1e-9)
+    want = erank_by_layer(model, probe, forward=lambda c: objective.run(model, c))
+    assert ranked["erank"] == pytest.approx(want, rel=1e-9)
     untrained = initial_model(cfg).eval()
-    assert ranked["erank_init"] == pytest.approx(erank_by_layer(lambda c: objective.run(untrained, c), probe))
+    want = erank_by_layer(untrained, probe, forward=lambda c: objective.run(untrained, c))
+    assert ranked["erank_init"] == pytest.approx(want)
     assert max(ranked["erank_init"]) < 2.0  # untrained bidirectional attention is near-uniform: rank near one
 
 

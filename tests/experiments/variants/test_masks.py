@@ -57,7 +57,7 @@ def test_mixed_attention_masks_by_head_and_by_layer():
     for kind in ("mixed_heads", "mixed_layers", "bidirectional"):
         model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask=kind)).eval()
         store = []
-        with torch.no_grad(), capture_attention(store):
+        with torch.no_grad(), capture_attention(model, store):
             model(torch.randint(0, 97, (1, 12)))
         for layer, (q, k, _, mask, scale, gqa) in enumerate(store):
             A = attention_matrices(q, k, mask, scale, gqa)[0]  # [H, S, S]
