@@ -87,33 +87,24 @@ megablocks: setup
 	$(BIN)/pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
 
 # On a GPU machine (even one without network), in one call of at most 420 s (launch/gpu_check.py, docs/gpu.md §5):
-# install what is missing from the carried wheels, then the GPU tests, the MoE layer in bf16, a short gpu_1b run and
-# the whole step against HF; OUT receives summary.txt, results.json and logs.tgz. Without a GPU it says so (exit 1).
+# install what is missing from the carried wheels, then the GPU tests, the MoE layer in bf16, a short gpu_1b run, one
+# profiled step and the whole step against HF; OUT receives summary.txt, results.json and logs.tgz. Without a GPU it
+# says so (exit 1). Where make is missing: python3 launch/gpu_check.py --out OUT.
 OUT ?= gpu_check_out
 gpu-check:
-	$(PYTHON) launch/gpu_check.py --out $(OUT)
+	python3 launch/gpu_check.py --out $(OUT)
 
-# On this (networked, CPU) machine: what a bare GPU machine lacks, in .gpu_carry/ (carried beside the tree):
-# the wheels for its Python (GPU_PY) in whl/ (DeepSpeed publishes none: pip builds a pure-Python one from its
-# source, no ops compiled; MegaBlocks' sources, optional, in whl/src), and the token shards gpu-check's training
-# step reads in data/. Prints the payload's size; fails above 48 MiB with the tree.
+# On this (networked) machine: what a bare GPU machine lacks, in .gpu_carry/ (carried beside the tree): in whl/ the
+# wheels for its Python (GPU_PY), pinned to this venv's versions (DeepSpeed's pure-Python wheel, hjson, pydantic and
+# its parts, typing-extensions), and in data/ the token shards the check's training step reads. Prints the payload
+# and fails above 48 MiB with the tree.
 GPU_PY ?= 3.12
 CARRY ?= .gpu_carry
 gpu-wheels: setup
-	mkdir -p $(CARRY)/whl/src
-	$(BIN)/pip wheel --no-deps -w $(CARRY)/whl "deepspeed==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("deepspeed"))')"
-	$(BIN)/pip download --only-binary=:all: --no-deps --python-version $(GPU_PY) --implementation cp \
-		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d $(CARRY)/whl hjson pydantic pydantic-core annotated-types typing-inspection
-	$(BIN)/pip download --no-deps --no-binary :all: --no-build-isolation -d $(CARRY)/whl/src megablocks==0.10.0 \
-		stanford-stk==0.7.1 || echo "megablocks sources not downloaded (optional)"
+	$(BIN)/python launch/gpu_check.py --carry-wheels $(CARRY) --python-version $(GPU_PY)
 
 gpu-carry: gpu-wheels
 	$(BIN)/python launch/gpu_check.py --carry-data $(CARRY)
-	@tree=$$(git archive HEAD | wc -c); carry=$$(du -sb $(CARRY) | cut -f1); \
-	total=$$(( (tree + carry) / 1048576 )); \
-	echo "payload: tree $$((tree / 1048576)) MiB + $(CARRY) $$((carry / 1048576)) MiB = $$total MiB (limit 48)"; \
-	test $$total -le 48
 
 # Maintainers only: rebuild the embedded default corpus from this installation (then pin the printed sha256 in
 # moe_lm/data/default_corpus.py; every loss measured on the old corpus changes).

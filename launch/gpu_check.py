@@ -1,18 +1,21 @@
-"""The first GPU run, in one call that fits a short lease: `make gpu-check OUT=dir` (= `python launch/gpu_check.py
---out dir`), budgeted to BUDGET_S of wall time in all, every step cut at its own budget and reported, never the call.
+"""The first GPU run, in one call: `python3 launch/gpu_check.py --out dir` (= `make gpu-check OUT=dir`), budgeted to
+BUDGET_S of wall time in all, every step cut at its own budget and reported, never the call. For a GPU machine that
+may have no network (a rented node billed by the minute, an air-gapped cluster): what it lacks is carried there.
 
-    python launch/gpu_check.py --out OUT              # on the GPU machine (the carried tree, .gpu_carry/ with it)
-    python launch/gpu_check.py --out OUT --dry-run    # anywhere: every step at tiny shapes on CPU (the suite runs it)
-    python launch/gpu_check.py --read OUT             # the returned files as the rows of docs/gpu.md and the README
-    python launch/gpu_check.py --carry-data .gpu_carry   # make gpu-carry: the token shards the train step reads
+    python launch/gpu_check.py --carry-wheels .gpu_carry            # here, with network: the wheels, pinned
+    python launch/gpu_check.py --carry-data .gpu_carry              # here: the token shards; prints the payload
+    python3 launch/gpu_check.py --out OUT                           # there (the tree, .gpu_carry/ beside it)
+    python launch/gpu_check.py --out OUT --dry-run                  # anywhere: every step at tiny shapes on CPU
+    python launch/gpu_check.py --read OUT                           # the returned files as rows for the docs
 
-Steps, in order of value (STEPS): the environment (what the carried wheels install, versions, the attention
+Steps, in order of value (STEPS): the environment (what the carried wheels installed, versions, the attention
 backend MLA's head sizes get), the GPU tests, the MoE layer in bf16 (ours against the dense twin and HF), a short
-gpu_1b training run (tokens/s, MFU, peak memory against `moe-lm estimate`, the loss), the whole step against HF and
-the dense twin (`bench train --peers`, without the compiled arm: compiling gpu_1b alone can take minutes), and
-MegaBlocks only with the time left. OUT receives three files: summary.txt, results.json and logs.tgz (every step's
-log, the run's metrics.jsonl). Only the standard library is imported here: on a bare machine this runs before the
-wheels are installed.
+gpu_1b training run (tokens/s, MFU, peak memory against `moe-lm estimate`, the loss), one training step under
+torch.profiler (the top CUDA kernels, the share of routing, dispatch, expert GEMMs, attention, loss, optimizer), the
+whole step against HF and the dense twin (`bench train --peers`, without the compiled arm: compiling gpu_1b alone
+can take minutes), the memory estimate. OUT receives three files, whatever happens: summary.txt, results.json and
+logs.tgz (every step's log, the run's metrics.jsonl). Only the standard library is imported here: on a bare machine
+this runs before the wheels are installed.
 """
 
 from __future__ import annotations
@@ -30,24 +33,36 @@ import tempfile
 import time
 from pathlib import Path
 
-BUDGET_S = 420  # the whole call, wall time: 7 of a lease's 15 minutes, leaving a rerun
-# step -> seconds; they add up to 390, the rest is the wheels' install, the estimate and the summary
-STEPS = {"env": 30, "tests": 60, "bench_moe": 60, "train": 150, "bench_train": 90}
+BUDGET_S = 420  # the whole call, wall time: with a machine's start-up, a second call fits a 15-minute slot only partly
+# step -> seconds (380 in all); the rest, RESERVE_S, is the wheels' install and the summary
+STEPS = {"env": 25, "tests": 55, "bench_moe": 45, "train": 120, "profile": 45, "bench_train": 75, "estimate": 15}
 RESERVE_S = BUDGET_S - sum(STEPS.values())
-CARRY = Path(".gpu_carry")  # whl/ (make gpu-wheels) and data/ (make gpu-carry): carried beside the tree
-CARRY_LIMIT_MIB = 48  # tree + wheels + data: the device takes 64 MiB with the tree
+DRY_RUN_SCALE = 4  # a dry run's budgets, the call's included, are this many times longer: on a loaded 2-core host
+# the CPU steps ran into the GPU budgets (the cut itself is tested on its own, tests/test_gpu_check.py)
+# the train step: gpu_1b at micro-batch 8 x 2048, no accumulation (16,384 tokens a step); at 10 % MFU on an H100
+# its steps end TRAIN_START_S (imports, DeepSpeed, the model, the first step) before the step's budget
+TRAIN_STEPS, TRAIN_START_S = 200, 35
+CARRY = Path(".gpu_carry")  # whl/ (--carry-wheels) and data/ (--carry-data): carried beside the tree
+CARRY_LIMIT_MIB = 48  # tree + wheels + data: what a 64 MiB transfer leaves room for
 DATA = ["data.max_mb_per_domain=0.5"]  # the slice of the embedded corpus prepared for the carry, read by `train`
-# What the GPU machine lacks (its image holds torch, transformers, sentencepiece, safetensors, xxhash, ...)
-WHEELS = ["deepspeed", "hjson", "pydantic", "pydantic_core", "annotated_types", "typing_inspection"]
+# module -> distribution of what a GPU machine may lack (an image with torch and transformers has the rest),
+# carried at the versions of the venv that makes the carry: typing_extensions too, because the carried pydantic
+# needs >= 4.14 (`cannot import name 'Sentinel'` under 4.10-4.13) and a carried copy shadows an older one
+CARRIED = {"deepspeed": "deepspeed", "hjson": "hjson", "pydantic": "pydantic", "pydantic_core": "pydantic-core",
+           "annotated_types": "annotated-types", "typing_inspection": "typing-inspection",
+           "typing_extensions": "typing-extensions"}  # fmt: skip
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: steps run there (tests/, launch/)
 
 
 def plan(dry_run: bool, carry: Path, work: Path) -> dict[str, list[str]]:
-    """Each step's command: the GPU run's, or the same at tiny shapes on the CPU (`dry_run`)."""
+    """Each step's command: the GPU run's, or the same at tiny shapes on the CPU (`dry_run`), reading the carry's
+    own token shards (their vocabulary: gpu_1b's, whatever preset runs)."""
     py = sys.executable
     preset, device, dtype = ("tiny", "cpu", "float32") if dry_run else ("gpu_1b", "cuda", "bfloat16")
-    steps = 3 if dry_run else 100
+    steps = 3 if dry_run else TRAIN_STEPS
     small = ["train.micro_batch_size=2", "train.seq_len=32"] if dry_run else []
+    vocab = [f"model.vocab_size={carried_vocab(carry)}"] if dry_run else []
     return {
         "env": [py, str(ROOT / "launch" / "gpu_check.py"), "--env", str(work / "env.json")],
         "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/gpu",
@@ -56,9 +71,12 @@ def plan(dry_run: bool, carry: Path, work: Path) -> dict[str, list[str]]:
                       *(["--shapes", "cpu", "--tokens", "256", "--seq-len", "128", "--reps", "1", "--warmup", "0"]
                         if dry_run else ["--reps", "5", "--warmup", "2"])],
         "train": [py, "-m", "moe_lm.cli.train", "--config", preset, "--out", str(work / "run"),
-                  f"train.max_steps={steps}", "optim.warmup_steps=10", f"cadence.eval_interval={steps}",
-                  "cadence.ckpt_interval=0", f"cadence.log_interval={1 if dry_run else 10}", "cadence.eval_batches=1",
-                  "logging.wandb_mode=disabled", f"data.out_dir={carry / 'data'}", *DATA, *small],
+                  f"train.max_steps={steps}", "train.grad_accum_steps=1", "optim.warmup_steps=10",
+                  f"cadence.eval_interval={steps}", "cadence.ckpt_interval=0",
+                  f"cadence.log_interval={1 if dry_run else 10}", "cadence.eval_batches=1",
+                  "logging.wandb_mode=disabled", f"data.out_dir={carry / 'data'}", *DATA, *vocab, *small],
+        "profile": [py, "-m", "moe_lm.bench", "profile", "--config", preset, "--device", device, "--dtype", dtype,
+                    "--warmup", "1" if dry_run else "3", *small],
         "bench_train": [py, "-m", "moe_lm.bench", "train", "--peers", "--no-compile", "--config", preset, "--device",
                         device, "--dtype", dtype, "--rounds", "1" if dry_run else "3", "--warmup", "0" if dry_run
                         else "1", *small],
@@ -66,10 +84,20 @@ def plan(dry_run: bool, carry: Path, work: Path) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+def carried_vocab(carry: Path) -> int:
+    """The vocabulary the carried token shards were prepared with (0 when there are none: the step then says so)."""
+    try:
+        return int(json.loads((carry / "data" / "meta.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def run_check(out: Path, carry: Path, dry_run: bool) -> dict:
-    """Every step within its budget and the call's; writes OUT/summary.txt, results.json, logs.tgz."""
+    """Every step within its budget and the call's; writes OUT/summary.txt, results.json and logs.tgz on every way
+    out (a step that fails, pip timing out, an error of this script, Ctrl-C)."""
+    scale = DRY_RUN_SCALE if dry_run else 1
     start = time.monotonic()
-    deadline = start + BUDGET_S
+    deadline = start + BUDGET_S * scale
     out.mkdir(parents=True, exist_ok=True)
     # why mkdtemp (0700, a new name): the carried wheels go into work/site, first on every step's PYTHONPATH; a
     # shared, predictable folder there would run whatever sitecustomize.py another user planted in it
@@ -78,24 +106,29 @@ def run_check(out: Path, carry: Path, dry_run: bool) -> dict:
     logs.mkdir()
     site = work / "site"
     env = step_environment(site, dry_run)
-    results = {
-        "dry_run": dry_run,
-        "budget_s": BUDGET_S,
-        "preset": "tiny" if dry_run else "gpu_1b",
-        "dtype": "fp32" if dry_run else "bf16",
-        "steps": {},
-        "install": install_wheels(carry, site, env, logs),
-    }
-    if not dry_run and not cuda_visible(env):
-        results["error"] = "no CUDA GPU visible to this Python (torch.cuda.is_available() is false)"
-    commands = plan(dry_run, carry, work)
-    for name, budget in STEPS.items():
-        if "error" in results:
-            break
-        results["steps"][name] = run_step(name, commands[name], budget, deadline, env, logs)
-    if "error" not in results:
-        results["steps"]["estimate"] = run_step("estimate", commands["estimate"], 20, deadline, env, logs)
-        results["steps"]["megablocks"] = megablocks(carry, site, deadline, env, logs, dry_run)
+    results = {"dry_run": dry_run, "budget_s": BUDGET_S * scale, "preset": "tiny" if dry_run else "gpu_1b",
+               "dtype": "fp32" if dry_run else "bf16", "steps": {}}  # fmt: skip
+    try:
+        # a dry run installs every carried wheel, even what this Python has: the offline install is what it checks
+        results["install"] = install_wheels(carry, site, env, logs, everything=dry_run)
+        if not dry_run and not cuda_visible(env):
+            results["error"] = "no CUDA GPU visible to this Python (torch.cuda.is_available() is false)"
+        commands = plan(dry_run, carry, work)
+        for name, budget in STEPS.items():
+            if "error" in results:
+                break
+            results["steps"][name] = run_step(name, commands[name], budget * scale, deadline, env, logs)
+    except BaseException as e:  # noqa: BLE001 - whatever ends the call, the files below are written
+        results["error"] = f"the check itself stopped: {type(e).__name__}: {e}"
+        if not isinstance(e, Exception):
+            raise
+    finally:
+        finish(results, out, work, logs, start)
+    return results
+
+
+def finish(results: dict, out: Path, work: Path, logs: Path, start: float) -> None:
+    """OUT/results.json, summary.txt and logs.tgz from what the call got to, then its private folder removed."""
     results |= read_results(work, logs)
     results["wall_s"] = round(time.monotonic() - start, 1)
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -107,7 +140,6 @@ def run_check(out: Path, carry: Path, dry_run: bool) -> dict:
         tar.add(logs, arcname="logs")
     shutil.rmtree(work, ignore_errors=True)
     print((out / "summary.txt").read_text(), end="")
-    return results
 
 
 def step_environment(site: Path, dry_run: bool) -> dict[str, str]:
@@ -117,21 +149,27 @@ def step_environment(site: Path, dry_run: bool) -> dict[str, str]:
     env["PATH"] = f"{site / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     # why: no JIT build of our CPU kernels on the GPU machine (a minute of g++); unbuffered logs survive a cut
     env |= {"PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env["GPU_CHECK_SITE"] = str(site)  # the environment step reports which modules came from the carry
     if not dry_run:
         env |= {"MOE_LM_CPU_KERNEL": "0", "DS_ACCELERATOR": "cuda"}
     return env
 
 
-def install_wheels(carry: Path, site: Path, env: dict, logs: Path) -> dict:
-    """The carried wheels of what this Python lacks, into `site` (never from the network)."""
-    missing = not_importable(WHEELS, env)
-    record = {"missing": missing}
+def install_wheels(carry: Path, site: Path, env: dict, logs: Path, everything: bool = False) -> dict:
+    """The carried wheels of what this Python lacks (`everything`: all of them), into `site`, never from the
+    network; a pip that does not finish in time is a result too."""
+    missing = list(CARRIED) if everything else not_importable(list(CARRIED), env)
+    record: dict = {"missing": missing}
     if missing:
         wheels = sorted((carry / "whl").glob("*.whl"))
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
                str(site), *map(str, wheels)]  # fmt: skip
         with open(logs / "install.log", "w") as log:
-            record["rc"] = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=120).returncode
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=120)
+                record["rc"] = proc.returncode
+            except subprocess.TimeoutExpired:
+                record["rc"], record["error"] = None, "pip install did not finish in 120 s"
         record["still_missing"] = not_importable(missing, env)
     return record
 
@@ -166,18 +204,6 @@ def run_step(name: str, cmd: list[str], budget: int, deadline: float, env: dict,
     return {"rc": rc, "seconds": round(time.monotonic() - t0, 1), "budget_s": budget, "cut": cut}
 
 
-def megablocks(carry: Path, site: Path, deadline: float, env: dict, logs: Path, dry_run: bool) -> dict:
-    """MegaBlocks' build from carried sources, only with the time that is left (it is optional, and slow)."""
-    sources = sorted((carry / "whl" / "src").glob("*.tar.gz"))
-    left = deadline - time.monotonic()
-    if dry_run or not sources or left < 120:
-        why = "dry run" if dry_run else "no sources carried" if not sources else f"only {left:.0f} s left"
-        return {"rc": None, "seconds": 0.0, "budget_s": 0, "cut": False, "note": f"skipped: {why}"}
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site),
-           *map(str, sources)]  # fmt: skip
-    return run_step("megablocks", cmd, int(left) - 10, deadline, env, logs)
-
-
 # ---- reading what came back ------------------------------------------------------------------------------------
 
 
@@ -191,6 +217,8 @@ def read_results(work: Path, logs: Path) -> dict:
     found["bench_moe"] = markdown_rows(read(logs / "bench_moe.log"))
     m = re.search(r"ours eager / HF best ([\d.]+);.*ours eager / dense eager ([\d.]+)", read(logs / "bench_train.log"))
     found["bench_train"] = {"ours_over_hf": float(m[1]), "ours_over_dense": float(m[2])} if m else {}
+    m = re.search(r"^shares: (.+)$", read(logs / "profile.log"), re.MULTILINE)
+    found["profile"] = {k: float(v) for k, v in re.findall(r"([a-zA-Z][\w ]*?) ([\d.]+) %", m[1])} if m else {}
     m = re.search(r"total\s+([\d.]+) GiB per GPU", read(logs / "estimate.log"))
     found["estimate_gib"] = float(m[1]) if m else None
     return found
@@ -232,10 +260,11 @@ def summary(r: dict) -> str:
     lines = [f"gpu_check ({'dry run, CPU' if r['dry_run'] else 'GPU'}): {r['wall_s']:.0f} s of {r['budget_s']} s"]
     if "error" in r:
         lines.append(f"error: {r['error']}")
-    inst = r["install"]
-    if inst["missing"]:
-        lines.append(f"install: {' '.join(inst['missing'])} from the carried wheels, rc {inst.get('rc')}; still "
-                     f"missing: {' '.join(inst.get('still_missing', [])) or 'none'}")  # fmt: skip
+    inst = r.get("install") or {}
+    if inst.get("missing"):
+        lines.append(f"install: {' '.join(inst['missing'])} from the carried wheels, rc {inst.get('rc')}"
+                     f"{'; ' + inst['error'] if inst.get('error') else ''}; still missing: "
+                     f"{' '.join(inst.get('still_missing', [])) or 'none'}")  # fmt: skip
     for name, s in r["steps"].items():
         state = s.get("note") or ("CUT at its budget" if s["cut"] else f"rc {s['rc']}")
         lines.append(f"{name:<12} {s['seconds']:>6.1f} s of {s['budget_s']:>3} s  {state}")
@@ -255,6 +284,8 @@ def summary(r: dict) -> str:
     b = r.get("bench_train") or {}
     if b:
         lines.append(f"whole step: ours/HF best {b['ours_over_hf']:.3f}, ours/dense {b['ours_over_dense']:.3f}")
+    if r.get("profile"):
+        lines.append("one step, profiled: " + ", ".join(f"{k} {v:.1f} %" for k, v in r["profile"].items()))
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +310,10 @@ def doc_rows(results: dict) -> str:
             f"| whole {preset} step, {dtype} ({device}): ours over HF's best / over the dense twin | "
             f"{b['ours_over_hf']:.2f}x / {b['ours_over_dense']:.2f}x | `moe-lm bench train --peers` |"
         )
+    if results.get("profile"):
+        shares = ", ".join(f"{k} {v:.0f} %" for k, v in results["profile"].items())
+        rows.append(f"| one {preset} training step, {dtype} ({device}), where the time goes | {shares} | "
+                    "`moe-lm bench profile` |")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -291,9 +326,14 @@ def environment(path: Path) -> None:
 
     record = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}  # fmt: skip
-    for module in ("deepspeed", "transformers", "megablocks"):
+    site = os.environ.get("GPU_CHECK_SITE", "")
+    record["from_carry"] = []
+    for module in ("deepspeed", "transformers", "pydantic", "typing_extensions", "megablocks"):
         try:
-            record[module] = __import__(module).__version__
+            imported = __import__(module)
+            record[module] = getattr(imported, "__version__", None) or _version(CARRIED.get(module, module))
+            if site and str(getattr(imported, "__file__", "")).startswith(site):
+                record["from_carry"].append(module)
         except Exception as e:  # noqa: BLE001 - any failure to import is what this step reports
             record[module] = f"not importable ({type(e).__name__}: {str(e)[:120]})"
     if torch.cuda.is_available():
@@ -313,7 +353,48 @@ def environment(path: Path) -> None:
     print(json.dumps(record, indent=1))
 
 
+def _version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "?"
+
+
 # ---- the carry ---------------------------------------------------------------------------------------------------
+
+
+def pins() -> dict[str, str]:
+    """distribution -> the version this Python (the project's venv) has: what the carry must hold."""
+    from importlib.metadata import version
+
+    return {dist: version(dist) for dist in CARRIED.values()}
+
+
+def carry_wheels(carry: Path, python_version: str) -> Path:
+    """carry/whl: the CARRIED distributions at `pins()`, as wheels for `python_version` on x86-64 Linux (DeepSpeed
+    publishes none: pip builds its pure-Python wheel, no ops compiled). Written whole beside whl/ and renamed into
+    place; an old whl/ is replaced only if it holds nothing but wheels."""
+    pinned = [f"{dist}=={v}" for dist, v in pins().items()]
+    whl = carry / "whl"
+    if whl.exists() and any(not p.name.endswith(".whl") for p in whl.iterdir()):
+        sys.exit(f"error: {whl} holds more than wheels; give another --carry-wheels folder or empty it yourself")
+    fresh = Path(tempfile.mkdtemp(prefix=".whl.", dir=carry if carry.is_dir() else _made(carry)))
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(fresh), pinned[0]], check=True)
+    platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
+    subprocess.run([*pip, "download", "-q", "--only-binary=:all:", "--no-deps", "--python-version", python_version,
+                    "--implementation", "cp", *platforms, "-d", str(fresh), *pinned[1:]], check=True)  # fmt: skip
+    if whl.exists():
+        shutil.rmtree(whl)  # wheels only (checked above)
+    fresh.rename(whl)
+    return whl
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    return folder
 
 
 def carry_data(carry: Path, preset: str = "gpu_1b") -> Path:
@@ -326,17 +407,29 @@ def carry_data(carry: Path, preset: str = "gpu_1b") -> Path:
     return prepare_data(cfg.data, cfg.model.vocab_size, seed=cfg.seed)
 
 
+def payload(carry: Path) -> tuple[str, bool]:
+    """What goes to the GPU machine (the tree as git archives it, and the carry), and whether it fits."""
+    tree = len(subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout) / 2**20
+    whl, data = size_mib(carry / "whl"), size_mib(carry / "data")
+    total = tree + whl + data
+    line = (f"payload: tree {tree:.1f} MiB + {carry} {whl + data:.1f} MiB ({whl:.1f} of wheels, {data:.1f} of data) "
+            f"= {total:.1f} MiB (limit {CARRY_LIMIT_MIB})")  # fmt: skip
+    return line, total <= CARRY_LIMIT_MIB
+
+
 def size_mib(*paths: Path) -> float:
     return sum(f.stat().st_size for p in paths if p.exists() for f in p.rglob("*") if f.is_file()) / 2**20
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python launch/gpu_check.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python3 launch/gpu_check.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", help="the folder that comes back: summary.txt, results.json, logs.tgz")
     ap.add_argument("--carry", default=str(CARRY), help="the carried folder: whl/ and data/")
     ap.add_argument("--dry-run", action="store_true", help="every step at tiny shapes on the CPU")
     ap.add_argument("--read", metavar="OUT", help="print the rows of docs/gpu.md and the README from OUT")
+    ap.add_argument("--carry-wheels", metavar="DIR", help="fetch the pinned wheels into DIR/whl (needs network)")
+    ap.add_argument("--python-version", default="3.12", help="with --carry-wheels: the GPU machine's Python")
     ap.add_argument("--carry-data", metavar="DIR", help="prepare the token shards the train step reads into DIR/data")
     ap.add_argument("--env", metavar="FILE", help=argparse.SUPPRESS)  # the environment step (internal)
     args = ap.parse_args(argv)
@@ -344,16 +437,21 @@ def main(argv: list[str] | None = None) -> None:
         environment(Path(args.env))
     elif args.read:
         print(doc_rows(json.loads((Path(args.read) / "results.json").read_text())))
+    elif args.carry_wheels:
+        whl = carry_wheels(Path(args.carry_wheels), args.python_version)
+        print(f"{whl}: " + ", ".join(p.name for p in sorted(whl.glob("*.whl"))))
     elif args.carry_data:
         carry_data(Path(args.carry_data))
-        whl, data = Path(args.carry_data) / "whl", Path(args.carry_data) / "data"
-        print(f"carry: {args.carry_data} = {size_mib(whl):.1f} MiB of wheels + {size_mib(data):.1f} MiB of data")
+        line, fits = payload(Path(args.carry_data))
+        print(line)
+        if not fits:
+            sys.exit(f"error: the payload is over {CARRY_LIMIT_MIB} MiB: carry less data (DATA in {__file__})")
     elif args.out:
         results = run_check(Path(args.out), Path(args.carry), args.dry_run)
         failed = "error" in results or any(s["rc"] not in (0, None) or s["cut"] for s in results["steps"].values())
         sys.exit(1 if failed else 0)
     else:
-        ap.error("give --out OUT (or --read OUT, --carry-data DIR)")
+        ap.error("give --out OUT (or --read OUT, --carry-wheels DIR, --carry-data DIR)")
 
 
 if __name__ == "__main__":

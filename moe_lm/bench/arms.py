@@ -4,17 +4,15 @@
 - `Arm`: one config's model built from its seed, trained with the same objective as `moe-lm train` (main CE +
   lambda/D * MTP CEs + balance losses, the bias update; activation checkpointing, compile and the chunked loss as
   configured).
-- `HFArm` (`--peers`): our model exported with `export_hf` and loaded by `transformers` with one of its expert
-  implementations (eager, grouped_mm; SDPA attention), stepped with the same loss (next-token cross-entropy over
-  the same positions), clipping and AdamW. HF trains no selection bias and has no sequence-wise balance loss: ours
-  does that extra work in its time.
+- `HFArm` (`--peers`): our model as `transformers` holds it (`to_hf_model`, what `export_hf` writes), with one of
+  its expert implementations (eager, grouped_mm; SDPA attention), stepped with the same loss (next-token
+  cross-entropy over the same positions), clipping and AdamW. HF trains no selection bias and has no sequence-wise
+  balance loss: ours does that extra work in its time.
 - `dense_twin`: every layer dense, its MLP as wide as the shared + k routed experts of a MoE layer
   (inter_dim = (n_shared + k) x moe_inter_dim), so each token passes through the same matmul FLOPs.
 """
 
 from __future__ import annotations
-
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +54,8 @@ class Arm(StepArm):
     def __init__(self, name: str, cfg: Config, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.name, self.cfg = name, cfg
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model).to(device=device, dtype=dtype).train()
+        with torch.device(device):  # why built there: initialising a 1 B model on the CPU first takes a minute
+            model = build_model(cfg.model).to(dtype=dtype).train()
         model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
         self.model = apply_compile(model, cfg.performance.compile)
         o = cfg.optim
@@ -64,10 +63,18 @@ class Arm(StepArm):
         self.depth = cfg.model.mtp.depth
 
     def step(self, batch: torch.Tensor) -> None:
-        chunk = loss_chunk(self.cfg)
-        out = self.model(batch[:, :-1], mtp=self.depth > 0, logits=not chunk)
-        ce, mtp = next_token_losses(out, batch[:, 1:], self.model.lm_head.weight, chunk)
-        total_loss(ce, mtp, self.cfg.model.mtp.loss_weight, out.aux_loss).backward()
+        self.loss(self.forward(batch), batch).backward()
+        self.update()
+
+    # the step in its parts, for the profiler (moe_lm/bench/profile.py) to label
+    def forward(self, batch: torch.Tensor):
+        return self.model(batch[:, :-1], mtp=self.depth > 0, logits=not loss_chunk(self.cfg))
+
+    def loss(self, out, batch: torch.Tensor) -> torch.Tensor:
+        ce, mtp = next_token_losses(out, batch[:, 1:], self.model.lm_head.weight, loss_chunk(self.cfg))
+        return total_loss(ce, mtp, self.cfg.model.mtp.loss_weight, out.aux_loss)
+
+    def update(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -78,27 +85,13 @@ class HFArm(StepArm):
     """HF DeepseekV3ForCausalLM with the weights of `model` (our Transformer), stepped like our arms."""
 
     def __init__(self, name: str, cfg: Config, model, experts_implementation: str, device: str, dtype) -> None:
-        import transformers
-
-        from moe_lm.console import transformers_quiet
-        from moe_lm.interop.hf import export_hf
+        from moe_lm.interop.hf import to_hf_model
 
         if cfg.model.attention != "mla" or cfg.model.mtp.depth:
             raise UserError("--peers compares with HF DeepseekV3ForCausalLM: MLA attention and model.mtp.depth=0")
         self.name, self.cfg = name, cfg
-        with tempfile.TemporaryDirectory() as folder, transformers_quiet():
-            export_hf(model, folder)
-            self.model = (
-                transformers.AutoModelForCausalLM.from_pretrained(
-                    folder,
-                    dtype=torch.float32,
-                    attn_implementation="sdpa",
-                    experts_implementation=experts_implementation,
-                    trust_remote_code=False,
-                )
-                .to(device=device, dtype=dtype)
-                .train()
-            )
+        # why in memory: a disk round trip (save, from_pretrained, cast) took 46-55 s per arm at gpu_1b's size
+        self.model = to_hf_model(model, experts_implementation).to(device=device, dtype=dtype).train()
         self.opt = adamw(self.model.parameters(), cfg.optim)
 
     def step(self, batch: torch.Tensor) -> None:

@@ -56,9 +56,10 @@ def hf_moe(cfg: ModelConfig, ours: MoE, impl: str, dtype: torch.dtype, device: s
 
     hf_cfg = to_hf_config(cfg)
     hf_cfg._experts_implementation = impl
-    hf = DeepseekV3MoE(hf_cfg)
+    with torch.device(device):
+        hf = DeepseekV3MoE(hf_cfg)
     hf.load_state_dict(ours.state_dict(), strict=True)
-    return hf.to(device=device, dtype=dtype)
+    return hf.to(dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,14 @@ def implementations(shape: Shape, bench: MoEBench, megablocks: bool) -> dict[str
     cfg = ModelConfig(dim=dim, moe=moe_cfg)
 
     def moe(impl: str | None = None) -> MoE:
-        layer = MoE(replace(cfg, moe=replace(moe_cfg, experts_impl=impl)) if impl else cfg)
-        return layer.to(device=bench.device, dtype=dtype).train()
+        with torch.device(bench.device):  # why built there: the large shapes take a minute to initialise on a CPU
+            layer = MoE(replace(cfg, moe=replace(moe_cfg, experts_impl=impl)) if impl else cfg)
+        return layer.to(dtype=dtype).train()
 
     ours, loop = moe(), moe("loop")
     loop.load_state_dict(ours.state_dict())
-    dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(device=bench.device, dtype=dtype)
+    with torch.device(bench.device):
+        dense = MLP(dim, (moe_cfg.n_shared_experts + k) * inter).to(dtype=dtype)
     fns: dict[str, torch.nn.Module] = {"ours": ours, "dense": dense, "loop": loop}
     if megablocks:
         fns["megablocks"] = moe("megablocks")

@@ -25,6 +25,8 @@ BENCHMARKS = {
     "routing": "routing recording (record_trace) against the same model's plain forward",
     "served": "llama.cpp decoding a GGUF with the routing callback (analyze --gguf) against without it",
     "prepare": "preparation's tokenizing pass, 1 and 2 workers, against the tokenizer's own encode",
+    "profile": "one training step under torch.profiler: the top kernels, and the share of routing, dispatch, expert "
+    "GEMMs, attention, the loss and the optimizer",
 }
 
 

@@ -22,6 +22,7 @@ layer (moe_lm/interop/hf_mtp.py); `transformers` itself loads such a checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -237,7 +238,26 @@ def export_hf(
     `bos_token_id`: the token every training document began with; `eos_token_id`: the tokenizer's end of text.
     Both go into config.json and generation_config.json, where `generate()` and serving engines read them.
     `max_shard_size` (e.g. "5GB"): safetensors shards with an index, as `save_pretrained` writes them."""
-    tf = _transformers()
+    own = _hf_layout(model)
+    hf_model = _hf_model(model.cfg, own, bos_token_id, eos_token_id)
+    out_dir = Path(out_dir)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    with transformers_quiet():
+        hf_model.save_pretrained(out_dir, safe_serialization=True, **shards)
+    add_to_export(out_dir, mtp_tensors_for_hf(own, model.cfg.n_layers, model.cfg.mtp.depth))
+    return out_dir
+
+
+def to_hf_model(model: Transformer, experts_implementation: str | None = None):
+    """`model` as a `transformers` DeepseekV3ForCausalLM (MLA) or Glm4MoeForCausalLM (GQA) in memory, fp32 on the
+    CPU, SDPA attention, without its MTP modules (HF runs none): what `export_hf` writes and from_pretrained would
+    read back, without the disk. `experts_implementation`: HF's expert loop (eager, grouped_mm, ...)."""
+    return _hf_model(model.cfg, _hf_layout(model), experts_implementation=experts_implementation, on="cpu")
+
+
+def _hf_layout(model: Transformer) -> dict[str, torch.Tensor]:
+    """Our state dict in fp32 on the CPU with the rotary rows in DeepSeek's published interleaved order (MTP
+    blocks included)."""
     cfg = model.cfg
     if cfg.arch != "decoder":
         raise ConfigError(
@@ -247,23 +267,38 @@ def export_hf(
         raise ConfigError(
             f"model.attn_mask={cfg.attn_mask}: HF DeepseekV3/Glm4Moe are causal only; this model cannot be exported"
         )
-    hf_cfg = to_hf_config(cfg)
-    hf_cfg.bos_token_id, hf_cfg.eos_token_id = bos_token_id, eos_token_id
-    hf_cls = tf.DeepseekV3ForCausalLM if cfg.attention == "mla" else tf.Glm4MoeForCausalLM
-    with torch.device("meta"):
-        hf_model = hf_cls(hf_cfg)
     own = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     if cfg.attention == "mla":
         _interleave_rope(own, cfg)
+    return own
+
+
+def _hf_model(cfg: ModelConfig, own: dict[str, torch.Tensor], bos_token_id=None, eos_token_id=None,
+              experts_implementation: str | None = None, on: str = "meta"):  # fmt: skip
+    """The HF model of `cfg` holding `own` (`_hf_layout`'s tensors; the MTP blocks left out). Built on the meta
+    device to be saved (no memory, no random init); `on="cpu"` to be run: its buffers that no checkpoint holds
+    (the rotary frequencies) are computed as HF computes them, and no weight is initialised only to be replaced."""
+    tf = _transformers()
+    hf_cfg = to_hf_config(cfg)
+    hf_cfg.bos_token_id, hf_cfg.eos_token_id = bos_token_id, eos_token_id
+    if experts_implementation:
+        hf_cfg._attn_implementation, hf_cfg._experts_implementation = "sdpa", experts_implementation
+    hf_cls = tf.DeepseekV3ForCausalLM if cfg.attention == "mla" else tf.Glm4MoeForCausalLM
+    with torch.device(on), _no_init_weights():
+        hf_model = hf_cls(hf_cfg)
     state = {_to_hf_key(k): v for k, v in own.items() if not k.startswith("mtp.")}
     hf_model.load_state_dict(_fill_empty(state, hf_model), strict=True, assign=True)
     hf_model.generation_config = tf.GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    out_dir = Path(out_dir)
-    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    with transformers_quiet():
-        hf_model.save_pretrained(out_dir, safe_serialization=True, **shards)
-    add_to_export(out_dir, mtp_tensors_for_hf(own, cfg.n_layers, cfg.mtp.depth))
-    return out_dir
+    return hf_model
+
+
+def _no_init_weights():
+    """transformers' own switch that skips the random init of weights a checkpoint then replaces (5.x)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older transformers: initialised, then replaced (slower, the same result)
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def import_hf(path: str | Path) -> Transformer:

@@ -100,6 +100,29 @@ def test_served(bench, trained_run, cli, tmp_path):
     assert "llama.cpp: " in out and "llama.cpp + routing callback: " in out and "routing callback: " in out
 
 
+def test_profile_places_each_operation_in_its_part_of_the_step(bench):
+    """`bench profile`: its two tables and the shares line; and, on the profiled step itself, every operation whose
+    name says what it is lands in that part, forward and backward alike (attention's kernels in attention, the
+    router's sigmoid in routing, the CPU kernels' segment GEMMs in the expert GEMMs, the loss's and the optimizer's
+    in theirs), and the parts add up to the whole step."""
+    from moe_lm.bench.profile import PARTS, ProfileBench, parts, placed, profiled_step, top_kernels
+
+    small = ["train.micro_batch_size=2", "train.seq_len=32"]
+    out = bench("profile", "--warmup", 1, *small)
+    assert "| operation (CPU) | ms | share |" in out and "| part of the step | ms | share |" in out
+    assert "\nshares: routing " in out and all(f"{part} " in out.split("shares: ")[1] for part in PARTS)
+    prof, _ = profiled_step(ProfileBench("tiny", "cpu", "float32", 1, small))
+    where = [(e.name, part) for e, part in placed(prof.events())]
+    expected = {"scaled_dot_product": "attention", "sigmoid": "routing", "SegmentMLPKernel": "expert GEMMs",
+                "CrossEntropy": "loss", "_fused_adamw_": "optimizer"}  # fmt: skip
+    for fragment, part in expected.items():
+        ops = [(name, p) for name, p in where if fragment in name]
+        assert len({name for name, _ in ops}) >= 1 + (fragment != "_fused_adamw_"), fragment  # forward and backward
+        assert all(p == part for _, p in ops), (fragment, ops)
+    _, total = top_kernels(prof, on_gpu=False, n=10**6)
+    assert sum(parts(prof.events(), on_gpu=False).values()) == pytest.approx(total, rel=1e-9)
+
+
 def test_prepare(bench):
     out = bench("prepare", "--repeat", 1, "--rounds", 1, "data.max_mb_per_domain=0.05", "model.vocab_size=512")
     assert "| arm | tokens/s | vs ceiling |" in out and "\n| 2 workers | " in out

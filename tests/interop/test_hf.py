@@ -11,7 +11,7 @@ import transformers
 
 import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.config import RopeScalingConfig
-from moe_lm.interop.hf import export_hf, from_hf_config, import_hf
+from moe_lm.interop.hf import export_hf, from_hf_config, import_hf, to_hf_model
 from moe_lm.model import Transformer, build_model
 from moe_lm.testing import tiny_model_cfg
 from tests.helpers.hf import answer_yes_if_asked, native_deepseek_config, random_model, remote_code_folder
@@ -38,6 +38,11 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, attention, hf_c
     # the biases made it across and matter
     hf_bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
     torch.testing.assert_close(hf_bias, model.layers[1].mlp.gate.e_score_correction_bias)
+    # the benchmarks' HF arms skip the disk (to_hf_model): the very model from_pretrained gives, buffers included
+    in_memory = to_hf_model(model, hf.config._experts_implementation).eval()
+    assert torch.equal(in_memory(tokens).logits, hf(tokens).logits)
+    held = {**dict(hf.named_parameters()), **dict(hf.named_buffers())}
+    assert all(torch.equal(t, held[name]) for name, t in [*in_memory.named_parameters(), *in_memory.named_buffers()])
 
 
 @pytest.mark.parametrize("attention", ["mla", "gqa"])
