@@ -44,7 +44,7 @@ def agreement(ref: Trace, other: Trace, label: str, n_boot: int = N_BOOT, seed: 
         a, b = np.asarray(ref.experts(layer), np.int64), np.asarray(other.experts(layer), np.int64)
         layers[str(layer)], flip = _layer_agreement(ref, other, layer, a, b, draws)
         differs_any |= flip
-        set_chance.append(_chance_same_set(a, b))
+        set_chance.append(1 - layers[str(layer)]["chance"]["flip_rate"])
     return {
         "label": label,
         "layers": layers,
@@ -79,7 +79,8 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
         else None,
         "order_differs": int((a != b).any(1).sum()),
         "chance": {"top1_agreement": _chance_top1(a, b, ref.n_experts),
-                   "topk_overlap": _chance_overlap(a, b, ref.n_experts, ref.k)},  # fmt: skip
+                   "topk_overlap": _chance_overlap(a, b, ref.n_experts, ref.k),
+                   "flip_rate": 1 - _chance_same_set(a, b)},  # fmt: skip
         "by_domain": by_domain,
         "weights": _weight_gap(ref, other, layer, a, b),
     }  # fmt: skip

@@ -177,15 +177,15 @@ def comparisons_markdown(result: dict) -> str:
         f"routers choosing independently with these frequencies would differ in some layer on {100 * chance:.1f} % "
         "of tokens. Definitions: docs/analytics.md (Comparing subjects).",
         "",
-        "| subject | tokens whose experts differ in some layer, % | flips per layer, % (95 % interval) | flips that "
-        "were near ties | log-prob \\|Δ\\| mean / p99 / max | what it is |",
+        "| subject | tokens whose experts differ in some layer, % | flips per layer, % (95 % interval; chance) | "
+        "flips that were near ties | log-prob \\|Δ\\| mean / p99 / max | what it is |",
         "|---|---|---|---|---|---|",
     ]
     for label, c in comparisons.items():
         any_layer, cost = c["tokens_differing_in_any_layer"], (c.get("logprob") or {}).get("all") or {}
         per_layer = "; ".join(
             f"L{layer} {100 * m['flip_rate']['mean']:.2f} ({100 * m['flip_rate']['interval'][0]:.2f}-"
-            f"{100 * m['flip_rate']['interval'][1]:.2f})"
+            f"{100 * m['flip_rate']['interval'][1]:.2f}; chance {100 * m['chance'].get('flip_rate', float('nan')):.0f})"
             for layer, m in c["layers"].items()
         )
         near, flips = (sum(m[key] for m in c["layers"].values()) for key in ("flips_near_ties", "flips"))
