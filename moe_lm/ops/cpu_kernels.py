@@ -6,24 +6,20 @@ Built on first use with torch's C++ extension loader (g++ and ninja; ~1 min, cac
 and fp32 tensors. Elsewhere, when the build fails (one warning), or with MOE_LM_CPU_KERNEL=0, the callers run their
 PyTorch code, which the tests hold the kernels to.
 
-The build folder is one per checkout (its name carries a hash of the sources' folder): two checkouts sharing a
-cache would otherwise rebuild over each other at every switch. And moe-lm processes take an flock around torch's
-loader, so a `lock` file torch finds there is one a killed build left (Ctrl-C during the first minute), which torch
-would wait on forever: it is removed first.
+The build folder is one per checkout, built one at a time (`extension_builds.py` says why).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import hashlib
 import os
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+
+from moe_lm.ops.extension_builds import build_folder, environment_ninja, one_build_at_a_time
 
 KERNEL_ENV = "MOE_LM_CPU_KERNEL"
 _SOURCES = [Path(__file__).with_name("csrc") / f for f in ("bindings.cpp", "segment_mlp.cpp", "route_topk.cpp")]
@@ -61,7 +57,7 @@ def load_cpu_kernels():
 
     name = f"moe_lm_cpu_kernels_{capability.lower()}"
     try:
-        folder = build_folder(name)
+        folder = build_folder(name, _SOURCES[0].parent)
         with environment_ninja(), one_build_at_a_time(folder):
             return load(
                 name=name,
@@ -80,46 +76,3 @@ def load_cpu_kernels():
             stacklevel=2,
         )
         return None
-
-
-def build_folder(name: str) -> Path:
-    """This checkout's build folder of extension `name`, created: under TORCH_EXTENSIONS_DIR or torch's default
-    root, as torch names its own (py<version>_cpu/), with a hash of the sources' folder in its name."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    where = hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
-    folder = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / f"{name}_{where}"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-@contextlib.contextmanager
-def one_build_at_a_time(folder: Path):
-    """Hold an flock on `folder` while torch builds or loads there; a `lock` torch finds then was left by a build
-    that was killed (torch's own lock is a plain file, which a killed process never removes)."""
-    with open(folder / ".moe_lm_build.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        (folder / "lock").unlink(missing_ok=True)
-        yield
-
-
-@contextlib.contextmanager
-def environment_ninja():
-    """While torch builds or loads a cached extension: this environment's ninja (installed beside the interpreter,
-    a DeepSpeed dependency) first on PATH.
-
-    why: torch runs whichever `ninja` PATH finds first. With a system ninja of another version, the same venv used
-    with its bin/ on PATH (activated, `moe-lm`) and without (`.venv/bin/python`) alternates between two ninjas whose
-    build logs differ, and each one rebuilds the cached extension from scratch (a minute or more per switch).
-    """
-    beside = Path(sys.executable).with_name("ninja")
-    if not beside.is_file():
-        yield
-        return
-    path = os.environ.get("PATH", "")
-    os.environ["PATH"] = f"{beside.parent}{os.pathsep}{path}"
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = path

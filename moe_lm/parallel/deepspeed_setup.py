@@ -22,7 +22,7 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 
 from moe_lm.config import OptimConfig, ParallelConfig, TrainConfig
 from moe_lm.console import library_prints, quiet_deepspeed
-from moe_lm.ops.cpu_kernels import environment_ninja
+from moe_lm.ops.extension_builds import library_op_builds
 from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.ports import free_port
 
@@ -36,8 +36,9 @@ def init_distributed() -> None:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
     quiet_deepspeed()  # again: importing deepspeed reset its logger's level
-    # why environment_ninja: on CPU DeepSpeed builds its shared-memory communication op with torch's loader
-    with library_prints(), environment_ninja():  # why library_prints: that op prints a line on every start
+    # why library_op_builds: on CPU DeepSpeed builds its shared-memory communication op with torch's loader
+    shm_op = library_op_builds(Path(deepspeed.__file__).parent, "deepspeed_shm_comm")
+    with library_prints(), shm_op:  # why library_prints: that op prints a line on every start
         deepspeed.init_distributed(verbose=False)
 
 

@@ -7,10 +7,8 @@ when the kernel is off); both are checked here against the loop.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -278,31 +276,3 @@ def test_moe_layer_with_shared_experts_equals_loop_reference(n_shared, threads):
     assert set(got) == set(want) and any(k.startswith("shared_experts.") for k in got)
     for k in want:
         torch.testing.assert_close(got[k], want[k].float(), atol=2e-5, rtol=1e-4, msg=k)
-
-
-def test_extensions_build_with_the_ninja_of_this_environment(monkeypatch):
-    """torch runs the `ninja` PATH finds; the kernels (and DeepSpeed's CPU op) are built with the one beside this
-    interpreter whatever PATH says, so an activated and a plain venv never alternate ninja versions, each of which
-    would rebuild the cached extension from scratch."""
-    beside = Path(sys.executable).with_name("ninja")
-    assert beside.is_file(), "ninja (a DeepSpeed dependency) is installed beside the interpreter"
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a shell where the venv is not activated
-    before = os.environ["PATH"]
-    with ck.environment_ninja():
-        assert shutil.which("ninja") == str(beside)
-    assert os.environ["PATH"] == before
-
-
-def test_a_lock_left_by_a_killed_kernel_build_does_not_hang_the_next_load(process):
-    """Ctrl-C during the first build leaves torch's `lock` file in the build folder; torch alone would wait on it
-    forever. A fresh interpreter loads the kernels all the same."""
-    kernel()
-    from moe_lm.ops.cpu_kernels import build_folder
-
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    folder = build_folder(f"moe_lm_cpu_kernels_{capability}")
-    (folder / "lock").write_text("")  # what the killed build left
-    code = "from moe_lm.ops.cpu_kernels import load_cpu_kernels as k; m = k(); print(m.__name__ if m else None)"
-    out = process.python(code, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip() == f"moe_lm_cpu_kernels_{capability}", out.stderr[-2000:]
-    assert not (folder / "lock").exists()
