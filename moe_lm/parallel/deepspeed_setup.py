@@ -18,6 +18,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.comm.torch import build_shm_op
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
 from moe_lm.config import OptimConfig, ParallelConfig, TrainConfig
@@ -36,9 +37,14 @@ def init_distributed() -> None:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
     quiet_deepspeed()  # again: importing deepspeed reset its logger's level
-    # why library_op_builds: on CPU DeepSpeed builds its shared-memory communication op with torch's loader
-    shm_op = library_op_builds(Path(deepspeed.__file__).parent, "deepspeed_shm_comm")
-    with library_prints(), shm_op:  # why library_prints: that op prints a line on every start
+    with library_prints():  # why: DeepSpeed's CPU op prints a line on every start
+        if get_accelerator().device_name() == "cpu":
+            # why first and apart: on CPU DeepSpeed builds (or loads) its shared-memory communication op with torch's
+            # loader at the start of init_distributed; loaded here, in our folder under our flock, DeepSpeed's call
+            # finds it loaded. The flock must not span init_distributed: that waits for the other ranks of this host,
+            # which would be waiting for the flock.
+            with library_op_builds(Path(deepspeed.__file__).parent, "deepspeed_shm_comm"):
+                build_shm_op()
         deepspeed.init_distributed(verbose=False)
 
 

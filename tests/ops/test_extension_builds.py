@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import torch
 
 from moe_lm.ops import cpu_kernels as ck
 from moe_lm.ops.extension_builds import build_folder, environment_ninja
+from moe_lm.parallel.ports import free_port
 
 
 def test_extensions_build_with_the_ninja_of_this_environment(monkeypatch):
@@ -44,8 +47,9 @@ def test_a_lock_left_by_a_killed_kernel_build_does_not_hang_the_next_load(proces
 
 def test_a_lock_left_by_a_killed_deepspeed_op_build_does_not_hang_the_next_start(process):
     """The same for DeepSpeed's shared-memory communication op, which `deepspeed.init_distributed` builds on CPU
-    (a `make setup` killed there once left CI waiting on that `lock` until its time ran out). DeepSpeed builds it
-    in moe-lm's own folder, and the environment variable that points it there is given back afterwards."""
+    (a `make setup` killed there once left CI waiting on that `lock` until its time ran out). Two ranks of one host
+    start together, as under the launcher: the build is serialised without making either wait for the other's
+    rendezvous. DeepSpeed builds the op in moe-lm's own folder, and the variable that points it there is given back."""
     import deepspeed
 
     folder = build_folder("deepspeed", Path(deepspeed.__file__).parent) / "deepspeed_shm_comm"
@@ -55,9 +59,19 @@ def test_a_lock_left_by_a_killed_deepspeed_op_build_does_not_hang_the_next_start
         "import os; from moe_lm.parallel.deepspeed_setup import init_distributed as i, shutdown_distributed as s\n"
         "i(); s(); print(os.environ.get('TORCH_EXTENSIONS_DIR'))"
     )
-    env = process.clean_env()
-    env.pop("TORCH_EXTENSIONS_DIR", None)
-    out = process.python(code, env=env, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "None", out.stderr[-2000:]
+    port = str(free_port())
+    ranks = []
+    for rank in (0, 1):
+        env = process.clean_env(dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port))
+        env.update(MASTER_ADDR="127.0.0.1")
+        env.pop("TORCH_EXTENSIONS_DIR", None)
+        ranks.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdout=PIPE, stderr=PIPE))
+    try:
+        outs = [r.communicate(timeout=600) for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    for r, (out, err) in zip(ranks, outs, strict=True):
+        assert r.returncode == 0 and out.strip().splitlines()[-1] == "None", err[-2000:]
     assert not (folder / "lock").exists()
     assert any(folder.glob("deepspeed_shm_comm*.so")), "DeepSpeed built (or loaded) its op in moe-lm's folder"
