@@ -156,7 +156,8 @@ def cli():
 @pytest.fixture(scope="session")
 def process():
     """Run a command in a process of its own (tests/helpers/commands.py): `process.moe_lm(...)`,
-    `process.script(...)`, `process.train(cfg_file, ...)` (started, not waited for), `process.run(cmd, ...)`."""
+    `process.script(...)`, `process.train(cfg_file, ...)` (started, not waited for), `process.run(cmd, ...)`,
+    `process.pythons_together(code, envs)`."""
     return commands
 
 

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from subprocess import PIPE
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE_LM = str(Path(sys.executable).with_name("moe-lm"))
@@ -97,6 +98,23 @@ def run(cmd: list, *, env: dict | None = None, cwd=None, timeout: int = 600) -> 
 def python(code: str, *, env: dict | None = None, cwd=ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -c code` in a fresh interpreter (this one's), from the repository root."""
     return run([sys.executable, "-c", code], env=env, cwd=cwd, timeout=timeout)
+
+
+def pythons_together(code: str, envs: list[dict], *, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """`python -c code` in one fresh interpreter per environment, all started before any is waited for (the ranks
+    of one host, say); killed at the timeout."""
+    started = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, stdout=PIPE, stderr=PIPE)
+        for env in envs
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in started]
+    finally:
+        for p in started:
+            p.kill()
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(started, outs, strict=True)
+    ]
 
 
 def script(name: str, *args, env: dict | None = None, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:

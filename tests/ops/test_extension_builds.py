@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-from subprocess import PIPE
 
 import pytest
 import torch
@@ -60,18 +58,13 @@ def test_a_lock_left_by_a_killed_deepspeed_op_build_does_not_hang_the_next_start
         "i(); s(); print(os.environ.get('TORCH_EXTENSIONS_DIR'))"
     )
     port = str(free_port())
-    ranks = []
+    envs = []
     for rank in (0, 1):
         env = process.clean_env(dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=port))
         env.update(MASTER_ADDR="127.0.0.1")
         env.pop("TORCH_EXTENSIONS_DIR", None)
-        ranks.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True, stdout=PIPE, stderr=PIPE))
-    try:
-        outs = [r.communicate(timeout=600) for r in ranks]
-    finally:
-        for r in ranks:
-            r.kill()
-    for r, (out, err) in zip(ranks, outs, strict=True):
-        assert r.returncode == 0 and out.strip().splitlines()[-1] == "None", err[-2000:]
+        envs.append(env)
+    for out in process.pythons_together(code, envs, timeout=600):
+        assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "None", out.stderr[-2000:]
     assert not (folder / "lock").exists()
     assert any(folder.glob("deepspeed_shm_comm*.so")), "DeepSpeed built (or loaded) its op in moe-lm's folder"
