@@ -53,8 +53,10 @@ def test_seeds_needed_is_the_smallest_design_that_reaches_the_target():
 def test_power_prints_every_committed_report_of_an_experiment(cli):
     proc = cli("experiment", "mtp", "--power")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    row = next(line for line in proc.stdout.splitlines() if line.startswith("| main-head loss"))
-    assert "docs/results/mtp (pilot)" in row and "3 x 360" in row
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| main-head loss")]
+    assert any("docs/results/mtp (pilot)" in row and "| 3 x 360 |" in row for row in rows), rows
+    # the confirmatory round committed beside it (docs/results/confirmatory/mtp: 6 seeds), its own row
+    assert any("docs/results/confirmatory/mtp (confirmatory)" in row and "| 6 x 360 |" in row for row in rows), rows
     assert cli("experiment", "mtp", "--power", "--results", "no/such/folder").returncode == 2
 
 
