@@ -1,8 +1,9 @@
 """The table of experiment results that the README shows, generated from committed reports, never transcribed by
 hand: per experiment the pilot (docs/results/NAME/results.json) and its confirmatory round
 (docs/results/confirmatory/NAME/results.json) side by side, each with its seeds and steps, its verdict and every
-judged comparison with its seed-paired mean and 95 % t-interval; for a claim still open, what would close it (the
-seeds its last report's power estimate asks for, or a longer schedule). `moe-lm experiment --table docs/results`."""
+judged comparison with its seed-paired mean and 95 % t-interval (a claim without a confirmatory round says why); for
+a claim still open, what would close it (the seeds its last report's power estimate asks for, or a longer schedule).
+`moe-lm experiment --table docs/results`."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def results_table(folder: Path) -> str:
         cells = [_cell(pilot, f"moe-lm experiment {name}"), _cell(confirm, f"moe-lm experiment {name} --confirm")]
         if confirm is None and (DECLARATIONS_DIR / f"{name}.yaml").is_file():
             cells[1] = _declared(name)
+        elif confirm is None and pilot is not None:
+            cells[1] = _undeclared(name, pilot)
         lines.append(f"| {name} | {claim} | {cells[0]} | {cells[1]} | {_open(confirm or pilot)} |")
     return "\n".join(lines) + "\n"
 
@@ -62,6 +65,23 @@ def _declared(name: str) -> str:
     where = d.path.relative_to(d.path.parents[3])  # moe_lm/configs/experiments/confirmatory/NAME.yaml
     return (f"declared, not yet reported: {d.seeds} seeds x {d.steps} steps from seed {d.first_seed} ({where}; "
             f"`moe-lm experiment {name} --confirm`)")  # fmt: skip
+
+
+def _undeclared(name: str, pilot: dict) -> str:
+    """Why a claim with a pilot has no confirmatory round (`--confirm` needs a declaration, so the cell must not
+    suggest running it): a probe judges another experiment's runs; a decided pilot stands until someone declares a
+    repetition; an open one either has no design up to 200 seeds here or waits for its declaration."""
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
+
+    exp = load_experiment(name) if (EXPERIMENTS_DIR / f"{name}.yaml").is_file() else None  # else: the user's own
+    if exp is not None and exp.probe:
+        return f"none of its own: it probes the runs of `{exp.arms_from}`"
+    declare = f"`moe-lm experiment {name} --declare WHY` writes one from the pilot"
+    if pilot["verdict"] != "inconclusive":
+        return f"none declared: the pilot's verdict ({pilot['verdict']}) stands; {declare}"
+    if _open_rows(pilot) and all(seeds is None for _, seeds in _open_rows(pilot)):
+        return "none declared: no design up to 200 seeds reaches a verdict at this schedule (last column)"
+    return f"none declared yet: {declare}, then `--confirm` runs it"
 
 
 def _seeds(r: dict) -> list[int]:
@@ -87,16 +107,25 @@ def _open(r: dict | None) -> str:
     if r is None or r["verdict"] != "inconclusive":  # decided (supported, contradicted, premise not met)
         return "-"
     out = []
+    for name, seeds in _open_rows(r):
+        if seeds:
+            out.append(f"{name}: {seeds} seeds at {_steps(r)} steps")
+        else:
+            out.append(f"{name}: no design up to 200 seeds at {_steps(r)} steps; a longer schedule or the GPU "
+                       "preset (--preset gpu)")  # fmt: skip
+    return "; ".join(out) or "-"
+
+
+def _open_rows(r: dict) -> list[tuple[str, int | None]]:
+    """Each judged comparison still inconclusive, with the seeds its power estimate asks for (None: no design up to
+    200)."""
+    rows = []
     for c in r.get("comparisons", []):
         if c["role"] == "context" or c["verdict"] != "inconclusive" or len(c.get("deltas", [])) < 2:
             continue
         p = c.get("power") or seeds_needed(c["deltas"], c["expect"], c["margin"]).as_dict()  # reports before it
-        if p["seeds_needed"]:
-            out.append(f"{c['name']}: {p['seeds_needed']} seeds at {_steps(r)} steps")
-        else:
-            out.append(f"{c['name']}: no design up to 200 seeds at {_steps(r)} steps; a longer schedule or the GPU "
-                       "preset (--preset gpu)")  # fmt: skip
-    return "; ".join(out) or "-"
+        rows.append((c["name"], p["seeds_needed"]))
+    return rows
 
 
 def _judged(r: dict) -> list[str]:

@@ -88,16 +88,43 @@ def test_a_row_names_each_judged_comparison_once_and_leaves_out_context(tmp_path
             "comparisons": comparisons}))  # fmt: skip
 
     report(tmp_path / "x", "inconclusive", "moe-lm experiment x.yaml",
-           [comparison("claim", "a beats b", -0.02, "inconclusive", [-0.05, 0.01, -0.02]),
+           [comparison("claim", "a beats b", -0.02, "inconclusive", [-0.05, -0.04, -0.045]),
             comparison("context", "a against d", 0.5, "-", [0.4, 0.5, 0.6])])  # fmt: skip
     row = next(line for line in results_table(tmp_path).splitlines() if line.startswith("| x |"))
     cells = [c.strip() for c in row.split(" | ")]
     assert cells[2] == ("**inconclusive** (3 seeds x 360 steps): a beats b: -0.020 (-0.070, +0.030), +2.0 % → "
                         "inconclusive (`moe-lm experiment x.yaml`)")  # fmt: skip
-    assert cells[3] == "not run under the current rules yet (`moe-lm experiment x --confirm`)"
-    assert cells[4].startswith("a beats b: ") and "a against d" not in row
+    # no declaration: the cell says how to write one, never suggests --confirm alone (it would be refused)
+    assert cells[3] == ("none declared yet: `moe-lm experiment x --declare WHY` writes one from the pilot, then "
+                        "`--confirm` runs it")  # fmt: skip
+    assert cells[4].startswith("a beats b: ") and cells[4].endswith(" seeds at 360 steps |")
+    assert "a against d" not in row
     report(tmp_path / "confirmatory" / "x", "supported", "moe-lm experiment x --confirm",
            [comparison("claim", "a beats b", -0.03, "supported", [-0.03] * 8)])  # fmt: skip
     row = next(line for line in results_table(tmp_path).splitlines() if line.startswith("| x |"))
     cells = [c.strip() for c in row.split(" | ")]
     assert cells[3].startswith("**supported** (8 seeds x 360 steps): a beats b: -0.030") and cells[4] == "- |"
+
+
+def test_a_claim_without_a_declaration_says_why(tmp_path):
+    """Without a declaration the confirmatory cell gives the reason from the pilot: a decided verdict stands, an
+    open claim whose every row reaches no verdict up to 200 seeds (a zero-mean spread) needs scale, not a round."""
+    folder = tmp_path / "x"
+    folder.mkdir()
+
+    def row(verdict, deltas):
+        comparison = {"role": "claim", "name": "a beats b", "metric": "loss", "mean": 0.0, "expect": "lower",
+                      "t_interval": [-0.1, 0.1], "verdict": verdict, "seeds": [0, 1, 2], "deltas": deltas,
+                      "margin": 0.0}  # fmt: skip
+        (folder / "results.json").write_text(json.dumps({
+            "experiment": "x", "claim": "c", "verdict": verdict, "command": "moe-lm experiment x", "steps": 360,
+            "comparisons": [comparison]}))  # fmt: skip
+        line = next(line for line in results_table(tmp_path).splitlines() if line.startswith("| x |"))
+        return [c.strip() for c in line.split(" | ")]
+
+    cells = row("contradicted", [0.1, 0.12, 0.09])
+    assert cells[3].startswith("none declared: the pilot's verdict (contradicted) stands;") and cells[4] == "- |"
+    cells = row("inconclusive", [-0.1, 0.1, 0.0])  # mean 0, sd 0.1: "lower" with every seed agreeing is out of reach
+    assert cells[3] == "none declared: no design up to 200 seeds reaches a verdict at this schedule (last column)"
+    assert "no design up to 200 seeds at 360 steps" in cells[4]
+    assert "--confirm" not in " ".join(cells)
