@@ -79,7 +79,8 @@ def _undeclared(name: str, pilot: dict) -> str:
     declare = f"`moe-lm experiment {name} --declare WHY` writes one from the pilot"
     if pilot["verdict"] != "inconclusive":
         return f"none declared: the pilot's verdict ({pilot['verdict']}) stands; {declare}"
-    if _open_rows(pilot) and all(seeds is None for _, seeds in _open_rows(pilot)):
+    rows = _open_rows(pilot)
+    if rows and all(seeds is None for _, seeds in rows):
         return "none declared: no design up to 200 seeds reaches a verdict at this schedule (last column)"
     return f"none declared yet: {declare}, then `--confirm` runs it"
 

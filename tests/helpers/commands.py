@@ -18,7 +18,6 @@ import warnings
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from subprocess import PIPE
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE_LM = str(Path(sys.executable).with_name("moe-lm"))
@@ -104,7 +103,9 @@ def pythons_together(code: str, envs: list[dict], *, timeout: int = 600) -> list
     """`python -c code` in one fresh interpreter per environment, all started before any is waited for (the ranks
     of one host, say); killed at the timeout."""
     started = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True, stdout=PIPE, stderr=PIPE)
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for env in envs
     ]
     try:
