@@ -1,6 +1,6 @@
 """Typed requests from parsed flags: the analytics' and the benchmarks' settings are frozen dataclasses (callable from
 Python), and a command line fills one from the flags of the same names. With `default_of` for the flags' defaults, a
-request's defaults are written once, in its dataclass."""
+request's defaults are written once, in its dataclass. Flag types the commands and benchmarks share: `torch_device`."""
 
 from __future__ import annotations
 
@@ -19,3 +19,34 @@ def from_flags(cls: type[T], args: argparse.Namespace, **given) -> T:
 def default_of(cls, name: str):
     """A request dataclass's default for field `name` (what its flag defaults to)."""
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def torch_device(value: str) -> str:
+    """An argparse type for --device: a torch device's name (`cpu`, `cuda`, `cuda:1`, ...); whether this machine has
+    it is `usable_device`'s to say, when the command runs (a documented command line parses anywhere)."""
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    return value
+
+
+def usable_device(value: str, flag: str = "--device") -> None:
+    """A UserError unless this machine has the device `value` names, before anything is built on it: a GPU the machine
+    lacks was a traceback from deep inside torch."""
+    import torch
+
+    from moe_lm.errors import UserError
+
+    device = torch.device(value)
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    if backend is None or not backend.is_available():
+        cpu_build = device.type == "cuda" and not torch.version.cuda
+        build = f"torch {torch.__version__}" + (", a CPU build" if cpu_build else "")
+        raise UserError(f"{flag} {value}: this machine has no {device.type} device ({build}); use {flag} cpu")
+    if device.index is not None and device.index >= backend.device_count():
+        raise UserError(f"{flag} {value}: this machine has {backend.device_count()} {device.type} device(s)")

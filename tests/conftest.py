@@ -156,8 +156,8 @@ def cli():
 @pytest.fixture(scope="session")
 def process():
     """Run a command in a process of its own (tests/helpers/commands.py): `process.moe_lm(...)`,
-    `process.script(...)`, `process.train(cfg_file, ...)` (started, not waited for), `process.run(cmd, ...)`,
-    `process.pythons_together(code, envs)`."""
+    `process.script(...)`, `process.train(cfg_file, ...)` and `process.start(...)` (started, not waited for),
+    `process.run(cmd, ...)`, `process.pythons_together(code, envs)`, `process.moe_lm_into_closed_pipe(...)`."""
     return commands
 
 

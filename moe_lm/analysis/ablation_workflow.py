@@ -5,7 +5,6 @@ ablation.png and ablation.md. `moe-lm ablate` (moe_lm/cli/ablate.py) parses the 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.ablation import ablation_study
 from moe_lm.analysis.budget import budget_document_count, print_sample_lines
+from moe_lm.analysis.report_files import strict_json
 from moe_lm.analysis.requests import AblationRequest, SubjectRequest
 from moe_lm.analysis.subject import Subject, load_subject, user_documents
 from moe_lm.analysis.trace import record_trace
@@ -86,7 +86,7 @@ def ablation_table(result: dict, domains: list[str]) -> tuple[list[str], np.ndar
 
 def write_ablation(result: dict, domains: list[str], out: Path) -> None:
     """ablation.json (the result), ablation.png (targets x domains, against controls) and ablation.md (the table)."""
-    (out / "ablation.json").write_text(json.dumps(result, indent=1))
+    (out / "ablation.json").write_text(strict_json(result))
     names, delta, control = ablation_table(result, domains)
     plots.save(plots.ablation_heatmap(delta, control, names, domains), out / "ablation.png")
     (out / "ablation.md").write_text(markdown(result, names, domains))

@@ -26,6 +26,11 @@ def same_tokens(ref: Trace, other: Trace, label: str) -> None:
     """A DataError unless `other` recorded the very rows of `ref` (token ids, documents, positions) and layers."""
     if other.n != ref.n or not np.array_equal(np.asarray(ref.token), np.asarray(other.token)):
         raise DataError(f"{label} did not route the same token ids as the subject ({other.n:,} against {ref.n:,})")
+    if other.meta.get("windows") != ref.meta.get("windows"):
+        raise DataError(
+            f"{label} was cut into windows of {other.meta.get('windows')} tokens, the subject into "
+            f"{ref.meta.get('windows')}: with other context the routing differs; record both alike"
+        )
     if other.layers != ref.layers or (other.n_experts, other.k) != (ref.n_experts, ref.k):
         raise DataError(
             f"{label} has MoE layers {other.layers} of {other.n_experts} experts (top-{other.k}); the subject has "

@@ -16,11 +16,13 @@ from math import comb
 import numpy as np
 
 from moe_lm.routing.stats import (  # noqa: F401 (shared with training, part of this set)
+    MAX_PAIRS,
     consecutive_pairs,
     domain_jsd,
     expert_counts,
     js_divergence,
     max_vio,
+    mean_domain_jsd,
     mean_pairwise,
     pairwise_jsd,
     repetition_hits,
@@ -116,8 +118,12 @@ def vocabulary_specialisation(
     per = np.zeros((len(ids), n_experts))
     np.add.at(per, (np.repeat(inverse, K), np.asarray(experts, np.int64).ravel()), 1.0)
     obs = per.max(1) / counts
-    null = np.array([max_share_null(int(min(c, 2000)), n_experts, K) for c in counts[keep]])
-    o = obs[keep]
+    null = np.zeros(len(ids))
+    null[keep] = [max_share_null(int(min(c, 2000)), n_experts, K) for c in counts[keep]]
+    keep &= null < 1  # why: where chance alone gives every occurrence one expert (k = E), nothing is corrected
+    if not keep.any():
+        return {"tokens": 0, "observed": float("nan"), "null": float("nan"), "corrected": float("nan")}
+    o, null = obs[keep], null[keep]
     w = counts[keep] / counts[keep].sum()
     return {
         "tokens": int(keep.sum()),

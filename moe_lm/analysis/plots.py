@@ -9,8 +9,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def domain_expert_bars(token_share: np.ndarray, domains: list[str], k: int, layer: int, n_tokens: np.ndarray):
-    """Mixtral Fig. 7 / OLMoE-style: per expert, one bar per domain = share of the domain's tokens routed to it."""
+def domain_expert_bars(
+    token_share: np.ndarray, domains: list[str], k: int, layer: int, n_tokens: np.ndarray, of: int | None = None
+):
+    """Mixtral Fig. 7 / OLMoE-style: per expert, one bar per domain = share of the domain's tokens routed to it
+    (`of`: how many domains there are, when these are some of them)."""
     n_domains, E = token_share.shape
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * E * max(1, n_domains / 3)) + 2.2, 3.6))
     width = 0.8 / n_domains
@@ -25,13 +28,16 @@ def domain_expert_bars(token_share: np.ndarray, domains: list[str], k: int, laye
     ax.set_xlabel("expert")
     ax.set_ylabel("share of domain's tokens")
     ax.set_xticks(np.arange(E))
-    ax.set_title(f"Layer {layer}: expert selection by domain (a domain's bars sum to k = {k})", fontsize=10)
+    ax.set_title(f"Layer {layer}: expert selection by domain (a domain's bars sum to k = {k})"
+                 f"{_some(n_domains, of)}", fontsize=10)  # fmt: skip
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
 
-def relative_load_heatmap(relative_load: np.ndarray, domains: list[str], layer: int, vmax: float | None = None):
+def relative_load_heatmap(
+    relative_load: np.ndarray, domains: list[str], layer: int, vmax: float | None = None, of: int | None = None
+):
     """DeepSeek-V3 Fig. 9 style: load of each expert on each domain over the balanced load (1 = balanced)."""
     n_domains, E = relative_load.shape
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * E), 0.5 * n_domains + 1.6))
@@ -41,10 +47,20 @@ def relative_load_heatmap(relative_load: np.ndarray, domains: list[str], layer: 
     ax.set_yticks(range(n_domains), domains)
     ax.set_xticks(range(E))
     ax.set_xlabel("expert")
-    ax.set_title(f"Layer {layer}: relative expert load per domain (load / balanced load; uniform = 1)", fontsize=10)
+    ax.set_title(f"Layer {layer}: relative expert load per domain (load / balanced load; uniform = 1)"
+                 f"{_some(n_domains, of)}", fontsize=10)  # fmt: skip
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     return fig
+
+
+def _some(shown: int, of: int | None) -> str:
+    """A title's note when a figure draws some of the domains."""
+    return (
+        f"\n{shown} of {of:,} domains: those with the most tokens (metrics.csv holds every one)"
+        if of and of > shown
+        else ""
+    )
 
 
 def token_across_layers(shares: np.ndarray, layers: list[int], piece: str, count: int, k: int):

@@ -25,9 +25,12 @@ from moe_lm.errors import ConfigError
 MAX_DEFAULT_FIGURE_LAYERS = 8
 
 
-def domain_jsd(experts: np.ndarray, domain: np.ndarray, trace: Trace) -> np.ndarray:
-    """Pairwise JSD (bits) between the expert-assignment distributions of the domains present in `domain`."""
-    return metrics.domain_jsd(metrics.domain_expert_counts(experts, domain, len(trace.domains), trace.n_experts))
+PAIR_TABLE_DOMAINS = 64  # the domain x domain JSD table is written up to this many domains (its size is quadratic)
+
+
+def domain_counts(experts: np.ndarray, domain: np.ndarray, trace: Trace) -> np.ndarray:
+    """[D, E] token-slots per domain and expert."""
+    return metrics.domain_expert_counts(experts, domain, len(trace.domains), trace.n_experts)
 
 
 def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffled_domain: np.ndarray) -> dict:
@@ -35,7 +38,8 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffle
     experts = np.asarray(trace.experts(layer))
     counts = metrics.expert_counts(experts, trace.n_experts)
     shares = metrics.domain_shares(experts, trace.domain, len(trace.domains), trace.n_experts)
-    jsd = domain_jsd(experts, trace.domain, trace)
+    by_domain = domain_counts(experts, trace.domain, trace)
+    table = metrics.domain_jsd(by_domain).tolist() if len(trace.domains) <= PAIR_TABLE_DOMAINS else None
     return {
         "maxvio_global": metrics.max_vio(counts),
         "load": counts.tolist(),
@@ -44,9 +48,11 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffle
         "repetition": metrics.repetition_with_ci(experts, trace.doc, n_boot),
         "domain_token_share": shares["token_share"].tolist(),
         "domain_relative_load": shares["relative_load"].tolist(),
-        "domain_jsd_bits": jsd.tolist(),
-        "mean_domain_jsd_bits": metrics.mean_pairwise(jsd),
-        "mean_domain_jsd_bits_token_shuffled_N2": metrics.mean_pairwise(domain_jsd(experts, shuffled_domain, trace)),
+        "domain_jsd_bits": table,  # None above PAIR_TABLE_DOMAINS domains (result["domain_pairs"] says so)
+        "mean_domain_jsd_bits": metrics.mean_domain_jsd(by_domain),
+        "mean_domain_jsd_bits_token_shuffled_N2": metrics.mean_domain_jsd(
+            domain_counts(experts, shuffled_domain, trace)
+        ),
         "vocabulary_specialisation": metrics.vocabulary_specialisation(
             experts, trace.token, trace.n_experts, min_count
         ),
@@ -107,6 +113,7 @@ def routing_metrics(
         "baseline_uniform_N0": uniform_baseline(trace),
         "layers": all_layer_metrics(trace, drawn, min_count, n_boot),
         "figure_layers": drawn,
+        "domain_pairs": domain_pairs(len(trace.domains)),
     }
     if init_trace is not None:
         result["init_N1"] = init_metrics(init_trace, trace.layers, trace.n_experts, min_count)
@@ -119,6 +126,14 @@ def routing_metrics(
             for label, other in compared
         }
     return result
+
+
+def domain_pairs(n_domains: int) -> dict:
+    """How the domain JSD numbers cover the pairs of domains: the mean over every pair, or over MAX_PAIRS drawn at
+    random when there are more (each baseline on the same draw); the per-pair table up to PAIR_TABLE_DOMAINS."""
+    pairs = n_domains * (n_domains - 1) // 2
+    return {"domains": n_domains, "pairs": pairs, "averaged_over": min(pairs, metrics.MAX_PAIRS),
+            "sampled": pairs > metrics.MAX_PAIRS, "table": n_domains <= PAIR_TABLE_DOMAINS}  # fmt: skip
 
 
 def _compared_source(other: Trace) -> dict:
@@ -135,6 +150,7 @@ def trace_summary(trace: Trace) -> dict:
         "layers": trace.layers,
         "n_experts": trace.n_experts,
         "k": trace.k,
+        "windows": trace.meta.get("windows"),  # the context's cut: documents in windows of this many tokens
         "domains": trace.domains,
         "tokens_per_domain": np.bincount(np.asarray(trace.domain, np.int64), minlength=len(trace.domains)).tolist(),
         "documents_per_domain": _documents_per_domain(trace).tolist(),
@@ -177,7 +193,7 @@ def init_metrics(init_trace: Trace, layers: list[int], n_experts: int, min_count
         experts = np.asarray(init_trace.experts(layer))
         result[str(layer)] = {
             "repetition": metrics.repetition(experts, init_trace.doc),
-            "mean_domain_jsd_bits": metrics.mean_pairwise(domain_jsd(experts, init_trace.domain, init_trace)),
+            "mean_domain_jsd_bits": metrics.mean_domain_jsd(domain_counts(experts, init_trace.domain, init_trace)),
             "vocabulary_specialisation": metrics.vocabulary_specialisation(
                 experts, init_trace.token, n_experts, min_count
             ),

@@ -32,9 +32,25 @@ def write_report(
     draw_figures(result, figs, metrics_rows)
     (out / "routing.html").write_text(routing_html(result, samples, tok, min_count))
     write_tidy(result, out / "metrics.csv")
-    (out / "metrics.json").write_text(json.dumps(result, indent=1))
+    (out / "metrics.json").write_text(strict_json(result))
     if result.get("comparisons"):
         (out / "comparisons.md").write_text(comparisons_markdown(result))
+
+
+def strict_json(value) -> str:
+    """`value` as JSON that every reader takes: a number that is not finite (a metric with no data: NaN) is null,
+    never the `NaN` Python's json writes by default, which is not JSON."""
+
+    def finite(v):
+        if isinstance(v, float) and not np.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(value), indent=1, allow_nan=False)
 
 
 def draw_figures(result: dict, figs: Path, metrics_rows: list[dict] | None = None) -> None:
@@ -52,18 +68,37 @@ def draw_figures(result: dict, figs: Path, metrics_rows: list[dict] | None = Non
         plots.save(plots.load_over_training(train, evals, result["trace"]["layers"]), figs / "load_over_training.png")
 
 
+BAR_DOMAINS, HEATMAP_DOMAINS = 12, 64  # the domains a figure draws (its size grows with them); the tables hold all
+
+
+def drawn_domains(tokens_per_domain: list[int], most: int) -> list[int]:
+    """The `most` domains with the most tokens (ties: in order), in order: what a per-domain figure draws."""
+    ranked = sorted(range(len(tokens_per_domain)), key=lambda d: (-tokens_per_domain[d], d))
+    return sorted(ranked[:most])
+
+
 def draw_layer(result: dict, layer: int, figs: Path) -> None:
-    """One MoE layer's figures: expert shares per domain, relative load, co-activation."""
+    """One MoE layer's figures: expert shares per domain, relative load (each of at most BAR_DOMAINS and
+    HEATMAP_DOMAINS domains, the title saying so when there are more), co-activation."""
     meta, lm = result["trace"], result["layers"][str(layer)]
-    domains, K = meta["domains"], meta["k"]
+    domains, K, tokens = meta["domains"], meta["k"], meta["tokens_per_domain"]
+    bars = drawn_domains(tokens, BAR_DOMAINS)
     plots.save(
         plots.domain_expert_bars(
-            np.array(lm["domain_token_share"]), domains, K, layer, np.array(meta["tokens_per_domain"])
+            np.array(lm["domain_token_share"])[bars],
+            [domains[d] for d in bars],
+            K,
+            layer,
+            np.array(tokens)[bars],
+            of=len(domains),
         ),
         figs / f"domain_experts_L{layer}.png",
     )
+    rows = drawn_domains(tokens, HEATMAP_DOMAINS)
     plots.save(
-        plots.relative_load_heatmap(np.array(lm["domain_relative_load"]), domains, layer),
+        plots.relative_load_heatmap(
+            np.array(lm["domain_relative_load"])[rows], [domains[d] for d in rows], layer, of=len(domains)
+        ),
         figs / f"relative_load_L{layer}.png",
     )
     plots.save(plots.coactivation_heatmap(np.array(lm["coactivation"]), layer, K), figs / f"coactivation_L{layer}.png")
@@ -173,7 +208,8 @@ def comparisons_markdown(result: dict) -> str:
     chance = max(c["tokens_differing_in_any_layer"]["chance"] for c in comparisons.values())
     lines = [
         f"Routing of {trace['tokens']:,} tokens ({trace['documents']} documents, {len(trace['domains'])} domains) "
-        f"by the subject and by each compared subject on the same token ids; intervals: 95 % over documents; two "
+        f"by the subject and by each compared subject on the same token ids, cut into the same windows of "
+        f"{trace.get('windows') or '?'} tokens (the context restarts at each); intervals: 95 % over documents; two "
         f"routers choosing independently with these frequencies would differ in some layer on {100 * chance:.1f} % "
         "of tokens. Definitions: docs/analytics.md (Comparing subjects).",
         "",

@@ -34,7 +34,9 @@ class SubjectRequest:
     domain_field: str = "domain"  # the column naming the domain (absent: the source's name)
     dtype: str = "float32"  # with hf: float32 or bfloat16
     device: str = "cpu"  # with hf: cpu, cuda, or auto (device_map="auto")
-    seq_len: int = 1024  # with hf or gguf: the window length (capped by the model's)
+    # the window length (capped by the model's); None: a run's train.seq_len, a released model's 1024. `analyze`
+    # cuts every subject of a comparison into the same windows (routing_workflow.shared_windows)
+    seq_len: int | None = None
     threads: int = 1  # with gguf: llama.cpp's threads
     llama_defaults: bool = False  # with gguf: llama.cpp's default f16 KV cache and flash attention
     name: str | None = None  # how a report names it (default: its path)

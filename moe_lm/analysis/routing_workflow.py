@@ -17,8 +17,8 @@ import numpy as np
 from moe_lm.analysis.budget import budget_documents, print_sample_lines
 from moe_lm.analysis.report import ReportRequest, build_report, figure_layers
 from moe_lm.analysis.requests import RoutingRequest, SubjectRequest
-from moe_lm.analysis.subject import Subject, load_subject, user_documents
-from moe_lm.analysis.trace import Trace, record_trace
+from moe_lm.analysis.subject import Subject, context_of, load_subject, user_documents
+from moe_lm.analysis.trace import MAX_BATCH_LOGIT_BYTES, Trace, bounded_batch, record_trace
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import ConfigError, UserError
@@ -32,9 +32,10 @@ def analyze_routing(req: RoutingRequest) -> dict:
     metrics."""
     out = Path(req.out)
     out.mkdir(parents=True, exist_ok=True)
-    subject = load_subject(req.subject)
+    windows = shared_windows(req)
+    subject = load_subject(dataclasses.replace(req.subject, seq_len=windows))
     docs, domains, source = budgeted_documents(subject, req.subject, req.max_tokens)
-    common = dict(seq_len=subject.seq_len, batch_size=req.batch_size)
+    common = dict(seq_len=subject.seq_len, batch_size=batch_within_memory(req.batch_size, subject))
     shape = routing_shape(subject.model)
     trace = record_trained(subject, docs, domains, source, out, common)
     init_trace = None
@@ -43,7 +44,16 @@ def analyze_routing(req: RoutingRequest) -> dict:
     elif req.init_baseline:
         print(f"no untrained baseline N1: {subject.no_untrained}")
     compared = tuple(
-        record_compared(other, subject, shape, docs, domains, source, out / f"trace_compare_{i}", common)
+        record_compared(
+            dataclasses.replace(other, seq_len=subject.seq_len),
+            subject,
+            shape,
+            docs,
+            domains,
+            source,
+            out / f"trace_compare_{i}",
+            common,
+        )  # fmt: skip
         for i, other in enumerate(req.compare)
     )
     rows = training_metrics(subject.run)
@@ -60,6 +70,33 @@ def analyze_routing(req: RoutingRequest) -> dict:
     return result
 
 
+def shared_windows(req: RoutingRequest) -> int:
+    """The window length every subject is cut into: --seq-len or the subject's own (a run's train.seq_len), capped
+    by the context of the subject and of every compared subject, so that all of them route the same tokens with the
+    same context (windows of other lengths give other routing: a run trained at 2,048 tokens against its own f32
+    GGUF at 1,024 flipped 5.9 % of tokens). A cap is said in one line."""
+    wanted, _ = context_of(req.subject)
+    windows, why = wanted, ""
+    for what in (req.subject, *req.compare):
+        _, context = context_of(what)
+        if context is not None and context < windows:
+            windows, why = context, f"{what.label}'s context is {context:,} tokens"
+    if windows < wanted:
+        print(f"windows of {windows:,} tokens for every subject, not {wanted:,}: {why}")
+    return windows
+
+
+def batch_within_memory(batch_size: int, subject: Subject) -> int:
+    """--batch-size, or fewer windows where a forward pass's logits would pass trace.MAX_BATCH_LOGIT_BYTES (said)."""
+    bounded = bounded_batch(batch_size, subject.seq_len, subject.vocab_size)
+    if bounded < batch_size:
+        print(
+            f"--batch-size {batch_size}: {bounded} windows per forward pass (the logits of {subject.seq_len:,} "
+            f"tokens x {subject.vocab_size:,} ids per window, within {MAX_BATCH_LOGIT_BYTES / 2**30:.0f} GiB)"
+        )
+    return bounded
+
+
 def budgeted_documents(subject: Subject, what: SubjectRequest, max_tokens: int) -> tuple[Documents, list[str], dict]:
     """The documents to analyse under --max-tokens (spread equally over the domains, reported on the console),
     the domain names, and the trace's `source` (where the documents came from and what each domain gave)."""
@@ -70,6 +107,12 @@ def budgeted_documents(subject: Subject, what: SubjectRequest, max_tokens: int) 
         raise UserError(f"data: {e}") from None
     if not docs:
         raise UserError(f"no tokens to analyse in {source['data']}")
+    if left_out := [name for name, s in zip(domains, samples, strict=True) if s.tokens == 0]:
+        raise UserError(
+            f"--max-tokens {max_tokens:,} leaves {len(left_out)} of the {len(domains)} domains without a token (equal "
+            f"shares; {left_out[0]!r} first): per-domain statistics need tokens in every domain; give --max-tokens of "
+            f"at least {100 * len(domains):,} (100 per domain)"
+        )
     total = sum(s.tokens for s in samples)
     print(f"analysing {total:,} tokens of {len(domains)} domains (--max-tokens {max_tokens:,}, equal shares):")
     print_sample_lines(samples, domains)
@@ -114,8 +157,16 @@ def record_untrained(
     )  # fmt: skip
 
 
-# a text every tokenizer of a compared subject must cut into the subject's ids (same vocabulary, same pieces)
-PROBE_TEXT = "The expert routes each token.\n  def f(x): return x ** 2  # émigré, 中文, 🙂"
+def first_other_token(subject: Subject, other: Subject, docs: Documents) -> tuple[int, bytes, bytes] | None:
+    """The first id the documents use that stands for other bytes to `other` than to `subject` (with both), or None.
+    why every id used and not a probe sentence: two vocabularies that swap two pieces cut a probe into the same ids
+    unless it holds one of them, yet mean other words wherever the documents do."""
+    used = np.unique(np.concatenate([ids for _, ids in docs])) if docs else []
+    for i in used.tolist():
+        ours, theirs = subject.tok.token_bytes(i), other.tok.token_bytes(i)
+        if ours != theirs:
+            return i, ours, theirs
+    return None
 
 
 def routing_shape(model) -> tuple[list[int], int, int]:
@@ -136,16 +187,20 @@ def record_compared(
     common: dict,
 ) -> tuple[str, Trace]:
     """Another subject's trace of the same token ids into `out`, with its label; refused in one line when its
-    vocabulary (size, or the ids of a probe text) or its MoE layers differ from the subject's."""
+    vocabulary (its size, or what any id the documents use stands for) or its MoE layers differ from the subject's."""
     label = what.label
     try:
         other = load_subject(what)
     except (UserError, DataError, ConfigError) as e:  # the project's errors only: anything else is a bug
         raise UserError(f"compared subject {label}: {e}") from None
-    if other.vocab_size != subject.vocab_size or other.tok.encode(PROBE_TEXT) != subject.tok.encode(PROBE_TEXT):
+    if other.vocab_size != subject.vocab_size:
+        raise UserError(f"compared subject {label}: another vocabulary ({other.vocab_size:,} ids, the subject's "
+                        f"{subject.vocab_size:,}); subjects are compared on the same token ids")  # fmt: skip
+    if (differs := first_other_token(subject, other, docs)) is not None:
+        i, ours, theirs = differs
         raise UserError(
-            f"compared subject {label}: another vocabulary than the subject's ({other.vocab_size:,} against "
-            f"{subject.vocab_size:,} ids, or other ids for the same text); subjects are compared on the same token ids"
+            f"compared subject {label}: another vocabulary (token id {i} stands for {ours!r} to the subject and "
+            f"{theirs!r} to it, the first id of the documents that differs); subjects are compared on the same ids"
         )
     if routing_shape(other.model) != shape:
         layers, E, K = routing_shape(other.model)
@@ -153,10 +208,12 @@ def record_compared(
             f"compared subject {label}: MoE layers {layers} of {E} experts (top-{K}), the subject's {shape[0]} of "
             f"{shape[1]} (top-{shape[2]}): not the same architecture"
         )
+    if other.seq_len != subject.seq_len:  # shared_windows keeps it from happening; never compare other windows
+        raise UserError(f"compared subject {label} takes windows of at most {other.seq_len:,} tokens, the subject was "
+                        f"cut into {subject.seq_len:,}: give --seq-len {other.seq_len}")  # fmt: skip
     trace = record_trace(
-        other.model, docs, out, domains, source={**source, **other.source}, progress=f"routing ({label})",
-        seq_len=min(common["seq_len"], other.seq_len), batch_size=common["batch_size"],
-    )  # fmt: skip
+        other.model, docs, out, domains, source={**source, **other.source}, progress=f"routing ({label})", **common
+    )
     return label, trace
 
 

@@ -1,7 +1,8 @@
 """Routing traces: what the router actually chose for every token, streamed to disk, memory-mapped to read.
 
 Format (a folder, append-only while recording; `meta.json` is written last and names the row count):
-    meta.json              layers, n_experts, k, domains, n_tokens, n_docs, source, format version
+    meta.json              layers, n_experts, k, domains, n_tokens, n_docs, source, windows (the context's cut), format
+                           version
     token.u32              token id                     [N] uint32
     doc.u32                document index (0..D-1)      [N] uint32
     pos.u32                position in the document     [N] uint32
@@ -206,8 +207,19 @@ def budgeted_chunks(docs: Iterable[tuple[int, np.ndarray]], seq_len: int, max_to
         yield chunk
 
 
+MAX_BATCH_LOGIT_BYTES = 1 << 30  # a forward pass's float32 logits, the largest thing a recording batch holds
+
+
+def bounded_batch(batch_size: int, seq_len: int, vocab_size: int) -> int:
+    """`batch_size` windows per forward pass, fewer where their logits alone would pass MAX_BATCH_LOGIT_BYTES (a
+    129 k vocabulary: two 1,024-token windows)."""
+    return max(1, min(batch_size, MAX_BATCH_LOGIT_BYTES // (seq_len * max(vocab_size, 1) * 4)))
+
+
 def chunk_batches(chunks: Iterable[DocChunk], batch_size: int) -> Iterator[list[DocChunk]]:
     """Consecutive chunks in batches of `batch_size` (the last one shorter)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     batch: list[DocChunk] = []
     for chunk in chunks:
         batch.append(chunk)
@@ -307,7 +319,7 @@ def record_trace(
     if writer is None:  # no documents: an empty trace (the caller says there is nothing to analyse)
         writer = TraceWriter(Path(out), list(routing.layers), routing.n_experts, routing.k, domains, source or {})
     seconds = time.perf_counter() - t0
-    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9)})
+    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9), "windows": seq_len})
 
 
 def _progress_bar(docs: Iterable[tuple[int, np.ndarray]], max_tokens: int | None, progress: bool | str) -> tqdm:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from moe_lm.bench.timing import Stat, interleave, markdown_table, summarize
 from moe_lm.errors import UserError
-from moe_lm.flags import from_flags
+from moe_lm.flags import from_flags, torch_device
 from moe_lm.ops.linear_cross_entropy import IGNORE, linear_cross_entropy
 
 
@@ -43,7 +43,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=[0, 512, 2048],
         help="tokens per chunk, one variant each; 0 = the plain loss; ratios are to the first",
     )
-    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--device", default="cpu", type=torch_device, help="torch device")
     ap.add_argument("--dtype", default="float32", help="dtype of h and W (torch's name)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of one process per variant")
     ap.add_argument("--iters", type=int, default=2, help="timed steps per process (after the memory step)")

@@ -18,7 +18,7 @@ import torch
 from moe_lm.bench.timing import markdown_row, markdown_table, no_sync, time_interleaved
 from moe_lm.config import ModelConfig, MoEConfig
 from moe_lm.errors import UserError
-from moe_lm.flags import from_flags
+from moe_lm.flags import from_flags, torch_device
 from moe_lm.interop.hf import to_hf_config
 from moe_lm.model import MoE
 from moe_lm.model.layers import MLP
@@ -45,7 +45,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens are shaped [tokens/seq_len, seq_len]")
     ap.add_argument("--reps", type=int, default=10, help="timed rounds per shape (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds before them")
-    ap.add_argument("--device", default="cpu", help="torch device (cuda: the GPU shapes, MegaBlocks where installed)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        type=torch_device,
+        help="torch device (cuda: the GPU shapes, MegaBlocks where installed)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     ap.add_argument("--no-hf", action="store_true", help="skip HF's DeepseekV3MoE (transformers not installed)")
 

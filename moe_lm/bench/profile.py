@@ -30,7 +30,7 @@ from moe_lm.bench.arms import Arm
 from moe_lm.bench.timing import markdown_table
 from moe_lm.config import load_config, preset_path
 from moe_lm.errors import UserError
-from moe_lm.flags import from_flags
+from moe_lm.flags import from_flags, torch_device
 
 PARTS = ("routing", "dispatch", "expert GEMMs", "shared experts", "attention", "loss", "optimizer", "other")
 LABELS = ("routing", "experts", "shared experts", "attention", "loss", "optimizer")  # the ranges the step opens
@@ -41,7 +41,7 @@ TOP = 20
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", default="tiny", help="the preset or YAML file whose step is profiled")
-    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--device", default="cpu", type=torch_device, help="torch device")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     ap.add_argument("--warmup", type=int, default=3, help="steps before the profiled one (allocator, autotuning)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")

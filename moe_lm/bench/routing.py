@@ -25,7 +25,7 @@ from moe_lm.analysis.hf_routing import HFMoEModel
 from moe_lm.analysis.trace import document_chunks, record_trace
 from moe_lm.bench.timing import time_interleaved
 from moe_lm.errors import UserError
-from moe_lm.flags import from_flags
+from moe_lm.flags import from_flags, torch_device
 
 VOCAB = 4096
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids)
@@ -40,7 +40,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per chunk of a document")
     ap.add_argument("--batch-size", type=int, default=8, help="chunks per forward")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds of both arms (after one plain warm-up)")
-    ap.add_argument("--device", default="cpu", help="torch device")
+    ap.add_argument("--device", default="cpu", type=torch_device, help="torch device")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
 
 

@@ -27,6 +27,7 @@ from moe_lm.bench.arms import Arm, HFArm, StepArm, dense_twin
 from moe_lm.bench.timing import Stat, markdown_table, no_sync, time_interleaved
 from moe_lm.config import load_config, preset_path
 from moe_lm.errors import UserError
+from moe_lm.flags import torch_device
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -50,7 +51,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds of one step per arm")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before them")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--device", default="cpu", help="torch device of every arm (cuda: synchronised timings)")
+    ap.add_argument(
+        "--device", default="cpu", type=torch_device, help="torch device of every arm (cuda: synchronised timings)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
 
 

@@ -12,8 +12,12 @@ their config names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import stat
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -26,6 +30,17 @@ quiet_deepspeed()  # why at the front door: transformers imports deepspeed too, 
 
 USAGE = 2  # exit code of a user error, as argparse uses for bad arguments
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
+PIPE_CLOSED = 128 + signal.SIGPIPE  # what a shell reports of a tool whose reader went away (`... | head`)
+
+
+class Terminated(BaseException):
+    """SIGTERM (`kill`, `timeout`, a scheduler) or SIGHUP (the terminal closed) to a command: raised where the
+    command is, so that a folder being written is removed as on Ctrl-C (a BaseException: no `except Exception`
+    swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -39,25 +54,71 @@ def debugging() -> bool:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Call a command's work; a user error ends it with `error: ...` on stderr and exit code 2."""
+    """Call a command's work; a user error ends it with `error: ...` on stderr and exit code 2. Ctrl-C, SIGTERM and
+    SIGHUP end it in one line (a folder being written removed), output piped into a reader that went away
+    (`| head`) quietly."""
     if "--debug" in sys.argv:
         sys.argv.remove("--debug")
         os.environ["MOE_LM_DEBUG"] = "1"
     try:
-        main()
-    except KeyboardInterrupt:
+        with _signals_raise():
+            try:
+                main()
+            finally:
+                sys.stdout.flush()  # why here: a reader that went away (`| head`) is then met in the handlers below
+    except (KeyboardInterrupt, Terminated) as e:
         if debugging():
             raise
         # why one line: an output folder is written whole or not at all (moe_lm/output_folder.py), so there is
-        # nothing to report; training handles its first Ctrl-C itself (a checkpoint, then exit 130)
+        # nothing to report; training handles its first Ctrl-C or SIGTERM itself (a checkpoint, then 128 + signal)
+        if isinstance(e, Terminated):
+            print(f"terminated ({e})", file=sys.stderr)
+            sys.exit(128 + e.signum)
         print("interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(INTERRUPTED)
+    except BrokenPipeError:
+        if not _stdout_is_a_pipe():
+            raise
+        # why stdout onto /dev/null: the interpreter flushes it once more at exit, which would print a second error
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(PIPE_CLOSED)
     except user_errors() as e:
         if debugging():
             raise
         message = e.args[0] if isinstance(e, KeyError) and e.args else e  # why: KeyError's str() adds quotes
         print(f"error: {message} (--debug shows the traceback)", file=sys.stderr)
         sys.exit(USAGE)
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM and SIGHUP raise Terminated in the command while it runs (the handlers before are put back after:
+    commands also run inside other programs, the test suite's workers among them). Only where nothing else handles
+    them already and only in the main thread (Python delivers signals there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    before = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            before[sig] = signal.signal(sig, raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _stdout_is_a_pipe() -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's captured stdout): not ours to judge
+        return False
 
 
 def fail(message: str) -> None:

@@ -39,6 +39,7 @@ from moe_lm.cli.options import add_out, utf8_text
 from moe_lm.cli.subject import add_subject, check_subject, subject_request
 from moe_lm.errors import UserError, require
 from moe_lm.flags import default_of, from_flags
+from moe_lm.interop.gguf_header import is_gguf
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -75,6 +76,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 sequence, got {args.batch_size}")
+    if args.min_count < 2:  # why: an id seen once has the chance level of a perfect specialist (0/0 corrected)
+        raise UserError(f"--min-count must be at least 2 occurrences, got {args.min_count}")
     if args.quantise and not args.run:
         raise UserError("--quantise exports a moe-lm run as GGUF: give the run as --run RUN[:TAG]")
     out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
@@ -123,8 +128,10 @@ def compared_subject(spec: str, args: argparse.Namespace) -> SubjectRequest:
     path = Path(spec)
     common = dict(dtype=args.dtype, device=args.device, seq_len=args.seq_len, threads=args.threads,
                   llama_defaults=args.llama_defaults)  # fmt: skip
-    if path.is_file():
+    if is_gguf(path):
         return SubjectRequest(gguf=spec, **common)
+    if path.exists() and not path.is_dir():  # a file that is not GGUF, a FIFO: never opened as anything else
+        raise UserError(f"--compare {spec}: not a GGUF file, a transformers folder or a run")
     if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
         return SubjectRequest(hf=spec, **common)
     return SubjectRequest(run=parse_run(spec), **common)

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_lm.cli import HelpFormatter, run
+from moe_lm.flags import usable_device
 
 # <what> -> the one line `--help` lists it with
 BENCHMARKS = {
@@ -56,4 +57,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m moe_lm.bench"
         os.environ["MOE_LM_DEBUG"] = "1"
     chosen = argv[0] if argv and argv[0] in BENCHMARKS else None
     args = parser(chosen, prog).parse_args(argv)
-    run(lambda: importlib.import_module(f"moe_lm.bench.{args.what}").run(args))
+
+    def bench() -> None:
+        if getattr(args, "device", None):
+            usable_device(args.device)
+        importlib.import_module(f"moe_lm.bench.{args.what}").run(args)
+
+    run(bench)

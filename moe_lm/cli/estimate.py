@@ -72,9 +72,27 @@ def run(args: argparse.Namespace) -> None:
         layout.check(cfg.model.moe.n_routed_experts)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.trace and cfg.parallel.ep_size == 1:
+        # why refused, not ignored: the trace plans the all-to-all, and with one EP rank there is none
+        read_trace(args.trace)
+        raise UserError(f"--trace {args.trace} plans the expert-parallel all-to-all, and with parallel.ep_size 1 there "
+                        "is none: give parallel.ep_size=N (with --gpus-per-node or --world)")  # fmt: skip
     print_memory(args.config, cfg, layout.world)
     if cfg.parallel.ep_size > 1:
         print_communication(args, cfg, layout)
+
+
+def read_trace(folder: str):
+    """The routing trace at `folder` (moe-lm analyze's trace/), or a UserError naming what is wrong with it."""
+    from moe_lm.analysis.trace import Trace
+
+    try:
+        trace = Trace(folder)
+    except DataError as e:
+        raise UserError(str(e)) from None
+    if not trace.layers:
+        raise UserError(f"the trace {folder} records no MoE layer: plan with a trace of an MoE model (moe-lm analyze)")
+    return trace
 
 
 def print_memory(name: str, cfg, world: int) -> None:
@@ -135,11 +153,9 @@ def print_communication(args, cfg, layout) -> None:
         steps.append(uniform_step(cfg, layout, limited=True, dispatch_elem=out_elem, combine_elem=elem))
     load = None
     if args.trace:
-        from moe_lm.analysis.trace import Trace
-
         redundant = layout.ep_size if args.redundant is None else args.redundant
         try:
-            step, load = trace_plan(Trace(args.trace), cfg, layout, redundant, out_elem, elem)
+            step, load = trace_plan(read_trace(args.trace), cfg, layout, redundant, out_elem, elem)
         except (DataError, ConfigError) as e:  # a trace or a layout the user gave
             raise UserError(str(e)) from None
         steps.append(step)

@@ -22,6 +22,7 @@ from pathlib import Path
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out, add_run
 from moe_lm.errors import UserError, install_hint
+from moe_lm.flags import torch_device, usable_device
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -34,7 +35,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--limit", type=float, help="at most this many documents per task (< 1: a fraction); for tests")
     ap.add_argument("--num-fewshot", type=int, help="few-shot examples per context (default: each task's own)")
     ap.add_argument("--batch-size", default="1", metavar="N", help="sequences per forward pass, or 'auto' (GPU)")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    ap.add_argument("--device", default="cpu", type=torch_device, help="cpu, cuda, cuda:1, ...")
     ap.add_argument("--dtype", default="auto", help="weights' dtype: auto (the export's), float32, bfloat16, ...")
     ap.add_argument("--log-samples", action="store_true", help="also write each document's requests and scores")
     ap.add_argument("--seed", type=int, default=0, help="seed of few-shot sampling")
@@ -47,6 +48,7 @@ def check(args: argparse.Namespace) -> None:
         raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     if args.batch_size != "auto" and not (args.batch_size.isdigit() and int(args.batch_size) > 0):
         raise UserError(f"--batch-size must be a positive integer or 'auto', got {args.batch_size}")
+    usable_device(args.device)
     if args.include_path and not Path(args.include_path).is_dir():
         raise UserError(f"--include-path {args.include_path}: not a folder (give the folder holding your task YAMLs)")
 

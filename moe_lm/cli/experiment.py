@@ -136,7 +136,7 @@ def declared(exp, args: argparse.Namespace):
                         "without --confirm: exploratory)")  # fmt: skip
     if exp.probe:
         raise UserError(f"--confirm: {exp.name} is a probe of another experiment's runs; confirm that experiment")
-    return confirmatory(exp, EXPERIMENTS_DIR / f"{exp.name}.yaml", load_declaration(exp.name))
+    return confirmatory(exp, EXPERIMENTS_DIR / f"{exp.name}.yaml", load_declaration(exp.name), Path(args.runs))
 
 
 def run_and_report(exp, runs_root: Path, out: Path, boot: int) -> dict:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 from pathlib import Path
 
 from moe_lm.analysis.hf_routing import SUPPORTED
 from moe_lm.analysis.requests import SubjectRequest
 from moe_lm.cli.options import add_run
 from moe_lm.errors import UserError
-from moe_lm.flags import default_of, from_flags
+from moe_lm.flags import default_of, from_flags, torch_device, usable_device
 
 
 def add_subject(ap: argparse.ArgumentParser, gguf: bool = False) -> None:
@@ -39,10 +40,17 @@ def add_subject(ap: argparse.ArgumentParser, gguf: bool = False) -> None:
                     help="the column naming the domain (absent: source name)")  # fmt: skip
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=default_of(SubjectRequest, "dtype"),
                     help="with --hf")  # fmt: skip
-    ap.add_argument("--device", default=default_of(SubjectRequest, "device"),
+    ap.add_argument("--device", default=default_of(SubjectRequest, "device"), type=device_or_auto,
                     help="with --hf: cpu, cuda, or auto (device_map='auto')")  # fmt: skip
-    ap.add_argument("--seq-len", type=int, default=default_of(SubjectRequest, "seq_len"),
-                    help="with --hf or --gguf: window length (capped by the model's)")  # fmt: skip
+    ap.add_argument(
+        "--seq-len", type=int, default=None, help="window length, the same for every subject of a comparison "
+        "(default: a run's train.seq_len, else 1024; capped by every subject's context)",
+    )  # fmt: skip
+
+
+def device_or_auto(value: str) -> str:
+    """--device: a torch device this machine has, or `auto` (transformers' device_map)."""
+    return value if value == "auto" else torch_device(value)
 
 
 def subject_request(args: argparse.Namespace) -> SubjectRequest:
@@ -59,8 +67,16 @@ def check_subject(args: argparse.Namespace) -> None:
         raise UserError("--hf needs --data (the documents to run it on)")
     if getattr(args, "gguf", None) and not args.data:
         raise UserError("--gguf needs --data (the documents to run it on, tokenized with the file's own tokenizer)")
+    if args.device != "auto":
+        usable_device(args.device)
+    if args.seq_len is not None and args.seq_len < 2:
+        raise UserError(f"--seq-len must be at least 2 tokens (a token and the one it predicts), got {args.seq_len}")
     if getattr(args, "threads", 1) < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
+    cores = len(os.sched_getaffinity(0))
+    if getattr(args, "threads", 1) > cores:  # why: llama.cpp's OpenMP runtime aborts the process at ~1000 threads
+        print(f"--threads {args.threads}: this machine gives the command {cores} cores; llama.cpp runs {cores} threads")
+        args.threads = cores
     missing = [p for p in args.data or [] if not (p.startswith("hf:") or glob.has_magic(p) or Path(p).exists())]
     if missing:
         raise UserError(f"--data: not found: {', '.join(missing)}")

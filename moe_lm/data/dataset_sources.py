@@ -130,7 +130,9 @@ def _rows(batches, where: str, name: str, default_domain: str, report: ReadRepor
             elif not text.strip():
                 report.skip("empty text", f"{where}:{row}")
             else:
-                domain = str(domains[i]) if domains is not None and domains[i] is not None else default_domain
+                labelled = domains is not None and domains[i] is not None
+                report.labelled += labelled
+                domain = str(domains[i]) if labelled else default_domain
                 yield Document(f"{name}:{row}", domain, text)
         n += len(texts)
     if n == 0:

@@ -39,6 +39,7 @@ class ReadReport:
     skipped: Counter = field(default_factory=Counter)  # per reason
     examples: dict[str, list[str]] = field(default_factory=dict)
     repaired: int = 0  # documents whose undecodable bytes or lone surrogates were replaced by U+FFFD
+    labelled: int = 0  # documents whose domain came from the domain field (the others: their file's or folder's)
 
     def skip(self, reason: str, where: str) -> None:
         self.skipped[reason] += 1
@@ -112,6 +113,7 @@ def iter_file(
             report.skip("empty text", where)
             continue
         line_domain = obj.get(domain_field)
+        report.labelled += line_domain is not None
         line_domain = str(line_domain) if line_domain is not None else (domain or path.stem)
         text = without_surrogates(obj[text_field], report)
         yield Document(f"{name}:{lineno}", without_surrogates(line_domain, report), text)
@@ -158,6 +160,19 @@ def text_files(path: Path) -> list[Path]:
     path = path.resolve()
     # why every .txt/.jsonl below the folder (not only those read): a new file there is a change worth noticing
     return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+
+
+DEFAULT_DOMAIN_FIELD = "domain"
+
+
+def check_domain_field(report: ReadReport, domain_field: str, sources: list) -> None:
+    """A DataError when a domain field other than the default was asked for and no document had it: the domains would
+    silently be the files' names (a misspelt column of MMLU-style data gives one domain)."""
+    if domain_field != DEFAULT_DOMAIN_FIELD and report.labelled == 0 and sum(report.documents.values()):
+        raise DataError(
+            f"no document of {', '.join(map(str, sources))} has a {domain_field!r} field (the domain field asked for); "
+            "name the column or .jsonl key that holds each document's domain, or leave it out to use the files' names"
+        )
 
 
 def counted(docs: Iterator[Document], report: ReadReport) -> Iterator[Document]:

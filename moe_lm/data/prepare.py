@@ -34,7 +34,7 @@ from tqdm import tqdm
 from moe_lm.compat import old_form
 from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
-from moe_lm.data.documents import DataError, Document, ReadReport
+from moe_lm.data.documents import DataError, Document, ReadReport, check_domain_field
 from moe_lm.data.shards import TokenShard
 from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenize_shards import tokenize_to_shards
@@ -52,6 +52,7 @@ def iter_documents(cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
             yield from iter_default_corpus(cfg.max_mb_per_domain, report)
         else:
             yield from iter_source(source, report, cfg.text_field, cfg.domain_field)
+    check_domain_field(report, cfg.domain_field, cfg.sources)
 
 
 def is_validation(name: str, val_fraction: float) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import re
 import shutil
 from collections.abc import Iterable, Iterator
@@ -79,6 +80,22 @@ class Tokenizer:
         """The id of an exact vocabulary piece, or None."""
         raise NotImplementedError
 
+    def token_bytes(self, i: int) -> bytes:
+        """What id `i` stands for, comparable across tokenizer kinds: the bytes it adds to running text (its leading
+        space included, a byte token its byte), or for a control or unknown token SPECIAL + its name. Two subjects
+        route "the same token ids" only where these agree."""
+        raise NotImplementedError
+
+
+SPECIAL = b"\xff"  # never in UTF-8 text: marks a control token's name in `token_bytes`
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def metaspace_bytes(piece: str) -> bytes:
+    """A sentencepiece-style piece's bytes: a byte-fallback piece <0xNN> its byte, else ▁ as a space."""
+    byte = _BYTE_PIECE.fullmatch(piece)
+    return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
+
 
 class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
@@ -128,6 +145,12 @@ class SentencePieceTokenizer(Tokenizer):
         i = self.sp.piece_to_id(piece)
         return i if self.sp.id_to_piece(i) == piece else None
 
+    def token_bytes(self, i: int) -> bytes:
+        piece = self.sp.id_to_piece(int(i))
+        if self.sp.is_control(int(i)) or self.sp.is_unknown(int(i)):
+            return SPECIAL + piece.encode("utf-8")
+        return metaspace_bytes(piece)
+
 
 class HFTokenizer(Tokenizer):
     kind = "hf"
@@ -150,6 +173,41 @@ class HFTokenizer(Tokenizer):
 
     def piece_to_id(self, piece: str) -> int | None:
         return self.tok.get_vocab().get(piece)
+
+    def token_bytes(self, i: int) -> bytes:
+        piece = self.tok.convert_ids_to_tokens(int(i))
+        if piece is None or int(i) in self._special_ids:
+            return SPECIAL + str(piece).encode("utf-8")
+        if self._byte_level:
+            return bytes(_GPT2_BYTES.get(c, 0) for c in piece)
+        return metaspace_bytes(piece)
+
+    @functools.cached_property
+    def _special_ids(self) -> set[int]:
+        return set(self.tok.all_special_ids)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer's pieces are GPT-2 byte-level characters (its decoder says so)."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        kinds = [d.get("type") for d in (decoder or {}).get("decoders", [decoder or {}])]
+        return "ByteLevel" in kinds
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte (its `bytes_to_unicode`)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+_GPT2_BYTES = _gpt2_bytes()
 
 
 def load_data_tokenizer(data_dir: str | Path) -> Tokenizer:

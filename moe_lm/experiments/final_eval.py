@@ -18,6 +18,7 @@ kept for the token-shuffled JSD baseline), so intervals can resample documents.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +90,10 @@ def evaluate_run(
             "erank_init": erank_by_layer(untrained, probe, forward=lambda chunk: objective.run(untrained, chunk)),
         }
     np.savez(Path(run_dir) / ARRAYS, **arrays)
-    (Path(run_dir) / RESULT).write_text(json.dumps(result, indent=1))
+    # why renamed into place: a run is finished when this file reads, so it must never be seen half-written
+    partial = Path(run_dir) / f"{RESULT}.partial"
+    partial.write_text(json.dumps(result, indent=1))
+    os.replace(partial, Path(run_dir) / RESULT)
     return result
 
 
@@ -181,7 +185,7 @@ def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: in
                 counts[layer] += metrics.domain_expert_counts(
                     recorder.last[layer][0].numpy(), domain_of, len(counts[layer]), E
                 )
-    return {layer: metrics.mean_pairwise(metrics.domain_jsd(c)) for layer, c in counts.items()}
+    return {layer: metrics.mean_domain_jsd(c) for layer, c in counts.items()}
 
 
 def probe_windows(cfg, n: int) -> torch.Tensor:
@@ -225,8 +229,8 @@ def routing_summary(counts_NLE, doc_domain, n_domains, layers, token, token_doma
             "maxvio_global": metrics.max_vio(counts_NLE[:, j].sum(0)),
             "maxvio_floor": metrics.max_vio_floor(len(token), E, K),
             "domain_jsd": domain_jsd_of(counts_NLE[:, j], doc_domain, n_domains),
-            "domain_jsd_shuffled": metrics.mean_pairwise(
-                metrics.domain_jsd(metrics.domain_expert_counts(experts, shuffled, n_domains, E))
+            "domain_jsd_shuffled": metrics.mean_domain_jsd(
+                metrics.domain_expert_counts(experts, shuffled, n_domains, E)
             ),
         }
     return out
@@ -236,4 +240,4 @@ def domain_jsd_of(counts_NE: np.ndarray, doc_domain: np.ndarray, n_domains: int)
     """Mean pairwise JSD (bits) between the domains' expert distributions, from per-document counts."""
     per_domain = np.zeros((n_domains, counts_NE.shape[1]))
     np.add.at(per_domain, doc_domain, counts_NE)
-    return metrics.mean_pairwise(metrics.domain_jsd(per_domain))
+    return metrics.mean_domain_jsd(per_domain)

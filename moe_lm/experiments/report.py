@@ -134,7 +134,7 @@ def write_report(exp: Experiment, runs: list[Run], out: Path, n_boot: int = 2000
     domains = sorted({k[5:] for r in runs for k in r.result if k.startswith("loss/")})
     results = {
         "experiment": exp.name, "claim": exp.claim, "source": exp.source, "steps": exp.steps, "seeds": exp.seeds,
-        "first_seed": exp.first_seed, "confirmatory": exp.confirmatory,
+        "first_seed": exp.first_seed, "confirmatory": exp.confirmatory, "declaration": exp.declaration,
         "score_from": exp.score_from, "verdict": overall(comparisons, exp.exploratory), "command": command(exp),
         "exploratory": exp.exploratory, "arms": arm_table(exp, by_arm),
         "comparisons": comparisons, "domains": domains, "inputs": inputs,
@@ -181,9 +181,13 @@ def _summary_lines(exp: Experiment, results: dict, by_arm: dict[str, ArmData]) -
         lines += ["", f"**Exploratory**: {results['exploratory']}. The rules were fixed for the definition's design; "
                   "this run deviates from it, so no comparison is judged."]  # fmt: skip
     if exp.confirmatory:
-        lines += ["", f"**Confirmatory round**, declared in `{exp.confirmatory}` (committed before its first run): "
-                  f"fresh seeds {exp.first_seed}..{exp.first_seed + exp.seeds - 1}, the pilot's runs not pooled, the "
-                  "definition's comparisons, margins and rule unchanged."]  # fmt: skip
+        d = exp.declaration or {}
+        fixed = (f"first committed in {d['committed_in'][:10]} and unchanged since" if d.get("committed_in")
+                 else f"not under version control, checked against {d.get('checked_against', 'nothing')}")  # fmt: skip
+        seeds = f"{exp.first_seed}..{exp.first_seed + exp.seeds - 1}"
+        lines += ["", f"**Confirmatory round**, declared in `{exp.confirmatory}` (sha256 {d.get('sha256', '?')[:16]}"
+                  f"..., {fixed}): fresh seeds {seeds}, the pilot's runs not pooled, the definition's comparisons, "
+                  "margins and rule unchanged."]  # fmt: skip
     if exp.verdict:
         lines += ["", exp.verdict.strip()]
     return lines + [

@@ -10,29 +10,72 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_lm.errors import UserError
+from moe_lm.errors import UserError, shown
 from moe_lm.experiments.declaration import DECLARATIONS_DIR, load_declaration
 from moe_lm.experiments.power import seeds_needed
 
 
 def load_results(folder: Path) -> list[dict]:
-    """Every NAME/results.json under `folder`, by name; an exploratory report is refused (it has no verdict)."""
+    """Every NAME/results.json under `folder`, by name; an exploratory report is refused (it has no verdict), and so
+    is a file that is not an experiment report of this moe-lm (one line naming it)."""
     paths = sorted(Path(folder).glob("*/results.json"))
     if not paths:
         raise UserError(f"no */results.json under {folder}: write reports there (moe-lm experiment NAME --out ...)")
     results = []
     for path in paths:
-        r = json.loads(path.read_text())
+        r = _report(path)
         if r.get("exploratory"):
             raise UserError(f"{path} is exploratory ({r['exploratory']}): only declared designs go in the table")
         results.append(r)
     return results
 
 
+def _report(path: Path) -> dict:
+    """An experiment report's results.json, checked for what the table reads: a UserError naming the file and the
+    first thing missing (another tool's results.json, a report of another shape, a damaged file)."""
+
+    def refuse(problem: str) -> UserError:
+        return UserError(f"{path} is not an experiment report this moe-lm reads ({problem}); move it out of the "
+                         "results folder, or write it again with moe-lm experiment")  # fmt: skip
+
+    try:
+        r = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise refuse(f"not JSON: {e}") from None
+    if not isinstance(r, dict):
+        raise refuse(f"a {type(r).__name__}, not an object")
+    for key, kind in REPORT_FIELDS.items():
+        if not isinstance(r.get(key), kind):
+            raise refuse(f"{key} is {shown(r.get(key))}")
+    for part, fields in (("comparisons", COMPARISON_FIELDS), ("checks", CHECK_FIELDS)):
+        rows = r.get(part, [])
+        if not isinstance(rows, list) or not all(isinstance(c, dict) for c in rows):
+            raise refuse(f"{part} is {shown(rows)}")
+        for c in rows:
+            for key, kind in fields.items():
+                if not isinstance(c.get(key), kind):
+                    raise refuse(f"{part[:-1]} {c.get('name')!r}: {key} is {shown(c.get(key))}")
+            interval = c.get("t_interval", [0, 0] if "mean" not in c else None)
+            if (
+                not isinstance(interval, list)
+                or len(interval) != 2
+                or not all(isinstance(x, (int, float)) for x in interval)
+            ):
+                raise refuse(f"{part[:-1]} {c['name']!r}: t_interval is {shown(interval)}")
+    return r
+
+
+# what the table reads of a report, of each of its comparisons and of a probe's checks, with their types
+REPORT_FIELDS = {"experiment": str, "claim": str, "verdict": str}
+COMPARISON_FIELDS = {"name": str, "role": str, "metric": str, "verdict": str, "mean": (int, float), "t_interval": list,
+                     "deltas": list, "expect": str, "margin": (int, float)}  # fmt: skip
+CHECK_FIELDS = {"name": str, "role": str, "verdict": str}
+
+
 def results_table(folder: Path) -> str:
     """One row per shipped definition: its committed pilot and confirmatory results, or a cell saying it has not
     been run under the current rules (nothing is carried over from older runs)."""
-    from moe_lm.experiments.spec import EXPERIMENTS_DIR, load_experiment
+    from moe_lm.experiments.spec import EXPERIMENTS_DIR
 
     lines = ["| experiment | claim | pilot (a - b in the metric's unit: mean, 95 % t-interval over seeds) | "
              "confirmatory round (fresh seeds, declared before it ran) | still open: what would close it |",
@@ -42,14 +85,24 @@ def results_table(folder: Path) -> str:
     confirmed = {r["experiment"]: r for r in load_results(confirming)} if confirming.is_dir() else {}
     for name in sorted({p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")} | set(pilots)):
         pilot, confirm = pilots.get(name), confirmed.get(name)
-        claim = pilot["claim"] if pilot else load_experiment(name).claim
-        cells = [_cell(pilot, f"moe-lm experiment {name}"), _cell(confirm, f"moe-lm experiment {name} --confirm")]
-        if confirm is None and (DECLARATIONS_DIR / f"{name}.yaml").is_file():
-            cells[1] = _declared(name)
-        elif confirm is None and pilot is not None:
-            cells[1] = _undeclared(name, pilot)
-        lines.append(f"| {name} | {claim} | {cells[0]} | {cells[1]} | {_open(confirm or pilot)} |")
+        try:
+            lines.append(_row(name, pilot, confirm))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a field of another shape
+            raise UserError(f"the reports of {name} under {folder} are not ones this moe-lm reads ({type(e).__name__}: "
+                            f"{e}); move them out of the results folder, or write them again") from None  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _row(name: str, pilot: dict | None, confirm: dict | None) -> str:
+    from moe_lm.experiments.spec import load_experiment
+
+    claim = pilot["claim"] if pilot else load_experiment(name).claim
+    cells = [_cell(pilot, f"moe-lm experiment {name}"), _cell(confirm, f"moe-lm experiment {name} --confirm")]
+    if confirm is None and (DECLARATIONS_DIR / f"{name}.yaml").is_file():
+        cells[1] = _declared(name)
+    elif confirm is None and pilot is not None:
+        cells[1] = _undeclared(name, pilot)
+    return f"| {name} | {claim} | {cells[0]} | {cells[1]} | {_open(confirm or pilot)} |"
 
 
 def _cell(r: dict | None, command: str) -> str:

@@ -13,11 +13,15 @@ command (`python -m moe_lm.cli.train`, its log in <run>/train.log).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +36,7 @@ from moe_lm.experiments.final_eval import RESULT, evaluate_run
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
 from moe_lm.experiments.spec import Experiment
 from moe_lm.output_folder import made_by, write_marker
+from moe_lm.train.run_folder import LOCK as TRAIN_LOCK
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_INFO = "experiment_run.json"
@@ -101,10 +106,9 @@ def run_key(cfg: Config, inputs: dict) -> str:
 
 
 def is_done(run: Run, exp: Experiment) -> bool:
-    path = run.folder / RESULT
-    if not path.is_file():
+    result = _read_json(run.folder / RESULT)
+    if result is None:  # none yet, or unreadable (cut short by a crash or a full disk): evaluated again
         return False
-    result = json.loads(path.read_text())
     if result.get("inputs", {}).get("evaluation_code") != evaluation_code():  # evaluated by other code: again
         return False
     if "routing" in exp.measures:  # routing measured, with both baselines
@@ -117,11 +121,21 @@ def is_done(run: Run, exp: Experiment) -> bool:
 
 
 def execute(run: Run, exp: Experiment, log=print) -> Run:
-    """Train (or resume) the run unless finished, then evaluate it; fills run.result."""
-    if is_done(run, exp):
-        run.result, run.cached = json.loads((run.folder / RESULT).read_text()), True
-        run.train_seconds = _info(run).get("train_seconds")
-        return run
+    """Train (or resume) the run unless finished, then evaluate it; fills run.result. A run that another process is
+    training or evaluating (another experiment command, a trainer started by hand) is refused, never touched."""
+    if not is_done(run, exp):
+        with run_lock(run):
+            if not is_done(run, exp):  # else finished by the process that held it while we looked
+                train_and_evaluate(run, exp, log)
+                return run
+    run.result, run.cached = _read_json(run.folder / RESULT), True
+    run.train_seconds = _info(run).get("train_seconds")
+    return run
+
+
+def train_and_evaluate(run: Run, exp: Experiment, log) -> None:
+    """Train the run (resuming an attempt that saved a checkpoint) unless its last checkpoint is there, then
+    evaluate it; fills run.result."""
     if latest_tag(run.folder) != f"step_{exp.steps:08d}":
         set_aside_interrupted(run, log)
         run.folder.mkdir(parents=True, exist_ok=True)
@@ -135,8 +149,11 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
             # why a cleaned environment: a process-group address inherited from the caller (a process that trained
             # in-process, or a launcher) would make this single-process run join or collide with it
             env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        if proc.returncode != 0:
+            # why a session of its own: the terminal's Ctrl-C reaches this process only, which hands the trainer one
+            # signal (a second would stop it without saving)
+            trainer = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            returncode = _wait_saving(trainer)
+        if returncode != 0:
             tail = (run.folder / "train.log").read_text()[-2000:]
             raise RunError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")
         info = {**_info(run), "train_seconds": time.perf_counter() - t0}
@@ -145,7 +162,67 @@ def execute(run: Run, exp: Experiment, log=print) -> Run:
         run.folder, exp.score_from, routing="routing" in exp.measures, attention_rank="attention_rank" in exp.measures
     )
     run.train_seconds = _info(run).get("train_seconds")
-    return run
+
+
+def _wait_saving(proc: subprocess.Popen) -> int:
+    """The trainer's exit code. Interrupted ourselves (Ctrl-C, SIGTERM), we hand the signal on and wait: the trainer
+    finishes its step and saves a checkpoint that the next command resumes from, instead of being killed mid-step."""
+    try:
+        return proc.wait()
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(getattr(e, "signum", signal.SIGINT))
+        try:
+            proc.wait(timeout=SAVE_GRACE_S)
+        except BaseException:  # a second Ctrl-C, or a trainer that does not stop: now
+            proc.kill()
+            proc.wait()
+        raise
+
+
+SAVE_GRACE_S = 600  # how long an interrupted command waits for its trainer's step and checkpoint
+
+
+@contextlib.contextmanager
+def run_lock(run: Run):
+    """An exclusive flock on <runs>/<key>.lock for as long as this process prepares, trains and evaluates the run
+    (beside the folder, which may be set aside); refused, naming the holder, while another process holds it or a
+    trainer holds the run folder's own lock (<run>/.lock)."""
+    path = run.folder.with_name(f"{run.folder.name}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:  # closing it releases the flock; the file stays (others may be waiting on it)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise RunError(_in_use(run, f"another experiment command ({handle.read().strip() or 'unknown'})")) from None
+        if (trainer := _trainer_holding(run.folder)) is not None:
+            raise RunError(_in_use(run, f"a training process ({trainer})"))
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        yield
+
+
+def _in_use(run: Run, who: str) -> str:
+    return (f"{run.arm} seed {run.seed}: its run {run.folder} is in use by {who}; nothing was touched. Wait for it to "
+            "finish and run this command again (a finished run is reused), or give another --runs")  # fmt: skip
+
+
+def _trainer_holding(folder: Path) -> str | None:
+    """Who holds a run folder's training lock (`pid N on HOST`), or None when nobody does (or there is none)."""
+    try:
+        fd = os.open(folder / TRAIN_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
 
 
 def set_aside_interrupted(run: Run, log) -> None:
@@ -158,8 +235,17 @@ def set_aside_interrupted(run: Run, log) -> None:
 
 
 def _info(run: Run) -> dict:
-    path = run.folder / RUN_INFO
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return _read_json(run.folder / RUN_INFO) or {}
+
+
+def _read_json(path: Path) -> dict | None:
+    """A JSON object the runner wrote, or None when it is missing or unreadable (cut short by a crash or a full disk:
+    what it recorded is made again)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def run_experiment(exp: Experiment, runs_root: Path, log=print) -> list[Run]:

@@ -92,6 +92,7 @@ class Experiment:
     preset: str = ""  # the declared preset applied (--preset/--long), for the reproduce command
     first_seed: int = 0  # seeds first_seed .. first_seed + seeds - 1 (a confirmatory round's fresh ones)
     confirmatory: str = ""  # the declaration a confirmatory round follows (moe_lm/experiments/declaration.py)
+    declaration: dict | None = None  # its sha256 and the commit that fixed it (declaration.provenance)
 
     @property
     def seed_ids(self) -> range:

@@ -30,13 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_lm.data.tokenizer import Tokenizer
-from moe_lm.errors import DataError, UserError, require
+from moe_lm.data.tokenizer import SPECIAL, Tokenizer
+from moe_lm.errors import DataError, UserError, require, shown
+from moe_lm.interop.gguf_header import GGUFHeader, read_gguf_header
+from moe_lm.interop.gguf_header import tensor_types as header_tensor_types
+from moe_lm.interop.llama_probe import probe
 from moe_lm.routing.recorder import Routed
 from moe_lm.routing.stats import decision_margins
 
 EXTRA = "llama"  # pip install -e '.[llama]': llama-cpp-python, built from source
-GGUF_MAGIC = b"GGUF"
 WANT = re.compile(rb"^ffn_moe_(topk|weights|weights_softmax|weights_norm|weights_scaled|probs|probs_biased)-(\d+)$")
 FINAL = ("weights_scaled", "weights_norm", "weights_softmax", "weights")  # the last stage present is applied
 GGML_TYPE_F32 = 0
@@ -61,14 +63,57 @@ def _ggml():
     return g
 
 
-def check_gguf(path: Path) -> None:
-    """A UserError naming `path` unless it is a readable file starting with GGUF's magic."""
-    if not path.is_file():
-        raise UserError(f"{path}: no such GGUF file")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != GGUF_MAGIC:
-        raise UserError(f"{path} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})")
+def check_gguf(path: Path) -> GGUFHeader:
+    """The header of `path`, read and checked by moe-lm (gguf_header.py) and holding what llama.cpp asserts of an
+    MoE model's keys (`moe_problems`); a UserError naming the file otherwise. llama.cpp itself sees it after."""
+    header = read_gguf_header(path)
+    if problems := moe_problems(header):
+        raise UserError(f"{path}: {'; '.join(problems)}: llama.cpp would abort on it; convert the model again")
+    return header
+
+
+LLAMA_MAX_EXPERTS = 1024  # llama.cpp's cap (src/llama-hparams.h of the llama.cpp llama-cpp-python 0.3.36 vendors)
+
+
+MOE_KEYS = ("expert_count", "expert_used_count", "block_count", "expert_group_count", "expert_group_used_count",
+            "leading_dense_block_count", "nextn_predict_layers")  # fmt: skip
+
+
+def moe_problems(header: GGUFHeader) -> list[str]:
+    """What in a GGUF file's MoE keys llama.cpp's loader asserts (llama-model.cpp, load_hparams: a failed GGML_ASSERT
+    aborts the process) or its graph cannot route, each as a phrase; [] for a file llama.cpp can run."""
+    arch = header.fields.get("general.architecture")
+    if not isinstance(arch, str):
+        return [f"general.architecture is {shown(arch)}, not an architecture's name"]
+    counts, wrong = {}, []
+    for key in MOE_KEYS:
+        value = header.get(key, 0)
+        if isinstance(value, np.ndarray) and value.size and np.issubdtype(value.dtype, np.integer):
+            value = int(value.max())  # a per-layer array (expert_used_count of some models): llama.cpp takes the max
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            wrong.append(f"{arch}.{key} is {shown(value)}")
+            continue
+        counts[key] = int(value)
+    if wrong:
+        return wrong
+    E, k, blocks = counts["expert_count"], counts["expert_used_count"], counts["block_count"]
+    groups, used = counts["expert_group_count"], counts["expert_group_used_count"]
+    dense, nextn = counts["leading_dense_block_count"], counts["nextn_predict_layers"]
+    problems = []
+    if E > LLAMA_MAX_EXPERTS:
+        problems.append(f"{arch}.expert_count {E} is above llama.cpp's {LLAMA_MAX_EXPERTS}")
+    if E and not 1 <= k <= E:
+        problems.append(f"{arch}.expert_used_count {k} is not between 1 and expert_count {E}")
+    if E and groups >= E:
+        problems.append(f"{arch}.expert_group_count {groups} is not below expert_count {E}")
+    elif groups > 1 and (E % groups or not 1 <= used < groups):
+        problems.append(f"expert groups {groups} (of which {used} used) do not split {E} experts: the groups must "
+                        "divide the experts and fewer than all of them be used")  # fmt: skip
+    elif groups > 1 and 1 <= k and k > used * (E // groups):
+        problems.append(f"top-{k} of the {used * (E // groups)} experts in {used} of {groups} groups cannot be chosen")
+    if blocks < 1 or dense + nextn >= blocks:
+        problems.append(f"{arch}.block_count {blocks} leaves no MoE block after {dense} dense and {nextn} NextN blocks")
+    return problems
 
 
 class GGUFModel:
@@ -80,8 +125,10 @@ class GGUFModel:
     ) -> None:
         """`record=False`: llama.cpp without the callback, for the recorder's cost (`moe-lm bench served`)."""
         self.path = Path(path)
-        check_gguf(self.path)
+        self.header = check_gguf(self.path)
         lc = _llama_cpp()
+        if problem := probe(self.path, n_ctx, threads, faithful):
+            raise UserError(f"{self.path}: {problem}; the file is damaged or not one this llama.cpp runs")
         self._lc, self._g = lc, _ggml()
         _quiet(lc)
         params = lc.llama_model_default_params()
@@ -102,7 +149,10 @@ class GGUFModel:
         self.groups_used = int(self.meta.get(f"{self.arch}.expert_group_used_count", self.n_groups) or self.n_groups)
         n_layers = int(self.meta[f"{self.arch}.block_count"])
         dense = int(self.meta.get(f"{self.arch}.leading_dense_block_count", 0) or 0)
-        self.layers = list(range(dense, n_layers))
+        # why without the last `nextn_predict_layers` blocks: they are MTP (NextN) modules, loaded but never run in a
+        # forward pass (llama.cpp's deepseek2 and glm4moe graphs stop before them)
+        nextn = int(self.meta.get(f"{self.arch}.nextn_predict_layers", 0) or 0)
+        self.layers = list(range(dense, n_layers - nextn))
         self.vocab = lc.llama_model_get_vocab(model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx, self.threads, self.faithful, self.record = n_ctx, threads, faithful, record
@@ -292,6 +342,12 @@ class GGUFTokenizer(Tokenizer):
     def id_to_piece(self, i: int) -> str:
         return self._piece_bytes(i).decode("utf-8", "replace")
 
+    def token_bytes(self, i: int) -> bytes:
+        lc, vocab = self._m._lc, self._m.vocab
+        if lc.llama_vocab_get_attr(vocab, int(i)) & (lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN):
+            return SPECIAL + (lc.llama_vocab_get_text(vocab, int(i)) or b"")
+        return self._piece_bytes(i)
+
     def piece_to_id(self, piece: str) -> int | None:
         if self._pieces is None:
             self._pieces = {}
@@ -333,11 +389,7 @@ def quantize(source: Path, out: Path, kind: str, threads: int = 0) -> str:
     return tensor_types(out)
 
 
-def tensor_types(path: Path) -> str:
-    """'12 Q4_K, 8 Q6_K, 30 F32, ...': the tensors of a GGUF file by type, most first (read with gguf-py)."""
-    from collections import Counter
-
-    import gguf
-
-    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
-    return ", ".join(f"{n} {name}" for name, n in counts.most_common())
+def tensor_types(path_or_header: Path | GGUFHeader) -> str:
+    """'12 Q4_K, 8 Q6_K, 30 F32, ...': the tensors of a GGUF file by type, most first (from its checked header)."""
+    header = path_or_header if isinstance(path_or_header, GGUFHeader) else read_gguf_header(path_or_header)
+    return header_tensor_types(header)

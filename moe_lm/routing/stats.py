@@ -36,22 +36,64 @@ def js_divergence(p: np.ndarray, q: np.ndarray) -> float:
     return 0.5 * kl(p, m) + 0.5 * kl(q, m)
 
 
+def jsd_rows(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[n] JSD (bits) between the rows of two [n, E] matrices of distributions: H(m) - (H(p) + H(q)) / 2."""
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    return _entropy_bits(0.5 * (p + q)) - 0.5 * (_entropy_bits(p) + _entropy_bits(q))
+
+
+def _entropy_bits(rows: np.ndarray) -> np.ndarray:
+    logs = np.log2(rows, out=np.zeros_like(rows), where=rows > 0)
+    return np.maximum(-(rows * logs).sum(-1), 0.0)
+
+
+PAIR_BLOCK = 1 << 16  # pairs evaluated at once: [PAIR_BLOCK, E] float64 arrays
+
+
 def pairwise_jsd(dist: np.ndarray) -> np.ndarray:
     """[Dm, Dm] JSD (bits) between the rows of a [Dm, E] matrix of distributions."""
     n = len(dist)
     out = np.zeros((n, n))
-    for i in range(n):
-        for j in range(i + 1, n):
-            out[i, j] = out[j, i] = js_divergence(dist[i], dist[j])
+    i, j = np.triu_indices(n, 1)
+    for start in range(0, len(i), PAIR_BLOCK):
+        a, b = i[start : start + PAIR_BLOCK], j[start : start + PAIR_BLOCK]
+        out[a, b] = out[b, a] = np.maximum(jsd_rows(dist[a], dist[b]), 0.0)
     return out
 
 
 def domain_jsd(counts_DE: np.ndarray) -> np.ndarray:
     """Pairwise JSD (bits) between the expert-assignment distributions of the domains that have tokens, from
     their counts [Dm, E] (`domain_expert_counts`); domains without tokens are left out, not compared as zeros."""
+    return pairwise_jsd(_present_distributions(counts_DE))
+
+
+def _present_distributions(counts_DE: np.ndarray) -> np.ndarray:
     counts_DE = np.asarray(counts_DE, np.float64)
     present = counts_DE[counts_DE.sum(1) > 0]
-    return pairwise_jsd(present / present.sum(1, keepdims=True))
+    return present / present.sum(1, keepdims=True)
+
+
+MAX_PAIRS = 20_000  # every pair up to this many (200 domains), else this many drawn at random (seeded)
+
+
+def mean_domain_jsd(counts_DE: np.ndarray, max_pairs: int = MAX_PAIRS, seed: int = 0) -> float:
+    """The mean JSD (bits) over pairs of the domains that have tokens, in time linear in the domains: every pair up
+    to `max_pairs` pairs, else the mean over `max_pairs` pairs drawn uniformly (with replacement, `seed`: the same
+    pairs for the same number of domains, so a baseline is drawn on the pairs of its metric). 0 for one domain."""
+    dist = _present_distributions(counts_DE)
+    n = len(dist)
+    if n < 2:
+        return 0.0
+    if n * (n - 1) // 2 <= max_pairs:
+        i, j = np.triu_indices(n, 1)
+    else:
+        rng = np.random.default_rng(seed)
+        i = rng.integers(0, n, max_pairs)
+        j = (i + rng.integers(1, n, max_pairs)) % n  # another domain, uniformly
+    return float(np.mean(np.concatenate([
+        np.maximum(jsd_rows(dist[i[s : s + PAIR_BLOCK]], dist[j[s : s + PAIR_BLOCK]]), 0.0)
+        for s in range(0, len(i), PAIR_BLOCK)
+    ])))  # fmt: skip
 
 
 def mean_pairwise(matrix: np.ndarray) -> float:

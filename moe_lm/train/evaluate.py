@@ -128,7 +128,7 @@ class RoutingTally:
         for i, layer in enumerate(self.layers):
             n_pairs = max(pairs[i, 0], 1)
             result[f"maxvio_global/layer_{layer}"] = stats.max_vio(counts[i].sum(0))
-            result[f"domain_jsd/layer_{layer}"] = stats.mean_pairwise(stats.domain_jsd(counts[i]))
+            result[f"domain_jsd/layer_{layer}"] = stats.mean_domain_jsd(counts[i])
             result[f"same_first/layer_{layer}"] = pairs[i, 1] / n_pairs
             result[f"topk_overlap/layer_{layer}"] = pairs[i, 2] / n_pairs
         return result

@@ -50,3 +50,11 @@ def test_verbose_shows_the_libraries_lines(launcher, process, config, tmp_path):
                          "--verbose"])  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "[INFO]" in proc.stdout + proc.stderr  # DeepSpeed's launcher and engine lines
+
+
+@pytest.mark.parametrize("argv", [["config", "--list"], ["experiment", "--table", "docs/results"]])
+def test_output_into_a_pipe_whose_reader_is_gone_ends_quietly(process, argv):
+    """`moe-lm ... | head` printed a BrokenPipeError traceback and exited 1; it now ends as Unix tools do: nothing on
+    stderr, 128 + SIGPIPE."""
+    proc = process.moe_lm_into_closed_pipe(*argv)
+    assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr[-2000:])

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_lm.inference.generate import fit_prompt
 
@@ -161,3 +162,18 @@ def test_bytes_that_are_not_utf8_in_text_flags_are_refused(cli, trained_run, tmp
     command = ["generate", "--run", trained_run()] if flag == "--prompt" else ["analyze", "--run", trained_run(),
                                                                                "--out", tmp_path / "a"]  # fmt: skip
     refused(cli(*command, flag, latin1), flag, "not UTF-8")
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [(["bench", "moe", "--device", "gpu"], "'gpu' is not a torch device"),
+     (["bench", "train", "--device", "cuda:7"], "cuda"),
+     (["analyze", "--run", "runs/none", "--out", "x", "--device", "cuda"], "cuda"),
+     (["eval", "--run", "runs/none", "--out", "x", "--tasks", "t", "--device", "tpu"], "'tpu' is not a torch device")],
+)  # fmt: skip
+def test_a_device_this_machine_lacks_is_one_line(cli, argv, said):
+    """`moe-lm bench ... --device cuda` on a machine without CUDA (or an unknown device) ended in a traceback from
+    deep inside torch; the flag is checked first."""
+    if argv[-1].startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    refused(cli(*argv), "--device", said)

@@ -72,6 +72,25 @@ def test_an_exploratory_report_is_refused(tmp_path):
         results_table(tmp_path / "x")
 
 
+@pytest.mark.parametrize(
+    "content, said",
+    [("[1, 2]", "a list, not an object"), ('{"experiment": "x"', "not JSON"),
+     ('{"foo": 1}', "experiment is None"), ('{"experiment": "x", "claim": "c", "verdict": 3}', "verdict is 3"),
+     ('{"experiment": "x", "claim": "c", "verdict": "supported", "comparisons": [{"name": "a", "role": "claim"}]}',
+      "comparison 'a': metric is None"),
+     ('{"experiment": "x", "claim": "c", "verdict": "supported", "checks": [{"name": "r", "role": "claim", '
+      '"verdict": "supported", "mean": 1.0}]}', "check 'r': t_interval is None")],
+)  # fmt: skip
+def test_a_report_of_another_shape_is_one_line_naming_it(tmp_path, cli, content, said):
+    """`--table` over a folder holding another tool's results.json, or a report of another shape, ended in a KeyError
+    or a ValueError."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "results.json").write_text(content)
+    proc = cli("experiment", "--table", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(tmp_path / "x" / "results.json") in proc.stderr and said in proc.stderr, proc.stderr
+
+
 def test_a_row_names_each_judged_comparison_once_and_leaves_out_context(tmp_path):
     """Pilot and confirmatory round side by side, each with its seeds and steps; context rows left out; a claim
     still open says what its last report's power estimate asks for."""

@@ -3,6 +3,7 @@ experiments), the whole-split evaluation against a direct computation, and the r
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -80,6 +81,12 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch, cli, p
     redo = run_experiment(exp, runs_root, log=lambda s: None)[0]
     assert not redo.cached and redo.result == runs[0].result
     assert (runs[0].folder / "train.log").stat().st_size == logs[runs[0].folder]
+    # ... and so is one cut short (a crash or a full disk while an older version wrote it): not a JSONDecodeError
+    # on every start until removed by hand
+    for cut in ("", '{"loss": 3.1'):
+        (runs[0].folder / "final_eval.json").write_text(cut)
+        redo = run_experiment(exp, runs_root, log=lambda s: None)[0]
+        assert not redo.cached and redo.result == runs[0].result
 
     results = write_report(exp, runs, tmp_path / "report", n_boot=200)
     report = (tmp_path / "report" / "report.md").read_text()
@@ -132,6 +139,29 @@ def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_and_run_agai
     assert done.result["loss"] > 0 and runner.is_done(done, exp)
     (aside,) = (tmp_path / "runs").glob(f"{run.folder.name}.prev-*")
     assert (aside / "metrics.jsonl").read_text().startswith('{"kind": "train", "step": 1, "loss": 9.0}')
+
+
+def test_a_run_in_use_is_refused_and_never_moved(base, tmp_path, process):
+    """Two experiment commands sharing a run: the second moved the first's live run aside as "an interrupted attempt"
+    while its trainer ran (its config and first metrics in the .prev folder, its checkpoint in the other). A run
+    whose trainer holds <run>/.lock, or that another experiment command holds, is refused and left as it is."""
+    import fcntl
+
+    exp = load_experiment(definition(tmp_path, base, seeds=1))
+    run = resolve_run(exp, "k1", 0, tmp_path / "runs")
+    run.folder.mkdir(parents=True)
+    (run.folder / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.0}\n')  # no checkpoint yet
+    with open(run.folder / ".lock", "a+") as trainer:  # as moe_lm.train.run_folder holds it while training
+        trainer.write("pid 4242 on elsewhere")
+        trainer.flush()
+        fcntl.flock(trainer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunError, match="in use by a training process \\(pid 4242 on elsewhere\\)"):
+            runner.execute(run, exp, log=lambda s: None)
+    assert sorted(p.name for p in run.folder.iterdir()) == [".lock", "metrics.jsonl"]
+    assert not list((tmp_path / "runs").glob("*.prev-*"))
+    with runner.run_lock(run), pytest.raises(RunError, match="in use by another experiment command \\(pid"):
+        runner.execute(run, exp, log=lambda s: None)
+    assert not list((tmp_path / "runs").glob("*.prev-*"))
 
 
 def test_final_evaluation_equals_a_direct_computation(base, tmp_path, process):
@@ -365,7 +395,60 @@ def test_a_confirmatory_round_runs_its_declared_seeds_and_refuses_any_deviation(
     assert results["comparisons"][0]["seeds"] == [100, 101] and results["verdict"] != "exploratory (no verdict)"
     assert "**Confirmatory round**" in (out / "report.md").read_text()
     assert "--confirm" in results["command"]
+    assert (
+        results["declaration"]["sha256"]
+        == hashlib.sha256((defs / "confirmatory" / "exp.yaml").read_bytes()).hexdigest()
+    )
+    # outside a git checkout, the first run recorded the declaration's hash: an edit since (2 seeds -> 3, the
+    # margin widened with the hashes rewritten, ...) is refused, however consistent the edited file is
+    edited = {**declared, "seeds": 3}
+    (defs / "confirmatory" / "exp.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
+    proc = cli("experiment", "exp", "--confirm", "--runs", runs, "--out", tmp_path / "edited")
+    assert proc.returncode == 2 and "changed since its first confirmatory run recorded it" in proc.stderr, proc.stderr
+    # fields of the wrong type are one line naming the field, not a TypeError or StopIteration
+    for field, value, said in (("first_seed", 100.5, "first_seed is 100.5"), ("seeds", 0, "seeds is 0"),
+                               ("arms", "k1", "arms is 'k1'"), ("steps", True, "steps is True")):  # fmt: skip
+        (defs / "confirmatory" / "exp.yaml").write_text(yaml.safe_dump({**declared, field: value}, sort_keys=False))
+        proc = cli("experiment", "exp", "--confirm", "--runs", runs, "--out", tmp_path / "typed")
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    (defs / "confirmatory" / "exp.yaml").write_text(yaml.safe_dump(declared, sort_keys=False))
     # the definition changed after the declaration: no confirmatory verdict
     Path(path).write_text(Path(path).read_text().replace("expect: lower", "expect: higher"))
     proc = cli("experiment", "exp", "--confirm", "--runs", runs, "--out", tmp_path / "again")
     assert proc.returncode == 2 and "no confirmatory verdict" in proc.stderr and "changed since" in proc.stderr
+
+
+def test_a_declaration_is_the_file_as_first_committed(tmp_path, process, monkeypatch):
+    """In a git checkout a declaration is fixed by the commit that added it: an uncommitted one is not a declaration
+    yet, and an edit after it (committed or not) is refused naming that commit."""
+    from moe_lm.experiments import declaration
+    from moe_lm.experiments.declaration import load_declaration, provenance
+
+    repo = tmp_path / "repo"
+    folder = repo / "confirmatory"
+    folder.mkdir(parents=True)
+    declared = {
+        "experiment": "exp", "definition_sha256": "0" * 64, "arms": ["a", "b"], "comparisons": [], "first_seed": 100,
+        "seeds": 6, "steps": 360, "schedule": "as the pilot", "power": {}, "declared": "2026-11-28",
+    }  # fmt: skip
+    (folder / "exp.yaml").write_text(yaml.safe_dump(declared, sort_keys=False))
+    monkeypatch.setattr(declaration, "DECLARATIONS_DIR", folder)
+
+    def git(*args):
+        done = process.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo)
+        assert done.returncode == 0, done.stderr
+
+    git("init", "-q")
+    with pytest.raises(ConfigError, match="is not committed"):
+        provenance(load_declaration("exp"), tmp_path / "runs")
+    git("add", "confirmatory/exp.yaml")
+    git("commit", "-q", "-m", "declare")
+    fixed = provenance(load_declaration("exp"), tmp_path / "runs")
+    assert len(fixed["committed_in"]) == 40 and fixed["checked_against"] == "its first commit"
+    (folder / "exp.yaml").write_text(yaml.safe_dump({**declared, "seeds": 2}, sort_keys=False))
+    with pytest.raises(ConfigError, match=f"changed since it was first committed \\({fixed['committed_in'][:10]}\\)"):
+        provenance(load_declaration("exp"), tmp_path / "runs")
+    git("commit", "-q", "-am", "fewer seeds")  # committing the edit does not make it the declaration
+    with pytest.raises(ConfigError, match="changed since it was first committed"):
+        provenance(load_declaration("exp"), tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()  # a checkout records nothing: git holds what was declared

@@ -128,6 +128,25 @@ def moe_lm(*args, env: dict | None = None, cwd=None, timeout: int = 600) -> subp
     return run([MOE_LM, *args], env=env, cwd=cwd, timeout=timeout)
 
 
+def start(*args, env: dict | None = None, cwd=None) -> subprocess.Popen:
+    """`moe-lm args...` started (not waited for), for signals: its output captured as text."""
+    cmd = [str(MOE_LM), *map(str, args)]
+    return subprocess.Popen(cmd, cwd=cwd, env=env or clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def moe_lm_into_closed_pipe(*args, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`moe-lm args... | head -0`, deterministically: its stdout a pipe whose reader is gone before it writes."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([str(MOE_LM), *map(str, args)], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=timeout, env=clean_env())  # fmt: skip
+    finally:
+        os.close(write)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", proc.stderr)
+
+
 def train(cfg_file: Path, *overrides: str) -> subprocess.Popen:
     """`python launch/train.py --config cfg_file overrides...` started (not waited for), for signals and kills."""
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(cfg_file), *overrides]

@@ -6,7 +6,10 @@ quantiser writes the k-quants, and bad input is one line."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -133,6 +136,23 @@ def test_analyze_quantise_compares_the_run_with_its_gguf_exports(trained_run, tm
     one_line(refused, "--quantise exports a moe-lm run")
 
 
+def test_sigterm_during_quantise_leaves_nothing_behind(trained_run, tmp_path, process):
+    """SIGTERM (`kill`, `timeout`, a scheduler) during --quantise left the staging folder, an HF export and every GGUF
+    made so far (hundreds of GB for a 16 B model), until the next command into the same --out; Ctrl-C already
+    cleaned up. It now ends as Ctrl-C does: one line, 128 + SIGTERM, the staging folder removed."""
+    out = tmp_path / "drift"
+    proc = process.start("analyze", "--run", trained_run(), "--quantise", "f32", "q8_0", "q6_K", "q4_K_M",
+                         "--max-tokens", "1500", "--no-init-baseline", "--out", out)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".drift.partial-*/quantised/model-*.gguf")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no GGUF file was made"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and "terminated (SIGTERM)" in err, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_export_writes_k_quants_with_llama_cpps_quantiser(trained_run, tmp_path, cli):
     proc = cli("export", "--run", trained_run(), "--gguf", tmp_path / "q.gguf", "--gguf-type", "q6_K")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -158,7 +178,7 @@ def test_bad_gguf_subjects_are_one_line(exported, trained_run, tiny_data, tmp_pa
     one_line(cli("analyze", "--gguf", tmp_path / "text.gguf", *run, "--out", tmp_path / "o1"), "not a GGUF file")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes((folder / "f32.gguf").read_bytes()[:5000])
-    one_line(cli("analyze", "--gguf", cut, *run, "--out", tmp_path / "o2"), str(cut), "could not load")
+    one_line(cli("analyze", "--gguf", cut, *run, "--out", tmp_path / "o2"), str(cut), "truncated")
     one_line(cli("analyze", "--gguf", folder / "f32.gguf", "--out", tmp_path / "o3"), "--gguf needs --data")
     # a compared subject of another vocabulary (the trained run's 300 pieces against the check model's 320 rows)
     proc = cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o4", "--compare", trained_run())
@@ -177,6 +197,146 @@ def test_bad_gguf_subjects_are_one_line(exported, trained_run, tiny_data, tmp_pa
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     one_line(cli("analyze", "--gguf", folder / "f32.gguf", *run, "--out", tmp_path / "o6"), ".[llama]")
     assert not any(tmp_path.glob("o[0-9]"))
+
+
+def test_threads_beyond_the_cores_are_capped(exported, tmp_path, cli):
+    """`--threads 1000` killed the process inside llama.cpp's OpenMP runtime; llama.cpp gets the cores there are."""
+    model, folder = exported
+    data = tmp_path / "docs.txt"
+    data.write_text("the telescope tracked a distant galaxy " * 20)
+    proc = cli("analyze", "--gguf", folder / "f32.gguf", "--data", data, "--out", tmp_path / "a", "--max-tokens", "100",
+               "--threads", "1000")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"llama.cpp runs {len(os.sched_getaffinity(0))} threads" in proc.stdout
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["trace"]["tokens"] == 100
+
+
+def rewrite_gguf(src: Path, dst: Path, fields: dict | None = None, tensors: dict | None = None) -> None:
+    """`src` written again to `dst` with gguf-py, its keys replaced or added by `fields` (key -> (value, type)) and
+    tensors added by `tensors` (name -> array): a GGUF file that differs from one llama.cpp runs in just that."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch=arch)
+    given = dict(fields or {})
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, kind = given.pop(name, (f.contents(), f.types[0]))
+        w.add_key_value(name, value, kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for name, (value, kind) in given.items():
+        w.add_key_value(name, value, kind)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, array in (tensors or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+U32 = gguf.GGUFValueType.UINT32
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [({"expert_used_count": 0}, "expert_used_count 0 is not between 1 and expert_count 8"),
+     ({"expert_used_count": 9}, "expert_used_count 9 is not between 1 and expert_count 8"),
+     ({"expert_group_count": 3, "expert_group_used_count": 1}, "expert groups 3 (of which 1 used) do not split 8"),
+     ({"expert_group_count": 4, "expert_group_used_count": 4}, "expert groups 4 (of which 4 used)"),
+     ({"expert_group_count": 8}, "expert_group_count 8 is not below expert_count 8"),
+     ({"expert_group_count": 4, "expert_group_used_count": 1}, "top-3 of the 2 experts in 1 of 4 groups")],
+)  # fmt: skip
+def test_moe_keys_llama_cpp_would_abort_on_are_one_line(exported, tmp_path, cli, fields, needle):
+    """llama.cpp asserts these keys at load (GGML_ASSERT: SIGABRT, exit 134, the staging folder left behind); moe-lm
+    reads them first and refuses the file in one line, before llama.cpp sees it."""
+    model, folder = exported
+    arch = gguf.GGUFReader(folder / "f32.gguf").fields["general.architecture"].contents()
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(folder / "f32.gguf", bad, {f"{arch}.{key}": (value, U32) for key, value in fields.items()})
+    data = tmp_path / "docs.txt"
+    data.write_text("the telescope tracked a distant galaxy " * 20)
+    proc = cli("analyze", "--gguf", bad, "--data", data, "--out", tmp_path / "a")
+    one_line(proc, str(bad), needle, "llama.cpp would abort")
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a.partial-*"))
+
+
+def test_llama_cpp_aborting_takes_only_its_own_process(exported, tmp_path):
+    """What moe-lm does not check itself, llama.cpp meets first in a process of its own (llama_probe): its abort is a
+    line naming the signal and llama.cpp's own message, and the command goes on to say so."""
+    from moe_lm.interop.llama_probe import probe
+
+    model, folder = exported
+    arch = gguf.GGUFReader(folder / "f32.gguf").fields["general.architecture"].contents()
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(folder / "f32.gguf", bad, {f"{arch}.expert_used_count": (0, U32)})
+    said = probe(bad, 64, 1, True)
+    assert said is not None and "SIGABRT" in said and "GGML_ASSERT" in said, said
+    assert probe(folder / "f32.gguf", 64, 1, True) is None
+
+
+def test_a_nextn_block_is_skipped_as_llama_cpp_skips_it(exported, tiny_data, tmp_path, cli):
+    """GLM-4.5 (glm4moe) and DeepSeek-V3 (deepseek2) GGUF files carry their MTP module as a last, NextN block
+    (`nextn_predict_layers`), which llama.cpp loads but never runs in a forward pass: its routing is not asked
+    for, and the file routes as the one without it."""
+    model, folder = exported
+    reader = gguf.GGUFReader(folder / "f32.gguf")
+    arch = reader.fields["general.architecture"].contents()
+    blocks = reader.fields[f"{arch}.block_count"].contents()
+    last = f"blk.{blocks - 1}."
+    d = model.cfg.dim
+    extra = {
+        t.name.replace(last, f"blk.{blocks}."): np.array(t.data) for t in reader.tensors if t.name.startswith(last)
+    }
+    extra.update({f"blk.{blocks}.nextn.eh_proj.weight": np.ones((d, 2 * d), np.float32),
+                  f"blk.{blocks}.nextn.enorm.weight": np.ones(d, np.float32),
+                  f"blk.{blocks}.nextn.hnorm.weight": np.ones(d, np.float32)})  # fmt: skip
+    nextn = tmp_path / "nextn.gguf"
+    rewrite_gguf(folder / "f32.gguf", nextn, {f"{arch}.block_count": (blocks + 1, U32),
+                                              f"{arch}.nextn_predict_layers": (1, U32)}, extra)  # fmt: skip
+    data = tmp_path / "docs.txt"
+    data.write_text("the telescope tracked a distant galaxy, and the galaxy held its stars " * 20)
+    proc = cli("analyze", "--gguf", nextn, "--data", data, "--out", tmp_path / "a", "--max-tokens", "300",
+               "--compare", folder / "f32.gguf")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert result["trace"]["layers"] == model.moe_layer_ids()
+    assert result["comparisons"][str(folder / "f32.gguf")]["tokens_differing_in_any_layer"]["mean"] == 0.0
+
+
+def swapped_pieces(src: Path, dst: Path, ids: tuple[int, int]) -> None:
+    """`src` with the vocabulary strings of two token ids of equal byte length swapped in place (nothing else)."""
+    reader = gguf.GGUFReader(src)
+    field = reader.fields["tokenizer.ggml.tokens"]
+    base = reader.data.__array_interface__["data"][0]
+    where = [field.parts[field.data[i]].__array_interface__["data"][0] - base for i in ids]
+    pieces = [bytes(field.parts[field.data[i]]) for i in ids]
+    assert len(pieces[0]) == len(pieces[1]) and pieces[0] != pieces[1]
+    raw = bytearray(src.read_bytes())
+    raw[where[0] : where[0] + len(pieces[0])], raw[where[1] : where[1] + len(pieces[1])] = pieces[1], pieces[0]
+    dst.write_bytes(bytes(raw))
+
+
+def test_a_vocabulary_with_two_pieces_swapped_is_refused_naming_the_id(exported, tiny_data, tmp_path, cli):
+    """Two files whose vocabularies swap two pieces route the same text identically, but the same ids mean other
+    words to them: compared on the subject's ids, 79 % of tokens "flipped" where none had. Every id the documents
+    use must stand for the same bytes in both, or the comparison is refused naming the first that does not."""
+    model, folder = exported
+    text = "the telescope tracked a distant galaxy, and the galaxy held its stars " * 20
+    tok = load_data_tokenizer(tiny_data.out_dir)
+    used = sorted(set(tok.encode(text)))
+    by_length = {}
+    for i in used:
+        by_length.setdefault(len(tok.id_to_piece(i).encode()), []).append(i)
+    pair = next(tuple(ids[:2]) for ids in by_length.values() if len(ids) >= 2)
+    swapped = tmp_path / "swapped.gguf"
+    swapped_pieces(folder / "f32.gguf", swapped, pair)
+    data = tmp_path / "docs.txt"
+    data.write_text(text)
+    proc = cli("analyze", "--gguf", folder / "f32.gguf", "--data", data, "--out", tmp_path / "a", "--max-tokens",
+               "300", "--compare", swapped)  # fmt: skip
+    line = one_line(proc, "compared subject", "another vocabulary", f"token id {min(pair)} stands for")
+    assert repr(tok.token_bytes(min(pair))) in line
 
 
 # llama.cpp's own converter, from the llama-cpp-python sdist `make setup` unpacks into the venv (never committed)

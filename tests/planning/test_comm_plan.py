@@ -176,3 +176,17 @@ def test_a_damaged_trace_is_one_line_naming_the_file(tmp_path, cli, damage, name
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
     assert named in lines[0], lines[0]
+
+
+def test_a_trace_the_plan_cannot_use_is_refused_not_ignored(tmp_path, cli):
+    """At ep_size 1 the trace was ignored without a word (even a path that does not exist gave the usual plan), and a
+    trace with no MoE layer ended in a ZeroDivisionError."""
+    rng = np.random.default_rng(0)
+    trace = write_trace(tmp_path / "trace", np.stack([rng.permutation(8)[:2] for _ in range(256)]), 8)
+    one = ["--config", "tiny", "--world", "2", "train.seq_len=64"]
+    for folder, said in ((tmp_path / "nowhere", "is not a complete trace"), (trace.folder, "parallel.ep_size 1")):
+        proc = cli("estimate", *one, "--trace", folder)
+        assert proc.returncode == 2 and said in proc.stderr and not proc.stdout, proc.stderr[-2000:]
+    empty = TraceWriter(tmp_path / "dense", [], 8, 2, ["d"], {"kind": "test"}).close()
+    proc = cli("estimate", *one, "parallel.ep_size=2", "--trace", empty.folder)
+    assert proc.returncode == 2 and "records no MoE layer" in proc.stderr and "Traceback" not in proc.stderr
