@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from moe_lm import compat
-from moe_lm.analysis.trace import Trace, record_trace
+from moe_lm.analysis.recording import record_trace
+from moe_lm.analysis.trace import Trace
 from moe_lm.checkpoint.format import COMPLETE, damage
 from moe_lm.checkpoint.save_resume import _set_rng_state
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import DataError
 from moe_lm.model import Transformer
 from moe_lm.output_folder import made_by
+from moe_lm.routing.torch_routing import transformer_routing
 from moe_lm.testing import tiny_model_cfg
 from tests.data.test_data_faults import copy_prepared
 
@@ -49,13 +51,24 @@ def an_old_data_folder(tmp_path, tiny_data):
     return lambda: load_split(data, "val")
 
 
-def an_old_trace(tmp_path):
+def an_old_trace(tmp_path, version: int = 1):
+    """A trace as format `version` wrote it: format 2 named its provenance `source` and held every column, format 1
+    had no margins or log-probs (their files are simply not read)."""
     docs = [(0, np.arange(2, 30))]
-    record_trace(Transformer(tiny_model_cfg()).eval(), docs, tmp_path / "t", ["a"], seq_len=16, progress=False)
+    record_trace(transformer_routing(Transformer(tiny_model_cfg())), docs, tmp_path / "t", ["a"], seq_len=16,
+                 progress=False)  # fmt: skip
     meta = json.loads((tmp_path / "t" / "meta.json").read_text())
-    meta["format_version"] = 1
+    meta["format_version"], meta["source"] = version, meta.pop("provenance")
+    del meta["columns"]
     (tmp_path / "t" / "meta.json").write_text(json.dumps(meta))
-    return lambda: Trace(tmp_path / "t")
+
+    def read() -> Trace:
+        trace = Trace(tmp_path / "t")
+        assert trace.provenance == meta["source"] and trace.weights(trace.layers[0]) is not None
+        assert (trace.logprob is not None) == (version == 2)
+        return trace
+
+    return read
 
 
 OLD_FORMS = {
@@ -64,6 +77,7 @@ OLD_FORMS = {
     "RNG state of numpy arrays": (an_old_rng_file, "resume the run once with moe-lm 0.2"),
     "data without token hashes": (an_old_data_folder, "moe-lm prepare --force"),
     "trace of format 1": (an_old_trace, "record it again"),
+    "trace of format 2": (lambda tmp_path: an_old_trace(tmp_path, 2), "record it again"),
 }
 
 

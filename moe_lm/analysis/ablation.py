@@ -19,16 +19,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moe_lm.analysis.hf_routing import HFMoEModel, reroute, topk_without
-from moe_lm.analysis.trace import document_chunks
-from moe_lm.model import Routing, Transformer
+from moe_lm.analysis.hf_routing import reroute, topk_without
+from moe_lm.analysis.recording import document_windows
+from moe_lm.model import Routing
 from moe_lm.model.router import gate_weights, limit_to_groups
+from moe_lm.routing.torch_routing import TorchRouting
 
 
 @contextlib.contextmanager
-def route_around(model: Transformer | HFMoEModel, layer: int, experts: Iterable[int]):
-    """Within the block, MoE layer `layer` never routes a token to `experts` (our Transformer or an HF model)."""
-    router = dict(zip(model.moe_layer_ids(), model.routers(), strict=True))[layer]
+def route_around(routers: dict[int, torch.nn.Module], layer: int, experts: Iterable[int]):
+    """Within the block, MoE layer `layer` never routes a token to `experts` (its router ours or an HF gate)."""
+    router = routers[layer]
     gone = sorted(set(experts))
 
     def hook(module, inputs, routing):
@@ -51,12 +52,12 @@ def route_around(model: Transformer | HFMoEModel, layer: int, experts: Iterable[
 
 
 @torch.no_grad()
-def document_losses(model: Transformer, docs: list[tuple[int, np.ndarray]], seq_len: int, batch: int = 16):
-    """Per document: (summed next-token loss, predicted tokens). Documents are cut into windows of seq_len."""
-    model.eval()
+def document_losses(forward, docs: list[tuple[int, np.ndarray]], seq_len: int, batch: int = 16):
+    """Per document: (summed next-token loss, predicted tokens), `forward(tokens [B, S])` giving the logits.
+    Documents are cut into windows of seq_len."""
     loss = np.zeros(len(docs))
     count = np.zeros(len(docs))
-    chunks = list(document_chunks(docs, seq_len))
+    chunks = list(document_windows(docs, seq_len))
     for i in range(0, len(chunks), batch):
         part = [c for c in chunks[i : i + batch] if len(c.tokens) > 1]
         if not part:
@@ -67,7 +68,7 @@ def document_losses(model: Transformer, docs: list[tuple[int, np.ndarray]], seq_
         for b, c in enumerate(part):
             tokens[b, : len(c.tokens)] = torch.from_numpy(np.asarray(c.tokens, np.int64))
             mask[b, : len(c.tokens) - 1] = True
-        logits = model(tokens[:, :-1]).logits.float().cpu()
+        logits = forward(tokens[:, :-1]).float().cpu()
         ce = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
         for b, c in enumerate(part):
             loss[c.doc] += ce[b].sum().item()
@@ -94,7 +95,7 @@ def delta_by_domain(base, ablated, domain, n_domains: int, n_boot: int = 1000, s
 
 
 def ablation_study(
-    model: Transformer,
+    routing: TorchRouting,
     docs: list[tuple[int, np.ndarray]],
     domains: list[str],
     targets: list[tuple[int, list[int]]],
@@ -103,21 +104,23 @@ def ablation_study(
     n_boot: int = 1000,
     seed: int = 0,
 ) -> dict:
-    """Δloss per domain for each target (layer, experts) and for `controls` random same-size sets of its layer."""
+    """Δloss per domain for each target (layer, experts) and for `controls` random same-size sets of its layer
+    (`routing`: a PyTorch model's, whose routers can be routed around)."""
     rng = np.random.default_rng(seed)
     domain = np.array([d for d, _ in docs])
-    base = document_losses(model, docs, seq_len)
-    E = model.cfg.moe.n_routed_experts
+    base = document_losses(routing.forward, docs, seq_len)
+    E = routing.n_experts
     rows = []
     for layer, experts in targets:
-        with route_around(model, layer, experts):
-            effect = delta_by_domain(base, document_losses(model, docs, seq_len), domain, len(domains), n_boot, seed)
+        with route_around(routing.routers, layer, experts):
+            losses = document_losses(routing.forward, docs, seq_len)
+            effect = delta_by_domain(base, losses, domain, len(domains), n_boot, seed)
         others = [e for e in range(E) if e not in experts]
         control_sets = [sorted(rng.choice(others, len(experts), replace=False).tolist()) for _ in range(controls)]
         control_effects = []
         for chosen in control_sets:
-            with route_around(model, layer, chosen):
-                losses = document_losses(model, docs, seq_len)
+            with route_around(routing.routers, layer, chosen):
+                losses = document_losses(routing.forward, docs, seq_len)
             control_effects.append(delta_by_domain(base, losses, domain, len(domains), n_boot, seed))
         rows.append(
             {

@@ -13,12 +13,13 @@ from moe_lm.analysis import metrics as M
 from moe_lm.analysis import plots
 from moe_lm.analysis.ablation import ablation_study
 from moe_lm.analysis.budget import budget_document_count, print_sample_lines
+from moe_lm.analysis.documents import document_stream
+from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.report_files import strict_json
-from moe_lm.analysis.requests import AblationRequest, SubjectRequest
-from moe_lm.analysis.subject import Subject, load_subject, user_documents
-from moe_lm.analysis.trace import record_trace
-from moe_lm.data.prepare import load_split
+from moe_lm.analysis.requests import AblationRequest
+from moe_lm.analysis.subjects import kind_of, load_subject
 from moe_lm.errors import UserError
+from moe_lm.routing.torch_routing import TorchRouting
 
 Target = tuple[int, list[int]]  # (MoE layer, experts routed around together)
 
@@ -28,31 +29,26 @@ def ablate_experts(req: AblationRequest) -> dict:
     ablation.json, ablation.png and ablation.md into `req.out` (created), prints the table and returns the result."""
     out = Path(req.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not kind_of(req.subject).reroutable:
+        raise UserError(f"{req.subject.label}: a {req.subject.kind} subject cannot be routed around (ablate takes a "
+                        "PyTorch model: a run or a transformers checkpoint)")  # fmt: skip
     subject = load_subject(req.subject)
-    docs, domains = documents(subject, req.subject)
+    stream, domains, _ = document_stream(subject, req.documents)
+    docs = list(stream)
     docs, samples = budget_document_count(docs, len(domains), req.max_documents)
     print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {req.max_documents}, equal shares):")
     print_sample_lines(samples, domains, unit="documents")
-    model, seq_len = subject.model, subject.seq_len
-    check_targets(list(req.targets), model.moe_layer_ids(), model.cfg.moe.n_routed_experts)
-    targets = list(req.targets) or specialised_targets(model, docs, domains, seq_len, out)
+    routing, seq_len = subject.routing, subject.seq_len
+    assert isinstance(routing, TorchRouting), "a reroutable kind loads a PyTorch model's routing"
+    check_targets(list(req.targets), routing.layers, routing.n_experts)
+    targets = list(req.targets) or specialised_targets(routing, docs, domains, seq_len, out)
     print(f"routing around {len(targets)} targets with {req.controls} controls each, on {len(docs)} documents")
-    result = ablation_study(model, docs, domains, targets, seq_len, req.controls, req.n_boot)
-    result["subject"] = subject.source
+    result = ablation_study(routing, docs, domains, targets, seq_len, req.controls, req.n_boot)
+    result["subject"] = subject.provenance
     result["sampling"] = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
     write_ablation(result, domains, out)
     print((out / "ablation.md").read_text())
     return result
-
-
-def documents(subject: Subject, what: SubjectRequest) -> tuple[list[tuple[int, np.ndarray]], list[str]]:
-    """(domain index, token ids) per document, and the domain names: --data, or the run's validation split."""
-    if not what.data:
-        shard = load_split(subject.cfg.data.out_dir, "val")
-        return [(int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs)], shard.domains
-    domains: list[str] = []
-    docs = list(user_documents(list(what.data), subject.tok, domains, what.text_field, what.domain_field))
-    return docs, domains
 
 
 def check_targets(targets: list[Target], layers: list[int], n_experts: int) -> None:
@@ -62,9 +58,9 @@ def check_targets(targets: list[Target], layers: list[int], n_experts: int) -> N
         raise UserError(f"targets {bad}: MoE layers are {layers}, experts 0..{n_experts - 1}")
 
 
-def specialised_targets(model, docs, domains, seq_len: int, out: Path) -> list[Target]:
+def specialised_targets(routing: TorchRouting, docs, domains, seq_len: int, out: Path) -> list[Target]:
     """In every MoE layer, the expert with the highest relative load on each domain (duplicates merged)."""
-    trace = record_trace(model, docs, out / "trace", domains, seq_len, progress=False)
+    trace = record_trace(routing, docs, out / "trace", domains, seq_len, progress=False)
     targets = []
     for layer in trace.layers:
         load = M.domain_shares(np.asarray(trace.experts(layer)), trace.domain, len(domains), trace.n_experts)

@@ -138,11 +138,15 @@ def _chance_same_set(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _weight_gap(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.ndarray) -> dict:
-    """|delta| of the gate weights on rows whose experts agree in order (stored as float16: ~1e-3 relative)."""
+    """|delta| of the gate weights on rows whose experts agree in order (stored as float16: ~1e-3 relative); it
+    needs both subjects' gate weights."""
     same = (a == b).all(1)
+    wa, wb = ref.weights(layer), other.weights(layer)
+    if wa is None or wb is None:
+        return {"rows": 0, "needs": "the gate weights of both subjects; one of them does not record them"}
     if not same.any():
         return {"rows": 0}
-    gap = np.abs(np.asarray(ref.weights(layer), np.float64)[same] - np.asarray(other.weights(layer), np.float64)[same])
+    gap = np.abs(np.asarray(wa, np.float64)[same] - np.asarray(wb, np.float64)[same])
     return {"rows": int(same.sum()), "max": float(gap.max()), "p99": float(np.percentile(gap, 99))}
 
 

@@ -10,45 +10,34 @@ gates return their top-k unsorted; the trace orders each token's experts by gate
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from moe_lm.errors import DataError
+from moe_lm.routing.torch_routing import TorchRouting
 
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
 GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
 
 
-class HFMoEModel(nn.Module):
-    """A transformers causal LM with the interface `record_trace` uses: forward(tokens [B, S]), moe_layer_ids(),
-    routers() (the gate modules), and cfg.moe.{n_routed_experts, num_experts_per_tok}."""
+def hf_routing(hf_model: nn.Module) -> TorchRouting:
+    """A transformers MoE causal LM (eval mode) as a RoutedModel: its gates (`model.layers.<l>.mlp.gate`) by layer,
+    their experts and top-k, and its logits. The gates return weights and indices, not their selection scores, so its
+    trace has no decision margins."""
+    kind = hf_model.config.model_type
+    if kind not in SUPPORTED:
+        raise DataError(f"model_type {kind!r} is not supported for routing analytics; supported: {SUPPORTED}")
+    gates = {int(m[1]): mod for name, mod in hf_model.named_modules() if (m := GATE.match(name))}
+    if not gates:
+        raise DataError(f"found no MoE gate modules (model.layers.<l>.mlp.gate) in this {kind} model")
+    first = next(iter(gates.values()))
+    hf_model.eval()
 
-    def __init__(self, hf_model: nn.Module) -> None:
-        super().__init__()
-        kind = hf_model.config.model_type
-        if kind not in SUPPORTED:
-            raise DataError(f"model_type {kind!r} is not supported for routing analytics; supported: {SUPPORTED}")
-        self.hf = hf_model
-        self.gates = {int(m[1]): mod for name, mod in hf_model.named_modules() if (m := GATE.match(name))}
-        if not self.gates:
-            raise DataError(f"found no MoE gate modules (model.layers.<l>.mlp.gate) in this {kind} model")
-        first = next(iter(self.gates.values()))
-        # why a config-shaped namespace: the recorder reads our Transformer's cfg.moe for the same two numbers
-        self.cfg = SimpleNamespace(
-            moe=SimpleNamespace(n_routed_experts=first.num_experts, num_experts_per_tok=first.top_k),
-            attn_mask="causal",
-        )
+    def forward(tokens_BS: torch.Tensor) -> torch.Tensor:
+        return hf_model(input_ids=tokens_BS.to(hf_model.device)).logits
 
-    def forward(self, tokens_BS: torch.Tensor):
-        return self.hf(input_ids=tokens_BS.to(self.hf.device))
-
-    def moe_layer_ids(self) -> list[int]:
-        return sorted(self.gates)
-
-    def routers(self) -> list[nn.Module]:
-        return [self.gates[layer] for layer in self.moe_layer_ids()]
+    return TorchRouting(forward, dict(sorted(gates.items())), first.num_experts, first.top_k, margins=False)
 
 
 def parameter_count(config) -> int:

@@ -17,6 +17,14 @@ def palette(n: int) -> list[str]:
     return [matplotlib.colors.to_hex(cmap(i % cmap.N)) for i in range(n)]
 
 
+def _choices(sample: dict, layer: int, t: int) -> str:
+    """A token's experts in one layer, with their gate weights where the subject records them."""
+    experts, weights = sample["experts"][layer][t], (sample["weights"].get(layer) or [None] * (t + 1))[t]
+    if weights is None:
+        return ", ".join(f"e{e}" for e in experts)
+    return ", ".join(f"e{e} {w:.2f}" for e, w in zip(experts, weights, strict=True))
+
+
 def routing_page(samples: list[dict], layers: list[int], n_experts: int, title: str, extra_html: str = "") -> str:
     """samples: [{"domain", "pieces": [str], "experts": {layer: [[e...]...]}, "weights": {layer: [[w...]...]}}];
     `extra_html` (already escaped) is appended after the documents."""
@@ -25,13 +33,7 @@ def routing_page(samples: list[dict], layers: list[int], n_experts: int, title: 
     for s in samples:
         spans = []
         for t, piece in enumerate(s["pieces"]):
-            hover = " | ".join(
-                f"L{layer}: "
-                + ", ".join(
-                    f"e{e} {w:.2f}" for e, w in zip(s["experts"][layer][t], s["weights"][layer][t], strict=True)
-                )
-                for layer in layers
-            )
+            hover = " | ".join(f"L{layer}: " + _choices(s, layer, t) for layer in layers)
             first = {str(layer): int(s["experts"][layer][t][0]) for layer in layers}
             text = html.escape(piece.replace("\u2581", " ")).replace("\n", "↵<br>")
             spans.append(f"<span class='t' data-e='{json.dumps(first)}' title='{html.escape(hover)}'>{text}</span>")

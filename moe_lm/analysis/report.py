@@ -122,7 +122,7 @@ def routing_metrics(
     result["tokens"] = token_shares(trace, chosen_token_ids(tok, tokens))
     if compared:
         result["comparisons"] = {
-            label: {**agreement(trace, other, label, n_boot), "source": _compared_source(other)}
+            label: {**agreement(trace, other, label, n_boot), "provenance": _compared_provenance(other)}
             for label, other in compared
         }
     return result
@@ -136,10 +136,10 @@ def domain_pairs(n_domains: int) -> dict:
             "sampled": pairs > metrics.MAX_PAIRS, "table": n_domains <= PAIR_TABLE_DOMAINS}  # fmt: skip
 
 
-def _compared_source(other: Trace) -> dict:
+def _compared_provenance(other: Trace) -> dict:
     """What a compared subject was (a run, an HF folder, a GGUF file and the types its tensors hold), without the
     sampling its trace shares with the subject's."""
-    return {k: v for k, v in other.meta["source"].items() if k not in ("sampling", "data")}
+    return {k: v for k, v in other.provenance.items() if k not in ("sampling", "data")}
 
 
 def trace_summary(trace: Trace) -> dict:
@@ -154,7 +154,7 @@ def trace_summary(trace: Trace) -> dict:
         "domains": trace.domains,
         "tokens_per_domain": np.bincount(np.asarray(trace.domain, np.int64), minlength=len(trace.domains)).tolist(),
         "documents_per_domain": _documents_per_domain(trace).tolist(),
-        "sampling": trace.meta["source"].get("sampling"),  # the budget's shares, when the caller recorded them
+        "sampling": trace.provenance.get("sampling"),  # the budget's shares, when the caller recorded them
         "recording_tokens_per_s": trace.meta.get("tokens_per_s"),
     }
 
@@ -233,8 +233,11 @@ def page_samples(trace: Trace, tok: Tokenizer, n_tokens: int) -> list[dict]:
                 "domain": name,
                 "pieces": [tok.id_to_piece(int(t)) for t in np.asarray(trace.token)[rows]],
                 "experts": {layer: np.asarray(trace.experts(layer))[rows].tolist() for layer in trace.layers},
-                "weights": {
-                    layer: np.asarray(trace.weights(layer))[rows].astype(float).tolist() for layer in trace.layers
+                "weights": {  # None where the subject records no gate weights: the page shows the experts alone
+                    layer: np.asarray(w)[rows].astype(float).tolist()
+                    if (w := trace.weights(layer)) is not None
+                    else None
+                    for layer in trace.layers
                 },
             }
         )

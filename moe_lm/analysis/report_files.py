@@ -228,7 +228,7 @@ def comparisons_markdown(result: dict) -> str:
         lo, hi = (100 * x for x in any_layer["interval"])
         gap = (f"{cost['mean_abs']:.2e} / {cost['p99_abs']:.2e} / {cost['max_abs']:.2e}" if cost.get("tokens")
                else "not recorded")  # fmt: skip
-        what = _what_it_is(c.get("source") or {})
+        what = _what_it_is(c.get("provenance") or {})
         lines.append(
             f"| {label} | {100 * any_layer['mean']:.2f} ({lo:.2f}-{hi:.2f}) | {per_layer} | {near:,} of {flips:,} | "
             f"{gap} | {what} |"
@@ -236,12 +236,12 @@ def comparisons_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _what_it_is(source: dict) -> str:
-    if "gguf" in source:
-        return f"GGUF in llama.cpp ({source.get('kv_cache', '?')} KV cache): {source.get('tensors', '?')}"
-    if "hf" in source:
-        return f"transformers {source.get('model_type', '')}"
-    return f"checkpoint {source.get('tag') or 'latest'}" if "run" in source else ""
+def _what_it_is(provenance: dict) -> str:
+    if "gguf" in provenance:
+        return f"GGUF in llama.cpp ({provenance.get('kv_cache', '?')} KV cache): {provenance.get('tensors', '?')}"
+    if "hf" in provenance:
+        return f"transformers {provenance.get('model_type', '')}"
+    return f"checkpoint {provenance.get('tag') or 'latest'}" if "run" in provenance else ""
 
 
 def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:

@@ -1,6 +1,6 @@
 """The routing analysis, from checked flags to the report: the documents under the token budget, the traces (the
-subject, its untrained baseline N1, the compared subjects on the same token ids), the report's numbers and files, an
-optional wandb log and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the flags and calls
+subject, its untrained baseline N1, the compared subjects on the same token ids in the same windows), the report's
+numbers and files and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the flags and calls
 `analyze_routing`.
 """
 
@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from moe_lm.analysis.budget import budget_documents, print_sample_lines
+from moe_lm.analysis.documents import document_stream
+from moe_lm.analysis.recording import MAX_BATCH_LOGIT_BYTES, bounded_batch, record_trace
 from moe_lm.analysis.report import ReportRequest, build_report, figure_layers
-from moe_lm.analysis.requests import RoutingRequest, SubjectRequest
-from moe_lm.analysis.subject import Subject, context_of, load_subject, user_documents
-from moe_lm.analysis.trace import MAX_BATCH_LOGIT_BYTES, Trace, bounded_batch, record_trace
-from moe_lm.data.documents import DataError
-from moe_lm.data.prepare import load_split
-from moe_lm.errors import ConfigError, UserError
+from moe_lm.analysis.requests import RoutingRequest
+from moe_lm.analysis.subjects import Subject, SubjectRequest, load_subject, windows_of
+from moe_lm.analysis.trace import Trace
+from moe_lm.errors import ConfigError, DataError, UserError
 
-Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
+Docs = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
 
 
 def analyze_routing(req: RoutingRequest) -> dict:
@@ -34,13 +32,13 @@ def analyze_routing(req: RoutingRequest) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     windows = shared_windows(req)
     subject = load_subject(dataclasses.replace(req.subject, seq_len=windows))
-    docs, domains, source = budgeted_documents(subject, req.subject, req.max_tokens)
+    docs, domains, provenance = budgeted_documents(subject, req)
     common = dict(seq_len=subject.seq_len, batch_size=batch_within_memory(req.batch_size, subject))
-    shape = routing_shape(subject.model)
-    trace = record_trained(subject, docs, domains, source, out, common)
+    shape = routing_shape(subject)
+    trace = record_trained(subject, docs, domains, provenance, out, common)
     init_trace = None
     if req.init_baseline and subject.untrained is not None:
-        init_trace = record_untrained(subject, docs, domains, source, out, common)
+        init_trace = record_untrained(subject, docs, domains, provenance, out, common)
     elif req.init_baseline:
         print(f"no untrained baseline N1: {subject.no_untrained}")
     compared = tuple(
@@ -50,7 +48,7 @@ def analyze_routing(req: RoutingRequest) -> dict:
             shape,
             docs,
             domains,
-            source,
+            provenance,
             out / f"trace_compare_{i}",
             common,
         )  # fmt: skip
@@ -64,8 +62,6 @@ def analyze_routing(req: RoutingRequest) -> dict:
                            no_untrained=left_out, metrics_rows=rows, min_count=req.min_count,
                            layers_to_draw=drawn)  # fmt: skip
     result = build_report(report, out)
-    if req.wandb:
-        log_to_wandb(subject, out, result)
     print_summary(result)
     return result
 
@@ -75,10 +71,10 @@ def shared_windows(req: RoutingRequest) -> int:
     by the context of the subject and of every compared subject, so that all of them route the same tokens with the
     same context (windows of other lengths give other routing: a run trained at 2,048 tokens against its own f32
     GGUF at 1,024 flipped 5.9 % of tokens). A cap is said in one line."""
-    wanted, _ = context_of(req.subject)
+    wanted, _ = windows_of(req.subject)
     windows, why = wanted, ""
     for what in (req.subject, *req.compare):
-        _, context = context_of(what)
+        _, context = windows_of(what)
         if context is not None and context < windows:
             windows, why = context, f"{what.label}'s context is {context:,} tokens"
     if windows < wanted:
@@ -97,16 +93,17 @@ def batch_within_memory(batch_size: int, subject: Subject) -> int:
     return bounded
 
 
-def budgeted_documents(subject: Subject, what: SubjectRequest, max_tokens: int) -> tuple[Documents, list[str], dict]:
+def budgeted_documents(subject: Subject, req: RoutingRequest) -> tuple[Docs, list[str], dict]:
     """The documents to analyse under --max-tokens (spread equally over the domains, reported on the console),
-    the domain names, and the trace's `source` (where the documents came from and what each domain gave)."""
-    stream, domains, source = document_stream(subject, what, max_tokens)
+    the domain names, and the traces' provenance (where the documents came from and what each domain gave)."""
+    max_tokens = req.max_tokens
+    stream, domains, data = document_stream(subject, req.documents, max_tokens)
     try:
         docs, samples = budget_documents(stream, domains, max_tokens)
     except DataError as e:
         raise UserError(f"data: {e}") from None
     if not docs:
-        raise UserError(f"no tokens to analyse in {source['data']}")
+        raise UserError(f"no tokens to analyse in {data}")
     if left_out := [name for name, s in zip(domains, samples, strict=True) if s.tokens == 0]:
         raise UserError(
             f"--max-tokens {max_tokens:,} leaves {len(left_out)} of the {len(domains)} domains without a token (equal "
@@ -116,48 +113,34 @@ def budgeted_documents(subject: Subject, what: SubjectRequest, max_tokens: int) 
     total = sum(s.tokens for s in samples)
     print(f"analysing {total:,} tokens of {len(domains)} domains (--max-tokens {max_tokens:,}, equal shares):")
     print_sample_lines(samples, domains)
-    source["sampling"] = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
-    return docs, domains, source
-
-
-def document_stream(
-    subject: Subject, what: SubjectRequest, max_tokens: int
-) -> tuple[Iterable[tuple[int, np.ndarray]], list[str], dict]:
-    """(domain index, token ids) of --data, or of the run's validation split, lazily; the domain names (for --data
-    filled as the stream is read) and the `source` naming the documents."""
-    if what.data:
-        domains: list[str] = []
-        stream = user_documents(list(what.data), subject.tok, domains, what.text_field, what.domain_field, max_tokens)
-        return stream, domains, {"data": list(what.data)}
-    shard = load_split(subject.cfg.data.out_dir, "val")
-    stream = ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
-    return stream, list(shard.domains), {"data": f"{subject.cfg.data.out_dir} (validation split)"}
+    sampling = {name: dataclasses.asdict(s) for name, s in zip(domains, samples, strict=True)}
+    return docs, domains, {"data": data, "sampling": sampling}
 
 
 def record_trained(
-    subject: Subject, docs: Documents, domains: list[str], source: dict, out: Path, common: dict
+    subject: Subject, docs: Docs, domains: list[str], provenance: dict, out: Path, common: dict
 ) -> Trace:
     """The trained model's trace into out/trace; the model is let go afterwards (`common`: seq_len, batch_size)."""
     trace = record_trace(
-        subject.model, docs, out / "trace", domains, source={**source, **subject.source},
+        subject.routing, docs, out / "trace", domains, provenance={**provenance, **subject.provenance},
         progress="routing (trained model)", **common,
     )  # fmt: skip
     print(f"recorded {trace.n:,} tokens in {trace.meta['n_docs']} documents at {trace.meta['tokens_per_s']:,.0f} tok/s")
-    subject.model = None  # why: the N1 twin is built next; one copy of a large model at a time
+    subject.routing = None  # why: the N1 twin is built next; one copy of a large model at a time
     return trace
 
 
 def record_untrained(
-    subject: Subject, docs: Documents, domains: list[str], source: dict, out: Path, common: dict
+    subject: Subject, docs: Docs, domains: list[str], provenance: dict, out: Path, common: dict
 ) -> Trace:
     """Baseline N1: the same tokens through the untrained model, into out/trace_init."""
     return record_trace(
-        subject.untrained(), docs, out / "trace_init", domains, source={**source, "model": "initialisation"},
+        subject.untrained(), docs, out / "trace_init", domains, provenance={**provenance, "model": "initialisation"},
         progress="routing (untrained baseline N1)", **common,
     )  # fmt: skip
 
 
-def first_other_token(subject: Subject, other: Subject, docs: Documents) -> tuple[int, bytes, bytes] | None:
+def first_other_token(subject: Subject, other: Subject, docs: Docs) -> tuple[int, bytes, bytes] | None:
     """The first id the documents use that stands for other bytes to `other` than to `subject` (with both), or None.
     why every id used and not a probe sentence: two vocabularies that swap two pieces cut a probe into the same ids
     unless it holds one of them, yet mean other words wherever the documents do."""
@@ -169,20 +152,18 @@ def first_other_token(subject: Subject, other: Subject, docs: Documents) -> tupl
     return None
 
 
-def routing_shape(model) -> tuple[list[int], int, int]:
-    """(MoE layer ids, experts, experts per token) of a subject's model (PyTorch, or a GGUF in llama.cpp)."""
-    if hasattr(model, "route_batch"):
-        return list(model.layers), model.n_experts, model.k
-    return list(model.moe_layer_ids()), model.cfg.moe.n_routed_experts, model.cfg.moe.num_experts_per_tok
+def routing_shape(subject: Subject) -> tuple[list[int], int, int]:
+    """(MoE layer ids, experts, experts per token) of a subject."""
+    return list(subject.routing.layers), subject.routing.n_experts, subject.routing.k
 
 
 def record_compared(
     what: SubjectRequest,
     subject: Subject,
     shape: tuple,
-    docs: Documents,
+    docs: Docs,
     domains: list[str],
-    source: dict,
+    provenance: dict,
     out: Path,
     common: dict,
 ) -> tuple[str, Trace]:
@@ -202,8 +183,8 @@ def record_compared(
             f"compared subject {label}: another vocabulary (token id {i} stands for {ours!r} to the subject and "
             f"{theirs!r} to it, the first id of the documents that differs); subjects are compared on the same ids"
         )
-    if routing_shape(other.model) != shape:
-        layers, E, K = routing_shape(other.model)
+    if routing_shape(other) != shape:
+        layers, E, K = routing_shape(other)
         raise UserError(
             f"compared subject {label}: MoE layers {layers} of {E} experts (top-{K}), the subject's {shape[0]} of "
             f"{shape[1]} (top-{shape[2]}): not the same architecture"
@@ -212,8 +193,9 @@ def record_compared(
         raise UserError(f"compared subject {label} takes windows of at most {other.seq_len:,} tokens, the subject was "
                         f"cut into {subject.seq_len:,}: give --seq-len {other.seq_len}")  # fmt: skip
     trace = record_trace(
-        other.model, docs, out, domains, source={**source, **other.source}, progress=f"routing ({label})", **common
-    )
+        other.routing, docs, out, domains, provenance={**provenance, **other.provenance}, progress=f"routing ({label})",
+        **common,
+    )  # fmt: skip
     return label, trace
 
 
@@ -223,28 +205,6 @@ def training_metrics(run: Path | None) -> list[dict] | None:
     if not (metrics_file and metrics_file.is_file()):
         return None
     return [json.loads(line) for line in metrics_file.read_text().splitlines()]
-
-
-def log_to_wandb(subject: Subject, out: Path, result: dict) -> None:
-    """Attach figures and the per-domain shares to the run's own wandb run (offline runs sync later)."""
-    if subject.run is None:
-        print("warning: --wandb: only a moe-lm run has a wandb run to log to", file=sys.stderr)
-        return
-    from moe_lm.train.tracker import open_wandb  # why here: only --wandb needs the training side's tracker
-
-    wandb = open_wandb(subject.cfg.logging, subject.run, create=False)
-    if wandb is None:
-        return
-    data = {f"routing/{p.stem}": wandb.Image(str(p)) for p in sorted((out / "figures").glob("*.png"))}
-    domains = result["trace"]["domains"]
-    table = wandb.Table(columns=["layer", "domain", "expert", "token_share", "relative_load"])
-    for layer, lm in result["layers"].items():
-        for d, name in enumerate(domains):
-            for e, share in enumerate(lm["domain_token_share"][d]):
-                table.add_data(int(layer), name, e, share, lm["domain_relative_load"][d][e])
-    data["routing/domain_shares"] = table
-    wandb.log(data)
-    wandb.finish()
 
 
 def print_summary(result: dict) -> None:

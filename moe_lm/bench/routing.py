@@ -21,11 +21,12 @@ import numpy as np
 import torch
 import transformers
 
-from moe_lm.analysis.hf_routing import HFMoEModel
-from moe_lm.analysis.trace import document_chunks, record_trace
+from moe_lm.analysis.hf_routing import hf_routing
+from moe_lm.analysis.recording import document_windows, record_trace
 from moe_lm.bench.timing import time_interleaved
 from moe_lm.errors import UserError
 from moe_lm.flags import from_flags, torch_device
+from moe_lm.routing.torch_routing import TorchRouting
 
 VOCAB = 4096
 Documents = list[tuple[int, np.ndarray]]  # (domain index, token ids)
@@ -58,7 +59,7 @@ class RoutingBench:
     device: str
 
 
-def random_model(bench: RoutingBench) -> HFMoEModel:
+def random_model(bench: RoutingBench) -> TorchRouting:
     cfg = transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=bench.hidden, intermediate_size=3 * bench.hidden, num_hidden_layers=bench.layers,
         num_attention_heads=8, num_key_value_heads=8, n_routed_experts=bench.experts, num_experts_per_tok=bench.k,
@@ -67,8 +68,8 @@ def random_model(bench: RoutingBench) -> HFMoEModel:
         max_position_embeddings=bench.seq_len,
     )  # fmt: skip
     dtype = getattr(torch, bench.dtype)
-    return HFMoEModel(
-        transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False).to(bench.device).eval()
+    return hf_routing(
+        transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False).to(bench.device)
     )
 
 
@@ -81,21 +82,21 @@ def random_documents(tokens: int) -> Documents:
     return docs
 
 
-def arms(model: HFMoEModel, docs: Documents, bench: RoutingBench, work: Path) -> dict[str, Callable[[], None]]:
+def arms(model: TorchRouting, docs: Documents, bench: RoutingBench, work: Path) -> dict[str, Callable[[], None]]:
     """The plain forward over the documents' batches, and `record_trace` over the same (writing into `work`)."""
 
     def forward(batch) -> None:
         tokens = torch.zeros(len(batch), max(len(c.tokens) for c in batch), dtype=torch.long)
         for b, c in enumerate(batch):
             tokens[b, : len(c.tokens)] = torch.from_numpy(c.tokens.astype(np.int64))
-        model(tokens)
+        model.forward(tokens)
         if bench.device.startswith("cuda"):
             torch.cuda.synchronize()
 
     @torch.no_grad()
     def plain() -> None:
         batch = []
-        for chunk in document_chunks(docs, bench.seq_len):
+        for chunk in document_windows(docs, bench.seq_len):
             batch.append(chunk)
             if len(batch) == bench.batch_size:
                 forward(batch)

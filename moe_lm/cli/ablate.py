@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from moe_lm.analysis.requests import AblationRequest
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out
-from moe_lm.cli.subject import add_subject, check_subject, subject_request
+from moe_lm.cli.subject import add_subject, check_subject, documents_request, reroutable_kinds, subject_request
 from moe_lm.errors import UserError, require
 from moe_lm.flags import default_of, from_flags
 
@@ -36,7 +36,7 @@ def target(spec: str) -> tuple[int, list[int]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    add_subject(ap)
+    add_subject(ap, reroutable_kinds())
     add_out(ap, "the report folder (created)")
     ap.add_argument("--targets", nargs="*", type=target, metavar="LAYER:EXPERTS", help="experts to route around")
     ap.add_argument("--controls", type=int, default=default_of(AblationRequest, "controls"),
@@ -50,13 +50,14 @@ def run(args: argparse.Namespace) -> None:
     if args.max_documents < 1:
         raise UserError(f"--max-documents must be at least 1, got {args.max_documents}")
     out = output_folder(args, "ablate")  # why first: a bad --out should fail before any model is loaded
-    check_subject(args)
+    kinds = reroutable_kinds()
+    check_subject(args, kinds)
     require("matplotlib", "analysis", "moe-lm ablate (its figures)")
     from moe_lm.analysis.ablation_workflow import ablate_experts
 
     with out.staged() as folder:
-        ablate_experts(from_flags(AblationRequest, args, subject=subject_request(args), out=folder,
-                                  targets=tuple(args.targets or ())))  # fmt: skip
+        ablate_experts(from_flags(AblationRequest, args, subject=subject_request(args, kinds), out=folder,
+                                  documents=documents_request(args), targets=tuple(args.targets or ())))  # fmt: skip
     print(f"wrote ablation.json, ablation.md and ablation.png to {out.path}")
 
 

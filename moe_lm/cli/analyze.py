@@ -12,9 +12,10 @@
 --run: a moe-lm run (default data: its validation split, documents with their domains); --hf: a transformers MoE
 checkpoint (DeepseekV3/V2, Glm4Moe, Qwen2Moe/Qwen3Moe, OlmoE, Mixtral) with its own tokenizer, in --dtype on
 --device; --gguf: a GGUF MoE file of any type (f32 ... q2_K), run in llama.cpp with its own tokenizer (the llama
-extra), its experts read from llama.cpp's graph. --compare: other subjects routing the very same token ids (a
-checkpoint RUN[:TAG], an HF folder, a .gguf file): their agreement with this one per layer and domain, in
-comparisons.md and the report. --quantise: the run exported as GGUF at each type, each file run in llama.cpp and
+extra), its experts read from llama.cpp's graph (the kinds of subject: moe_lm/analysis/subjects/). --compare: other
+subjects routing the very same token ids in the same windows (a checkpoint RUN[:TAG], an HF folder, a GGUF file,
+each recognised by what it is): their agreement with this one per layer and domain, in comparisons.md and the
+report. --quantise: the run exported as GGUF at each type, each file run in llama.cpp and
 compared the same way (the files are deleted afterwards; `moe-lm export --gguf-type` keeps one). --data
 takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the subject's
 tokenizer. Writes into --out: trace/ (the recorded routing), trace_init/ (the same tokens through the untrained
@@ -31,23 +32,29 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest, SubjectRequest
-from moe_lm.checkpoint.format import parse_run
+from moe_lm.analysis.requests import CHART_TOKENS, RoutingRequest
+from moe_lm.analysis.subjects import GGUFSubject, SubjectRequest
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.export import GGUF_TYPES
 from moe_lm.cli.options import add_out, utf8_text
-from moe_lm.cli.subject import add_subject, check_subject, subject_request
+from moe_lm.cli.subject import (
+    add_subject,
+    all_kinds,
+    check_subject,
+    compared_request,
+    documents_request,
+    subject_request,
+)
 from moe_lm.errors import UserError, require
 from moe_lm.flags import default_of, from_flags
-from moe_lm.interop.gguf_header import is_gguf
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    add_subject(ap, gguf=True)
+    add_subject(ap, all_kinds())
     add_out(ap, "the report folder (created)")
     ap.add_argument(
         "--compare", nargs="+", default=[], metavar="SUBJECT",
-        help="other subjects on the same token ids: RUN[:TAG], an HF folder, or a .gguf file (each its agreement)",
+        help="other subjects on the same token ids: RUN[:TAG], an HF folder, or a GGUF file (each its agreement)",
     )  # fmt: skip
     ap.add_argument(
         "--quantise",
@@ -83,19 +90,22 @@ def run(args: argparse.Namespace) -> None:
     if args.quantise and not args.run:
         raise UserError("--quantise exports a moe-lm run as GGUF: give the run as --run RUN[:TAG]")
     out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
-    check_subject(args)
+    kinds = all_kinds()
+    check_subject(args, kinds)
     require("matplotlib", "analysis", "moe-lm analyze (its figures)")
     from moe_lm.analysis.routing_workflow import analyze_routing
 
     with out.staged() as folder:
-        compare = tuple(compared_subject(spec, args) for spec in args.compare)
+        compare = tuple(compared_request(spec, args, kinds) for spec in args.compare)
         compare += quantised_subjects(args, folder / "quantised")
         request = from_flags(
-            RoutingRequest, args, subject=subject_request(args), out=folder, compare=compare,
-            chart_tokens=tuple(args.chart_tokens), init_baseline=not args.no_init_baseline,
-            layers=tuple(args.layers) if args.layers is not None else None,
+            RoutingRequest, args, subject=subject_request(args, kinds), out=folder, compare=compare,
+            documents=documents_request(args), chart_tokens=tuple(args.chart_tokens),
+            init_baseline=not args.no_init_baseline, layers=tuple(args.layers) if args.layers is not None else None,
         )  # fmt: skip
-        analyze_routing(request)
+        result = analyze_routing(request)
+        if args.wandb:
+            log_to_wandb(request.subject, folder, result)
         shutil.rmtree(folder / "quantised", ignore_errors=True)  # moe-lm's own files, in its staging folder
         figures = len(list((folder / "figures").glob("*.png")))
     tables = ", comparisons.md" if compare else ""
@@ -103,38 +113,48 @@ def run(args: argparse.Namespace) -> None:
 
 
 def quantised_subjects(args: argparse.Namespace, folder: Path) -> tuple[SubjectRequest, ...]:
-    """--quantise: the run written once as an HF export, then as a GGUF file of each type (`moe-lm export`), each
-    to be run in llama.cpp and named by its type in the report."""
+    """--quantise: the run written once as an HF export, then as a GGUF file of each type (moe_lm/interop: what
+    `moe-lm export` runs), each to be run in llama.cpp and named by its type in the report."""
     if not args.quantise:
         return ()
-    from moe_lm.cli import export
+    from moe_lm.checkpoint.format import parse_run
+    from moe_lm.interop.gguf import write_gguf
+    from moe_lm.interop.hf import export_run
 
-    ap = argparse.ArgumentParser()
-    export.add_arguments(ap)
-    run, tag = args.run
-    export.run(ap.parse_args(["--run", f"{run}:{tag}" if tag else str(run), "--out", str(folder / "hf")]))
+    export_run(*parse_run(args.run), folder / "hf", tokenizer_required=False)
     subjects = []
     for kind in args.quantise:
         file = folder / f"model-{kind}.gguf"
-        export.run(ap.parse_args(["--hf", str(folder / "hf"), "--gguf", str(file), "--gguf-type", kind]))
-        subjects.append(SubjectRequest(gguf=str(file), name=kind, threads=args.threads, seq_len=args.seq_len,
-                                       llama_defaults=args.llama_defaults))  # fmt: skip
+        write_gguf(folder / "hf", file, kind)
+        subjects.append(GGUFSubject(str(file), name=kind, threads=args.threads, seq_len=args.seq_len,
+                                    llama_defaults=args.llama_defaults))  # fmt: skip
     return tuple(subjects)
 
 
-def compared_subject(spec: str, args: argparse.Namespace) -> SubjectRequest:
-    """A --compare SUBJECT: a GGUF file (by its magic), a transformers folder (a config.json and no checkpoints), or
-    a run RUN[:TAG]; llama.cpp's and transformers' settings as for the subject."""
-    path = Path(spec)
-    common = dict(dtype=args.dtype, device=args.device, seq_len=args.seq_len, threads=args.threads,
-                  llama_defaults=args.llama_defaults)  # fmt: skip
-    if is_gguf(path):
-        return SubjectRequest(gguf=spec, **common)
-    if path.exists() and not path.is_dir():  # a file that is not GGUF, a FIFO: never opened as anything else
-        raise UserError(f"--compare {spec}: not a GGUF file, a transformers folder or a run")
-    if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
-        return SubjectRequest(hf=spec, **common)
-    return SubjectRequest(run=parse_run(spec), **common)
+def log_to_wandb(subject: SubjectRequest, report: Path, result: dict) -> None:
+    """--wandb: the report's figures and per-domain shares, attached to the run's own wandb run (offline runs sync
+    later); only a moe-lm run has one."""
+    if subject.kind != "run":
+        print("warning: --wandb: only a moe-lm run has a wandb run to log to", file=sys.stderr)
+        return
+    from moe_lm.checkpoint.format import checkpoint_folder
+    from moe_lm.config import load_config
+    from moe_lm.train.tracker import open_wandb
+
+    run, tag = subject.run
+    wandb = open_wandb(load_config(checkpoint_folder(run, tag) / "config.yaml").logging, run, create=False)
+    if wandb is None:
+        return
+    data = {f"routing/{p.stem}": wandb.Image(str(p)) for p in sorted((report / "figures").glob("*.png"))}
+    domains = result["trace"]["domains"]
+    table = wandb.Table(columns=["layer", "domain", "expert", "token_share", "relative_load"])
+    for layer, lm in result["layers"].items():
+        for d, name in enumerate(domains):
+            for e, share in enumerate(lm["domain_token_share"][d]):
+                table.add_data(int(layer), name, e, share, lm["domain_relative_load"][d][e])
+    data["routing/domain_shares"] = table
+    wandb.log(data)
+    wandb.finish()
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from moe_lm.checkpoint.format import checkpoint_folder
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import CONFIG, add_out, add_run, preset_path
-from moe_lm.errors import UserError
+from moe_lm.errors import UserError, require
 from moe_lm.output_folder import OutputFolder
 
 # written with gguf-py; then the k-quants, which llama.cpp's quantiser makes from an f32 file
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> None:
     out = output_folder(args, "export") if args.out else None
     gguf = OutputFolder(args.gguf, "export", force=args.force, flag="--gguf", file=True) if args.gguf else None
     from moe_lm.config import load_config
-    from moe_lm.interop.gguf import OUT_TYPES, export_gguf, hf_parameter_count, needed_bytes
+    from moe_lm.interop.gguf import OUT_TYPES, hf_parameter_count, needed_bytes, write_gguf
     from moe_lm.interop.hf import export_bytes
     from moe_lm.model.architectures import count_params
 
@@ -82,19 +82,14 @@ def run(args: argparse.Namespace) -> None:
     n = count_params(cfg.model).total if cfg else hf_parameter_count(Path(args.hf))
     quantised = args.gguf_type not in OUT_TYPES
     if quantised:  # why before the model is loaded: a missing extra should not wait for it
-        from moe_lm.interop.llama_cpp import quantize
+        require("llama_cpp", "llama", f"--gguf-type {args.gguf_type} (llama.cpp's quantiser)")
     # the file, plus what is written beside it first: an HF export (not given), the f32 file a k-quant is made from
     extra = (0 if out or args.hf else 4 * n) + (needed_bytes(n, "f32") if quantised else 0)
     with gguf.staged(needed_bytes=needed_bytes(n, "q8_0" if quantised else args.gguf_type) + extra) as file:
         source = Path(args.hf) if args.hf else out.path if out else file.parent / "hf"
         if source == file.parent / "hf":  # an HF export in the staging folder, removed with it
             write_hf(args, cfg, tag, source)
-        if not quantised:
-            said = export_gguf(source, file, args.gguf_type)
-        else:
-            f32 = file.parent / "f32.gguf"  # in the staging folder, removed with it
-            said = export_gguf(source, f32, "f32").replace("(f32,", f"({args.gguf_type} by llama.cpp's quantiser,")
-            said += f"; tensors: {quantize(f32, file, args.gguf_type)}"
+        said = write_gguf(source, file, args.gguf_type)
     print(f"wrote {gguf.path}: {said}")
 
 

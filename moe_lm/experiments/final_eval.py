@@ -34,7 +34,7 @@ from moe_lm.errors import ConfigError
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, git_commit, training_code
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import initial_model, reads_prefix
-from moe_lm.routing.recorder import RoutingRecorder
+from moe_lm.routing.recorder import RoutingRecorder, routers_by_layer
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN
 
 RESULT, ARRAYS = "final_eval.json", "final_eval.npz"
@@ -59,7 +59,7 @@ def evaluate_run(
     windows = validation_windows(shard, cfg.train.seq_len, score_from)
     losses = _LossTally(shard.n_docs, cfg.train.seq_len)
     routes = _RoutingTally(shard, cfg.model.moe.n_routed_experts) if routing else None
-    recorder = RoutingRecorder(model)
+    recorder = RoutingRecorder(routers_by_layer(model))
     with recorder:
         for part in _equal_length_batches(windows, batch_size):
             batch = torch.from_numpy(np.stack([w for _, w in part]).astype(np.int64))
@@ -175,7 +175,7 @@ def init_domain_jsd(cfg, windows: list, shard, layers: list[int], batch_size: in
     model = initial_model(cfg).eval()
     E = cfg.model.moe.n_routed_experts
     counts = {layer: np.zeros((len(shard.domains), E)) for layer in layers}
-    recorder = RoutingRecorder(model)
+    recorder = RoutingRecorder(routers_by_layer(model))
     with recorder:
         for part in _equal_length_batches(windows, batch_size):
             batch = torch.from_numpy(np.stack([w for _, w in part]).astype(np.int64))

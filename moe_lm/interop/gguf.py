@@ -75,6 +75,22 @@ def export_gguf(hf_dir: str | Path, out_file: str | Path, out_type: str = "f32")
     return said
 
 
+def write_gguf(hf_dir: str | Path, out_file: str | Path, out_type: str) -> str:
+    """`hf_dir` written as a GGUF file of `out_type`: the types gguf-py writes (OUT_TYPES) directly, a k-quant by
+    llama.cpp's own quantiser from an f32 file written beside `out_file` first (and removed); what was written."""
+    out_file = Path(out_file)
+    if out_type in OUT_TYPES:
+        return export_gguf(hf_dir, out_file, out_type)
+    from moe_lm.interop.llama_cpp import quantize
+
+    f32 = out_file.with_name(f".{out_file.name}.f32")
+    try:
+        said = export_gguf(hf_dir, f32, "f32").replace("(f32,", f"({out_type} by llama.cpp's quantiser,")
+        return said + f"; tensors: {quantize(f32, out_file, out_type)}"
+    finally:
+        f32.unlink(missing_ok=True)
+
+
 FILE_TYPES = {
     "f32": lambda g: g.LlamaFileType.ALL_F32,
     "f16": lambda g: g.LlamaFileType.MOSTLY_F16,

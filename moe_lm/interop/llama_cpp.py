@@ -35,7 +35,7 @@ from moe_lm.errors import DataError, UserError, require, shown
 from moe_lm.interop.gguf_header import GGUFHeader, read_gguf_header
 from moe_lm.interop.gguf_header import tensor_types as header_tensor_types
 from moe_lm.interop.llama_probe import probe
-from moe_lm.routing.recorder import Routed
+from moe_lm.routing.routed_model import Routed, Window
 from moe_lm.routing.stats import decision_margins
 
 EXTRA = "llama"  # pip install -e '.[llama]': llama-cpp-python, built from source
@@ -117,8 +117,11 @@ def moe_problems(header: GGUFHeader) -> list[str]:
 
 
 class GGUFModel:
-    """A GGUF MoE model loaded in llama.cpp (CPU), with its tokenizer (`tok`); `route(tokens)` runs one sequence,
-    `route_batch(chunks)` several (what `record_trace` calls). `close()` frees it (the tokenizer with it)."""
+    """A GGUF MoE model loaded in llama.cpp (CPU), with its tokenizer (`tok`): a RoutedModel
+    (moe_lm/routing/routed_model.py). `route(tokens)` runs one sequence, `route_batch(windows)` several (what the
+    recorder calls). `close()` frees it (the tokenizer with it)."""
+
+    gives = frozenset({"weights", "margins", "logprob"})
 
     def __init__(
         self, path: str | Path, threads: int = 1, faithful: bool = True, n_ctx: int = 1024, record: bool = True
@@ -210,18 +213,15 @@ class GGUFModel:
     def __exit__(self, *exc) -> None:
         pass
 
-    def route_batch(self, batch) -> Routed:
-        """The chunks of a record_trace batch (`DocChunk`s), one decode each, their rows joined in order."""
-        routed = [self.route(chunk.tokens) for chunk in batch]
+    def route_batch(self, windows: list[Window]) -> Routed:
+        """The windows of a recording batch, one decode each, their rows joined in order."""
+        routed = [self.route(window.tokens) for window in windows]
         return Routed(
             {layer: np.concatenate([r.experts[layer] for r in routed]) for layer in self.layers},
             {layer: np.concatenate([r.weights[layer] for r in routed]) for layer in self.layers},
             {layer: np.concatenate([r.margins[layer] for r in routed]) for layer in self.layers},
             np.concatenate([r.logprob for r in routed]),
         )
-
-    def moe_layer_ids(self) -> list[int]:
-        return list(self.layers)
 
     # ---- the callback -----------------------------------------------------------------------------------------
 

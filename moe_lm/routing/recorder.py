@@ -5,43 +5,35 @@ the router knows what it chose. Training's evaluation, the routing traces and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
+from torch import nn
 
-from moe_lm.model import Routing, Transformer
+from moe_lm.model import Routing
 from moe_lm.routing.stats import decision_margins
 
 
-@dataclass
-class Routed:
-    """Routed rows (tokens in order), whoever ran them: per MoE layer id the chosen experts [N, K] (first choice
-    first), their gate weights [N, K] and each decision's margin [N] (`decision_margins`; NaN where the scores are
-    not known); and each token's log-prob given the tokens before it in its window [N] (NaN for a window's first)."""
-
-    experts: dict[int, np.ndarray]
-    weights: dict[int, np.ndarray]
-    margins: dict[int, np.ndarray]
-    logprob: np.ndarray
+def routers_by_layer(model) -> dict[int, nn.Module]:
+    """Our models' routers (a Transformer's, the encoder-decoder variant's) by MoE layer id, MTP blocks' included."""
+    return dict(zip(model.moe_layer_ids(), model.routers(), strict=True))
 
 
 class RoutingRecorder:
-    """Context manager: forward hooks that keep each MoE layer's last choice, (experts [T, K], weights [T, K]) on
-    the CPU, from what the router returned, and with `margins` (our routers only) each decision's margin [T].
-    `model`: our Transformer, or an `HFMoEModel`."""
+    """Context manager: forward hooks on `routers` (by MoE layer id: ours, or transformers' gates) that keep each
+    layer's last choice, (experts [T, K], weights [T, K]) on the CPU, from what the router returned, and with
+    `margins` (our routers only) each decision's margin [T]."""
 
-    def __init__(self, model: Transformer, margins: bool = False) -> None:
-        self.model = model
+    def __init__(self, routers: dict[int, nn.Module], margins: bool = False) -> None:
+        self.routers = routers
         self.with_margins = margins
-        self.layers = model.moe_layer_ids()
+        self.layers = sorted(routers)
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.margins: dict[int, np.ndarray] = {}
         self._hooks = []
 
     def __enter__(self) -> RoutingRecorder:
-        for layer_id, router in zip(self.layers, self.model.routers(), strict=True):
-            self._hooks.append(router.register_forward_hook(self._hook(layer_id)))
+        for layer_id in self.layers:
+            self._hooks.append(self.routers[layer_id].register_forward_hook(self._hook(layer_id)))
         return self
 
     def __exit__(self, *exc) -> None:

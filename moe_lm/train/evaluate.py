@@ -22,7 +22,7 @@ import torch.distributed as dist
 from moe_lm.model import Transformer
 from moe_lm.parallel.engine import Engine
 from moe_lm.routing import stats
-from moe_lm.routing.recorder import RoutingRecorder
+from moe_lm.routing.recorder import RoutingRecorder, routers_by_layer
 from moe_lm.train.objective import IGNORE, NEXT_TOKEN, Objective, loss_sums
 
 
@@ -46,7 +46,7 @@ def evaluate(
     engine.eval()
     losses = LossTally(len(evalsets), len(model.mtp), score_from)
     routing = RoutingTally(model, len(evalsets), doc_start_id)
-    with RoutingRecorder(model) as recorder:
+    with RoutingRecorder(routers_by_layer(model)) as recorder:
         for d, windows in enumerate(evalsets.values()):
             # every rank runs the same number of forward passes (expert parallelism needs all ranks in each one).
             # Fewer windows than ranks: every rank runs them all and rank 0 alone counts them.

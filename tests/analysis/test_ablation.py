@@ -9,7 +9,8 @@ import torch
 
 from moe_lm.analysis.ablation import ablation_study, document_losses, route_around
 from moe_lm.model import Transformer
-from moe_lm.routing.recorder import RoutingRecorder
+from moe_lm.routing.recorder import RoutingRecorder, routers_by_layer
+from moe_lm.routing.torch_routing import transformer_routing
 from moe_lm.testing import replace_moe, tiny_model_cfg
 
 
@@ -21,10 +22,10 @@ def docs(n=12, seed=0):
 def test_routed_around_experts_are_never_chosen_and_others_take_their_place():
     model = Transformer(tiny_model_cfg()).eval()
     tokens = torch.randint(0, 97, (4, 40))
-    with RoutingRecorder(model) as rec:
+    with RoutingRecorder(routers_by_layer(model)) as rec:
         model(tokens)
         before = rec.last[1][0].clone()
-        with route_around(model, 1, [2, 5]):
+        with route_around(routers_by_layer(model), 1, [2, 5]):
             model(tokens)
             after = rec.last[1][0]
     assert (before == 2).any() or (before == 5).any()  # the test would see a change
@@ -37,11 +38,13 @@ def test_ablating_an_expert_that_receives_no_tokens_changes_nothing():
     with torch.no_grad():
         model.layers[1].mlp.gate.e_score_correction_bias[4] = -10.0  # expert 4 is never chosen
     d = docs()
-    base = document_losses(model, d, seq_len=32)
-    with route_around(model, 1, [4]):
-        ablated = document_losses(model, d, seq_len=32)
+    base = document_losses(lambda t: model(t).logits, d, seq_len=32)
+    with route_around(routers_by_layer(model), 1, [4]):
+        ablated = document_losses(lambda t: model(t).logits, d, seq_len=32)
     assert np.array_equal(base[0], ablated[0]) and np.array_equal(base[1], ablated[1])
-    result = ablation_study(model, d, ["a", "b", "c"], [(1, [4])], seq_len=32, controls=2, n_boot=200)
+    result = ablation_study(
+        transformer_routing(model), d, ["a", "b", "c"], [(1, [4])], seq_len=32, controls=2, n_boot=200
+    )
     assert all(v["delta"] == 0.0 for v in result["ablations"][0]["by_domain"].values())
     assert len(result["ablations"][0]["controls"]) == 2
     assert all(4 not in c["experts"] for c in result["ablations"][0]["controls"])
@@ -57,7 +60,7 @@ def test_ablating_all_but_k_experts_is_a_router_that_can_only_choose_them():
         for e in set(range(8)) - set(keep):
             only.layers[1].mlp.gate.e_score_correction_bias[e] = -1e4
     tokens = torch.randint(0, 97, (3, 30))
-    with torch.no_grad(), route_around(model, 1, [e for e in range(8) if e not in keep]):
+    with torch.no_grad(), route_around(routers_by_layer(model), 1, [e for e in range(8) if e not in keep]):
         torch.testing.assert_close(model(tokens).logits, only(tokens).logits, rtol=0, atol=1e-6)
 
 
@@ -80,10 +83,10 @@ def test_routing_around_one_expert_of_a_group_keeps_its_partner():
     """Groups are chosen as always; only the ablated expert is dropped before the top-k (tiny: groups of two)."""
     model = Transformer(tiny_model_cfg()).eval()  # 8 experts in 4 groups of 2, top-2 groups, k = 3
     tokens = torch.randint(0, 97, (4, 40))
-    with RoutingRecorder(model) as rec, torch.no_grad():
+    with RoutingRecorder(routers_by_layer(model)) as rec, torch.no_grad():
         model(tokens)
         before = rec.last[1][0].clone()
-        with route_around(model, 1, [0]):
+        with route_around(routers_by_layer(model), 1, [0]):
             model(tokens)
             after = rec.last[1][0]
     had_0 = (before == 0).any(-1)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from moe_lm.analysis.agreement import agreement
-from moe_lm.analysis.trace import record_trace
+from moe_lm.analysis.recording import record_trace
 from moe_lm.model import Transformer
+from moe_lm.routing.torch_routing import transformer_routing
 from moe_lm.testing import tiny_model_cfg
 
 
@@ -28,7 +29,7 @@ def traces(tmp_path_factory):
             r.e_score_correction_bias.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(0)
     docs = [(i % 2, torch.randint(2, 97, (n,), generator=gen).numpy()) for i, n in enumerate([40, 70, 25, 90, 60])]
-    made = [record_trace(m, docs, folder / name, ["a", "b"], seq_len=32, progress=False)
+    made = [record_trace(transformer_routing(m), docs, folder / name, ["a", "b"], seq_len=32, progress=False)
             for m, name in ((model, "ref"), (other, "other"))]  # fmt: skip
     return made
 

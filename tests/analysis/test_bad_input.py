@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moe_lm.analysis import metrics as M
-from moe_lm.analysis.trace import bounded_batch
+from moe_lm.analysis.recording import bounded_batch
 from moe_lm.config import DataConfig
 from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import prepare_data

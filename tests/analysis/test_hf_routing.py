@@ -17,7 +17,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_lm.analysis.hf_routing import SUPPORTED, HFMoEModel
+from moe_lm.analysis.hf_routing import SUPPORTED, hf_routing
 from moe_lm.routing.recorder import RoutingRecorder
 from tests.helpers.hf import answer_yes_if_asked, remote_code_folder
 from tests.helpers.runs import WORDS, make_text
@@ -90,19 +90,20 @@ def test_every_supported_architecture_is_covered():
 def test_recorded_choices_are_what_the_gate_chose_and_all_the_model_used(checkpoint):
     kind, path = checkpoint
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = HFMoEModel(hf)
+    model = hf_routing(hf)
     tokens = torch.randint(0, 290, (3, 40), generator=torch.Generator().manual_seed(1))
     gate_inputs = {}
     hooks = [
-        g.register_forward_pre_hook(lambda m, a, l=l: gate_inputs.__setitem__(l, a[0])) for l, g in model.gates.items()
-    ]  # noqa: E501
-    with RoutingRecorder(model) as rec:
-        logits = model(tokens).logits
+        g.register_forward_pre_hook(lambda m, a, l=l: gate_inputs.__setitem__(l, a[0]))
+        for l, g in model.routers.items()
+    ]
+    with RoutingRecorder(model.routers) as rec:
+        logits = model.forward(tokens)
     for h in hooks:
         h.remove()
-    assert sorted(rec.last) == model.moe_layer_ids() and len(rec.last) >= 2
+    assert sorted(rec.last) == model.layers and len(rec.last) >= 2
     biased = False
-    for layer, gate in model.gates.items():
+    for layer, gate in model.routers.items():
         idx, w = rec.last[layer]
         assert idx.shape == (3 * 40, gate.top_k)
         _, own_w, own_idx = gate(gate_inputs[layer])  # the gate's own output, called again on the same input
@@ -122,9 +123,9 @@ def test_recorded_choices_are_what_the_gate_chose_and_all_the_model_used(checkpo
     def replay(layer):
         return lambda m, args, out: (out[0], rec.last[layer][1].to(out[1].dtype), rec.last[layer][0])
 
-    hooks = [g.register_forward_hook(replay(layer)) for layer, g in model.gates.items()]
+    hooks = [g.register_forward_hook(replay(layer)) for layer, g in model.routers.items()]
     try:
-        replayed = model(tokens).logits
+        replayed = model.forward(tokens)
     finally:
         for h in hooks:
             h.remove()
@@ -143,7 +144,7 @@ def test_analyze_routing_cli_on_the_checkpoint(checkpoint, cli, tmp_path):
     proc = cli("analyze", "--hf", path, *data, "--out", out, *chart, "--max-tokens", "20000", "--seq-len", "64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "trace" / "meta.json").read_text())
-    assert meta["source"]["model_type"] == kind and meta["domains"] == list(subjects)
+    assert meta["provenance"]["model_type"] == kind and meta["domains"] == list(subjects)
     assert meta["n_experts"] == 8 and meta["k"] == 2 and meta["n_tokens"] > 500
     assert (out / "trace_init" / "meta.json").is_file() and (out / "routing.html").is_file()
     result = json.loads((out / "metrics.json").read_text())
@@ -157,7 +158,7 @@ def test_an_unsupported_architecture_is_a_clear_error():
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     with pytest.raises(ValueError, match="'llama' is not supported.*deepseek_v3"):
-        HFMoEModel(transformers.AutoModelForCausalLM.from_config(cfg))
+        hf_routing(transformers.AutoModelForCausalLM.from_config(cfg))
 
 
 @torch.no_grad()
@@ -168,24 +169,24 @@ def test_the_ablation_replica_of_each_gate_reproduces_it_and_routes_around(check
     from moe_lm.analysis.hf_routing import reroute
 
     kind, path = checkpoint
-    model = HFMoEModel(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    model = hf_routing(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     tokens = torch.randint(0, 290, (2, 48), generator=torch.Generator().manual_seed(2))
     seen = {}
-    hooks = [g.register_forward_hook(lambda m, a, o, l=l: seen.__setitem__(l, o)) for l, g in model.gates.items()]
-    model(tokens)
+    hooks = [g.register_forward_hook(lambda m, a, o, l=l: seen.__setitem__(l, o)) for l, g in model.routers.items()]
+    model.forward(tokens)
     for h in hooks:
         h.remove()
-    for layer, gate in model.gates.items():
+    for layer, gate in model.routers.items():
         logits, own_w, own_idx = seen[layer]
         w, idx = reroute(gate, logits, [])
         assert torch.equal(idx.sort(-1).values, own_idx.sort(-1).values)
         torch.testing.assert_close(w.float().gather(1, idx.argsort(-1)), own_w.float().gather(1, own_idx.argsort(-1)))
-    layer = model.moe_layer_ids()[0]
-    with RoutingRecorder(model) as rec:
-        model(tokens)
+    layer = model.layers[0]
+    with RoutingRecorder(model.routers) as rec:
+        model.forward(tokens)
         before = rec.last[layer][0].clone()
-        with route_around(model, layer, [0, 3]):
-            model(tokens)
+        with route_around(model.routers, layer, [0, 3]):
+            model.forward(tokens)
             after = rec.last[layer][0]
     assert ((before == 0) | (before == 3)).any() and not ((after == 0) | (after == 3)).any()
 
@@ -195,7 +196,7 @@ def test_ablate_experts_cli_on_the_checkpoint(checkpoint, cli, tmp_path):
     subjects = dict(zip(("abstract_algebra", "professional_law", "world_religions"), WORDS, strict=True))
     rows = [{"text": make_text(d, i), "subject": s} for s, d in subjects.items() for i in range(3)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
-    layer = HFMoEModel(transformers.AutoModelForCausalLM.from_pretrained(path)).moe_layer_ids()[0]
+    layer = hf_routing(transformers.AutoModelForCausalLM.from_pretrained(path)).layers[0]
     data = ["--data", tmp_path / "rows.parquet", "--domain-field", "subject"]
     flags = ["--targets", f"{layer}:1,2", "--controls", "1", "--n-boot", "50", "--seq-len", "64"]
     proc = cli("ablate", "--hf", path, "--out", tmp_path / "a", *data, *flags)

@@ -12,9 +12,11 @@ import torch
 
 import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.analysis import metrics as M
-from moe_lm.analysis.trace import Trace, record_trace
+from moe_lm.analysis.recording import record_trace
+from moe_lm.analysis.trace import Trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
+from moe_lm.routing.torch_routing import transformer_routing
 from moe_lm.testing import replace_moe, tiny_model_cfg
 from tests.helpers.runs import tiny_train_cfg
 
@@ -39,7 +41,8 @@ def test_trace_holds_exactly_the_routers_decisions(tmp_path):
     model = biased_grouped_model()
     gen = torch.Generator().manual_seed(0)
     docs = [(i % 2, torch.randint(2, 97, (n,), generator=gen).numpy()) for i, n in enumerate([5, 40, 17, 70, 3])]
-    trace = record_trace(model, docs, tmp_path / "trace", ["a", "b"], seq_len=32, batch_size=3, progress=False)
+    trace = record_trace(transformer_routing(model), docs, tmp_path / "trace", ["a", "b"], seq_len=32, batch_size=3,
+                         progress=False)  # fmt: skip
     assert trace.n == sum(len(t) for _, t in docs) and trace.meta["n_docs"] == 5
     assert trace.experts(1).dtype == np.uint8 and trace.weights(1).dtype == np.float16
     # reference: each document chunk alone (no padding), the router's inputs captured, its maths called directly
@@ -76,7 +79,8 @@ def test_trace_holds_exactly_the_routers_decisions(tmp_path):
 def test_trace_streams_to_disk_without_holding_rows(tmp_path):
     model = biased_grouped_model()
     docs = ((0, np.random.default_rng(i).integers(2, 97, 60)) for i in range(50))  # a generator: nothing kept
-    trace = record_trace(model, docs, tmp_path / "t", ["x"], seq_len=16, batch_size=8, max_tokens=1000, progress=False)
+    trace = record_trace(transformer_routing(model), docs, tmp_path / "t", ["x"], seq_len=16, batch_size=8,
+                         max_tokens=1000, progress=False)  # fmt: skip
     assert 0 < trace.n <= 1000
     assert (tmp_path / "t" / "token.u32").stat().st_size == 4 * trace.n
     assert trace.meta["tokens_per_s"] > 0
@@ -150,7 +154,8 @@ def test_analyze_routing_on_the_users_own_files(tiny_run, cli, tmp_path):
 def test_prefix_models_are_refused_for_recording(tmp_path):
     cfg = dataclasses.replace(tiny_model_cfg(), attn_mask="prefix")
     with pytest.raises(ValueError, match="causal"):
-        record_trace(Transformer(cfg), [(0, np.arange(5))], tmp_path / "t", ["x"], seq_len=8, progress=False)
+        record_trace(transformer_routing(Transformer(cfg)), [(0, np.arange(5))], tmp_path / "t", ["x"], seq_len=8,
+                     progress=False)  # fmt: skip
 
 
 def test_analysis_is_logged_to_the_runs_wandb_when_asked(tiny_data, tmp_path, train, cli):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe_lm.analysis.agreement import agreement
-from moe_lm.analysis.trace import record_trace
+from moe_lm.analysis.recording import record_trace
 from moe_lm.data.prepare import load_split
 from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.interop.gguf import export_gguf
@@ -26,6 +26,7 @@ from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_tokenizer import export_tokenizer
 from moe_lm.interop.llama_cpp import GGUFModel, quantize
 from moe_lm.model import Transformer
+from moe_lm.routing.torch_routing import transformer_routing
 from moe_lm.testing import check_model, tiny_model_cfg
 
 VOCAB = 320
@@ -57,7 +58,8 @@ def test_llama_cpp_chooses_moe_lms_experts_for_every_token_at_full_precision(exp
     docs = documents(tiny_data.out_dir)
     domains = list(load_split(tiny_data.out_dir, "val").domains)
     gguf_model = GGUFModel(folder / "f32.gguf", n_ctx=model.cfg.max_seq_len)
-    ours = record_trace(model, docs, tmp_path / "ours", domains, seq_len=model.cfg.max_seq_len, progress=False)
+    ours = record_trace(transformer_routing(model), docs, tmp_path / "ours", domains, seq_len=model.cfg.max_seq_len,
+                        progress=False)  # fmt: skip
     theirs = record_trace(gguf_model, docs, tmp_path / "llama", domains, seq_len=model.cfg.max_seq_len,
                           progress=False)  # fmt: skip
     assert ours.n >= 2000 and theirs.layers == ours.layers == model.moe_layer_ids()
@@ -69,9 +71,9 @@ def test_llama_cpp_chooses_moe_lms_experts_for_every_token_at_full_precision(exp
     # the weights at full width (the trace keeps float16): llama.cpp's final stage, normalised and scaled
     tokens = docs[0][1][: model.cfg.max_seq_len]
     routed = gguf_model.route(tokens)
-    from moe_lm.routing.recorder import RoutingRecorder
+    from moe_lm.routing.recorder import RoutingRecorder, routers_by_layer
 
-    with RoutingRecorder(model) as recorder, torch.no_grad():
+    with RoutingRecorder(routers_by_layer(model)) as recorder, torch.no_grad():
         model(torch.from_numpy(tokens)[None])
     for layer in model.moe_layer_ids():
         idx, w = (t.numpy() for t in recorder.last[layer])
@@ -126,7 +128,7 @@ def test_analyze_quantise_compares_the_run_with_its_gguf_exports(trained_run, tm
     assert list(result["comparisons"]) == ["f32", "q8_0"]
     exact, q8 = result["comparisons"]["f32"], result["comparisons"]["q8_0"]
     assert exact["tokens_differing_in_any_layer"]["mean"] == 0.0 and exact["logprob"]["all"]["max_abs"] < 1e-4
-    assert "Q8_0" in q8["source"]["tensors"] and q8["source"]["kv_cache"] == "f32"
+    assert "Q8_0" in q8["provenance"]["tensors"] and q8["provenance"]["kv_cache"] == "f32"
     rows = {line.split(" | ")[0].lstrip("| "): line for line in (out / "comparisons.md").read_text().splitlines()}
     any_layer = q8["tokens_differing_in_any_layer"]
     assert rows["q8_0"].split(" | ")[1].startswith(f"{100 * any_layer['mean']:.2f} (")

@@ -25,7 +25,7 @@ from moe_lm.planning.comm_plan import (
     uniform_nodes_per_token,
     uniform_pairs,
 )
-from moe_lm.routing.recorder import Routed
+from moe_lm.routing.routed_model import Routed
 
 
 def sample_uniform(rng, E: int, K: int, G: int, M: int, n: int) -> np.ndarray:

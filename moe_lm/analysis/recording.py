@@ -1,0 +1,102 @@
+"""Recording: documents cut into windows, batched, routed by a `RoutedModel` (moe_lm/routing/routed_model.py) and
+streamed into a trace (trace.py) as they come. What was chosen is read from the model (its routers' outputs, or
+llama.cpp's graph), never recomputed from logits: under biased, group-limited routing only the router knows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from moe_lm.analysis.trace import Trace, TraceWriter
+from moe_lm.routing.routed_model import RoutedModel, Window
+
+Documents = Iterable[tuple[int, np.ndarray]]  # (domain index, token ids) per document
+
+
+def document_windows(docs: Documents, seq_len: int) -> Iterator[Window]:
+    """Cut each (domain, tokens) document into windows of at most seq_len tokens (context restarts per window)."""
+    for d, (domain, tokens) in enumerate(docs):
+        for start in range(0, len(tokens), seq_len):
+            yield Window(d, domain, start, np.asarray(tokens[start : start + seq_len]))
+
+
+def budgeted_windows(docs: Documents, seq_len: int, max_tokens: int | None) -> Iterator[Window]:
+    """`document_windows`, stopping at `max_tokens` tokens in all (the last window cut to fit; None: no limit)."""
+    given = 0
+    for window in document_windows(docs, seq_len):
+        if max_tokens is not None:
+            room = max_tokens - given
+            if room <= 0:
+                break
+            window.tokens = window.tokens[:room]
+        given += len(window.tokens)
+        yield window
+
+
+def window_batches(windows: Iterable[Window], batch_size: int) -> Iterator[list[Window]]:
+    """Consecutive windows in batches of `batch_size` (the last one shorter)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    batch: list[Window] = []
+    for window in windows:
+        batch.append(window)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+MAX_BATCH_LOGIT_BYTES = 1 << 30  # a forward pass's float32 logits, the largest thing a recording batch holds
+
+
+def bounded_batch(batch_size: int, seq_len: int, vocab_size: int) -> int:
+    """`batch_size` windows per forward pass, fewer where their logits alone would pass MAX_BATCH_LOGIT_BYTES (a
+    129 k vocabulary: two 1,024-token windows)."""
+    return max(1, min(batch_size, MAX_BATCH_LOGIT_BYTES // (seq_len * max(vocab_size, 1) * 4)))
+
+
+def record_trace(
+    model: RoutedModel,
+    docs: Documents,
+    out: str | Path,
+    domains: list[str],
+    seq_len: int,
+    batch_size: int = 16,
+    max_tokens: int | None = None,
+    provenance: dict | None = None,
+    progress: bool | str = True,
+) -> Trace:
+    """Run `model` over documents (domain index, token ids) in windows of `seq_len` and stream every token's routing
+    to `out`, with the optional columns the model gives. `progress`: a progress bar (a string labels it), counting the
+    tokens given when `docs` is a list."""
+    writer = TraceWriter(Path(out), model.layers, model.n_experts, model.k, domains, provenance or {}, model.gives)
+    t0 = time.perf_counter()
+    bar = _progress_bar(docs, max_tokens, progress)
+    with model:
+        for batch in window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size):
+            writer.append(
+                np.concatenate([w.tokens for w in batch]),
+                np.concatenate([np.full(len(w.tokens), w.doc) for w in batch]),
+                np.concatenate([np.arange(w.start, w.start + len(w.tokens)) for w in batch]),
+                np.concatenate([np.full(len(w.tokens), w.domain) for w in batch]),
+                model.route_batch(batch),
+            )
+            bar.update(sum(len(w.tokens) for w in batch))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9), "windows": seq_len})
+
+
+def _progress_bar(docs: Documents, max_tokens: int | None, progress: bool | str) -> tqdm:
+    """A token-counting bar (disabled when `progress` is False); its total is known only when `docs` is a list."""
+    total = sum(len(tokens) for _, tokens in docs) if isinstance(docs, list) else None
+    if max_tokens is not None:
+        total = max_tokens if total is None else min(total, max_tokens)
+    label = progress if isinstance(progress, str) else "recording routing"
+    return tqdm(total=total, desc=label, unit="tok", disable=not progress, leave=False)
