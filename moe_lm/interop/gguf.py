@@ -28,11 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.errors import UserError, require
+from moe_lm.interop.safetensors_folder import SafetensorsFolder
 from moe_lm.model.attention import yarn_mscale
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 ARCH = {"deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
 SPM_FILE = "tokenizer.model"
+EXPORT_AGAIN = "give a folder written by `moe-lm export`, or export the run again"
 LLAMA_YARN_BETA = (32.0, 1.0)  # llama.cpp's yarn beta_fast/beta_slow: fixed for these architectures
 
 
@@ -129,20 +131,7 @@ GQA_FIELDS = {"head_dim": int, "num_key_value_heads": int}
 
 def tensor_shapes(hf_dir: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in the export's safetensors files, read from their headers (no tensor is loaded)."""
-    from safetensors import SafetensorError, safe_open
-
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{hf_dir} holds no .safetensors file: give a folder written by `moe-lm export`")
-    shapes = {}
-    for f in files:
-        try:
-            with safe_open(f, framework="numpy") as st:
-                for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    shapes[key] = tuple(st.get_slice(key).get_shape())
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{f} is not a readable safetensors file ({e}); export the run again") from None
-    return shapes
+    return SafetensorsFolder(hf_dir, EXPORT_AGAIN).shapes()
 
 
 def hf_parameter_count(hf_dir: Path) -> int:
@@ -385,17 +374,8 @@ def write_vocab(w, gguf, model_file: Path, c: dict) -> int:
 def read_state(hf_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the export's safetensors files, as float32 numpy arrays."""
     import torch
-    from safetensors import safe_open
 
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{hf_dir} holds no .safetensors file: give a folder written by `moe-lm export`")
-    state = {}
-    for f in files:
-        with safe_open(f, framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                state[key] = st.get_tensor(key).to(torch.float32).numpy()
-    return state
+    return {name: t.to(torch.float32).numpy() for name, t in SafetensorsFolder(hf_dir, EXPORT_AGAIN).tensors()}
 
 
 def gguf_tensors(hf: dict[str, np.ndarray], c: dict, arch: str) -> list[tuple[str, np.ndarray]]:

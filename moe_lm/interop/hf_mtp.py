@@ -20,13 +20,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moe_lm.errors import DataError
+from moe_lm.interop.safetensors_folder import INDEX, SINGLE, SafetensorsFolder
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 MTP_FILE = "model-mtp.safetensors"
 PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 SHARED_COPIES = {"embed_tokens.weight": "embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
@@ -68,11 +66,13 @@ def add_to_export(out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
 def read_mtp_layers(path: Path, n_layers: int, declared: int) -> dict[int, dict[str, torch.Tensor]]:
     """The MTP layers a checkpoint folder holds, up to the `declared` num_nextn_predict_layers: {j: {name within the
     layer: tensor}} for consecutive j = 0, 1, ... (a config may declare MTP layers its weights do not have)."""
-    files = _key_files(path)
+    if not ((path / INDEX).is_file() or (path / SINGLE).is_file()):
+        return {}
+    files = SafetensorsFolder(path, "download or convert the checkpoint again")
     layers = {}
     for j in range(declared):
         prefix = f"model.layers.{n_layers + j}."
-        keys = [k for k in files if k.startswith(prefix)]
+        keys = [k for k in files.names() if k.startswith(prefix)]
         if prefix + "eh_proj.weight" not in files:
             break
         quantized = [k for k in keys if k.endswith("_scale_inv")]
@@ -81,10 +81,7 @@ def read_mtp_layers(path: Path, n_layers: int, declared: int) -> dict[int, dict[
                 f"{path}: MTP layer {n_layers + j} is stored in FP8 ({quantized[0]}); convert the checkpoint to "
                 "bf16 first (DeepSeek's fp8_cast_bf16.py)"
             )
-        layers[j] = {}
-        for file in sorted({files[k] for k in keys}):
-            with safe_open(path / file, framework="pt") as f:
-                layers[j].update({k[len(prefix) :]: f.get_tensor(k) for k in keys if files[k] == file})
+        layers[j] = {name[len(prefix) :]: tensor for name, tensor in files.tensors(keys)}
     return layers
 
 
@@ -111,13 +108,3 @@ def mtp_state_from_hf(layer: dict[str, torch.Tensor], j: int, main: dict[str, to
         )
         own[f"mtp.{j}.mlp.experts.down_proj"] = torch.stack([experts[e]["down"] for e in order])
     return own
-
-
-def _key_files(path: Path) -> dict[str, str]:
-    """Every tensor name in a checkpoint folder -> the safetensors file holding it."""
-    if (path / INDEX).is_file():
-        return json.loads((path / INDEX).read_text())["weight_map"]
-    if (path / SINGLE).is_file():
-        with safe_open(path / SINGLE, framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE)
-    return {}

@@ -191,3 +191,32 @@ def test_analyze_routing_errors_name_the_problem(tiny_run, cli, tmp_path):
     assert "not a complete checkpoint" in listed and "step_00000002" in listed
     assert f"compared subject {tiny_run}:nope" in fails("--run", tiny_run, "--compare", f"{tiny_run}:nope", "--out",
                                                        tmp_path / "d")  # fmt: skip
+
+
+def test_a_trace_written_layer_by_layer_equals_one_written_row_by_row(tmp_path):
+    """The writer's two orders (rows of every layer as a forward pass gives them, or one layer's column for every
+    token as a layer-by-layer pass gives them) write the same files."""
+    from moe_lm.analysis.trace import TraceWriter
+
+    model = biased_grouped_model()
+    docs = [(i % 2, np.arange(2, 2 + n) % 97) for i, n in enumerate([30, 50, 9])]
+    rows = record_trace(transformer_routing(model), docs, tmp_path / "rows", ["a", "b"], seq_len=16, batch_size=2,
+                        progress=False)  # fmt: skip
+    writer = TraceWriter(tmp_path / "layers", rows.layers, rows.n_experts, rows.k, rows.domains, rows.provenance)
+    half = rows.n // 2  # the token columns in two parts, each layer in one
+    for part in (slice(0, half), slice(half, rows.n)):
+        writer.append_tokens(rows.token[part], rows.doc[part], rows.pos[part], rows.domain[part], rows.logprob[part])
+    for layer in rows.layers:
+        writer.write_layer(layer, rows.experts(layer), rows.weights(layer), rows.margins(layer))
+    layers = writer.close({"windows": 16})
+    assert sorted(p.name for p in (tmp_path / "rows").iterdir()) == sorted(
+        p.name for p in (tmp_path / "layers").iterdir()
+    )
+    for f in (tmp_path / "rows").iterdir():
+        if f.name != "meta.json":
+            assert f.read_bytes() == (tmp_path / "layers" / f.name).read_bytes(), f.name
+    assert layers.n == rows.n and layers.columns == rows.columns
+    broken = TraceWriter(tmp_path / "short", rows.layers, rows.n_experts, rows.k, rows.domains, {})
+    broken.append_tokens(rows.token, rows.doc, rows.pos, rows.domain)
+    with pytest.raises(ValueError, match="other row counts"):
+        broken.close()
