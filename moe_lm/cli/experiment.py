@@ -141,14 +141,14 @@ def declared(exp, args: argparse.Namespace):
 
 def run_and_report(exp, runs_root: Path, out: Path, boot: int) -> dict:
     """Train and evaluate the runs an experiment needs, then write its report (or its probe's)."""
-    from moe_lm.experiments.rank_probe import run_rank_probe
+    from moe_lm.experiments.measures import probe_function
     from moe_lm.experiments.report import write_report
     from moe_lm.experiments.runner import run_experiment
 
     if exp.probe:  # the runs it probes are another experiment's arms (trained here if not cached)
         runs = run_experiment(dataclasses.replace(exp, arms={a: exp.arms[a] for a in exp.probe_arms}, measures=[]),
                               runs_root)  # fmt: skip
-        return {"rank": run_rank_probe}[exp.probe](exp, runs, out)
+        return probe_function(exp.probe)(exp, runs, out)
     return write_report(exp, run_experiment(exp, runs_root), out, boot)
 
 

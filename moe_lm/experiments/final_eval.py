@@ -31,6 +31,7 @@ from moe_lm.checkpoint.format import load_model
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import ConfigError
+from moe_lm.experiments.measures import domain_jsd_of_documents
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, git_commit, training_code
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM
 from moe_lm.model import initial_model, reads_prefix
@@ -47,12 +48,12 @@ def document_windows(doc: np.ndarray, seq_len: int) -> list[np.ndarray]:
 
 
 @torch.no_grad()
-def evaluate_run(
-    run_dir: Path, score_from: int = 1, routing: bool = False, attention_rank: bool = False, batch_size: int = 16
-) -> dict:
-    """Evaluate the run's final checkpoint on its whole validation split; writes final_eval.json/.npz there.
-    `attention_rank` adds the effective rank of every layer's attention matrices on RANK_WINDOWS windows, read
-    the way the run's objective reads them (an MLM's masked inputs), trained and at initialisation."""
+def evaluate_run(run_dir: Path, score_from: int = 1, measures: tuple[str, ...] = (), batch_size: int = 16) -> dict:
+    """Evaluate the run's final checkpoint on its whole validation split; writes final_eval.json/.npz there. Beyond
+    the loss, `measures` (experiments/measures.py): "routing" (token-slots per MoE layer and expert per document),
+    "attention_rank" (the effective rank of every layer's attention matrices on RANK_WINDOWS windows, read the way
+    the run's objective reads them, an MLM's masked inputs, trained and at initialisation)."""
+    routing, attention_rank = "routing" in measures, "attention_rank" in measures
     cfg, model, tag = load_model(run_dir)
     shard = load_split(cfg.data.out_dir, "val")
     objective = scoring_objective(cfg, score_from, run_dir)
@@ -228,16 +229,9 @@ def routing_summary(counts_NLE, doc_domain, n_domains, layers, token, token_doma
         out[f"layer_{layer}"] = {
             "maxvio_global": metrics.max_vio(counts_NLE[:, j].sum(0)),
             "maxvio_floor": metrics.max_vio_floor(len(token), E, K),
-            "domain_jsd": domain_jsd_of(counts_NLE[:, j], doc_domain, n_domains),
+            "domain_jsd": domain_jsd_of_documents(counts_NLE[:, j], doc_domain, n_domains),
             "domain_jsd_shuffled": metrics.mean_domain_jsd(
                 metrics.domain_expert_counts(experts, shuffled, n_domains, E)
             ),
         }
     return out
-
-
-def domain_jsd_of(counts_NE: np.ndarray, doc_domain: np.ndarray, n_domains: int) -> float:
-    """Mean pairwise JSD (bits) between the domains' expert distributions, from per-document counts."""
-    per_domain = np.zeros((n_domains, counts_NE.shape[1]))
-    np.add.at(per_domain, doc_domain, counts_NE)
-    return metrics.mean_domain_jsd(per_domain)

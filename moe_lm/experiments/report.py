@@ -13,9 +13,10 @@ import numpy as np
 
 from moe_lm.errors import RunError
 from moe_lm.experiments import power, stats
-from moe_lm.experiments.arm_data import PER_RUN, ArmData
+from moe_lm.experiments.arm_data import ArmData
 from moe_lm.experiments.curves import train_seconds, train_validation_gap
 from moe_lm.experiments.figures import draw
+from moe_lm.experiments.measures import METRICS
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Comparison, Experiment
 from moe_lm.model import count_params, decode_flops_per_token, train_flops_per_token
@@ -51,7 +52,7 @@ def compare(c: Comparison, a: ArmData, b: ArmData, n_boot: int) -> dict:
     if c.role != "context" and n > 1:  # what a design needs to decide it, taking these seeds as a pilot
         out["power"] = power.seeds_needed(deltas, c.expect, c.margin).as_dict()
     domain = a.arrays[0]["domain"]
-    if c.metric not in PER_RUN and n > 0:
+    if METRICS[c.metric].per_document and n > 0:
 
         def metric(arm, s, docs, which=c.metric):
             return (a, b)[arm].metric(which, s, docs)
@@ -305,8 +306,10 @@ def _comparison_lines(results: dict) -> list[str]:
             judged, pred = f"exploratory, not judged ({c['why']})", f"a {pred}"
         else:
             judged, pred = f"{'premise: ' if c['role'] == 'premise' else ''}**{c['verdict']}**: {c['why']}", f"a {pred}"
+        unit = METRICS[c["metric"]].unit if c["metric"] in METRICS else ""
+        metric = f"{c['metric']} ({unit})" if unit else c["metric"]
         lines.append(
-            f"| {c['name']} | {c['metric']} | {pred} | {seeds} | {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) | "
+            f"| {c['name']} | {metric} | {pred} | {seeds} | {c['mean']:+.4f} ({lo:+.4f}, {hi:+.4f}) | "
             f"{rel} | {judged} | {_power_cell(c)} |"
         )
     if any("power" in c for c in results["comparisons"]):

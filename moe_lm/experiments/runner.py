@@ -33,6 +33,7 @@ from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.data.prepare import prepare_data, read_meta
 from moe_lm.errors import RunError
 from moe_lm.experiments.final_eval import RESULT, evaluate_run
+from moe_lm.experiments.measures import MEASURES
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
 from moe_lm.experiments.spec import Experiment
 from moe_lm.output_folder import made_by, write_marker
@@ -111,11 +112,7 @@ def is_done(run: Run, exp: Experiment) -> bool:
         return False
     if result.get("inputs", {}).get("evaluation_code") != evaluation_code():  # evaluated by other code: again
         return False
-    if "routing" in exp.measures:  # routing measured, with both baselines
-        layers = result.get("routing", {}).values()
-        if not layers or not all("domain_jsd_init" in layer for layer in layers):
-            return False
-    if "attention_rank" in exp.measures and "attention_rank" not in result:
+    if not all(MEASURES[m].recorded(result) for m in exp.measures):  # evaluated without a measure asked for
         return False
     return result.get("score_from") == exp.score_from
 
@@ -158,9 +155,7 @@ def train_and_evaluate(run: Run, exp: Experiment, log) -> None:
             raise RunError(f"training {run.arm} (seed {run.seed}) in {run.folder} failed:\n{tail}")
         info = {**_info(run), "train_seconds": time.perf_counter() - t0}
         (run.folder / RUN_INFO).write_text(json.dumps(info))
-    run.result = evaluate_run(
-        run.folder, exp.score_from, routing="routing" in exp.measures, attention_rank="attention_rank" in exp.measures
-    )
+    run.result = evaluate_run(run.folder, exp.score_from, tuple(exp.measures))
     run.train_seconds = _info(run).get("train_seconds")
 
 

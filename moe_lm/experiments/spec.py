@@ -36,17 +36,13 @@ import yaml
 
 from moe_lm.config import ConfigError, safe_yaml, yaml_problem
 from moe_lm.errors import shown
+from moe_lm.experiments.measures import MEASURES, METRICS, PROBES
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "configs" / "experiments"  # shipped with the package
 EXPECTATIONS = ("lower", "higher", "not_lower", "not_higher", "equivalent")
 NEEDS_MARGIN = ("not_lower", "not_higher", "equivalent")  # "no effect" claims: the largest effect that is none
 ROLES = ("claim", "premise", "context")
 PRESET_MAY_NOT_SET = ("comparisons", "extended_arms", "claim", "verdict")  # what is judged is the definition's
-# each metric beyond the loss and the measure that records it
-MEASURED_BY = {"maxvio_global": "routing", "domain_jsd": "routing", "jsd_over_shuffled": "routing",
-               "erank": "attention_rank"}  # fmt: skip
-METRICS = ("loss", *MEASURED_BY)
-MEASURES = ("routing", "attention_rank")
 
 
 @dataclass(frozen=True)
@@ -180,13 +176,15 @@ def _check(exp: Experiment, path: Path, comparisons: list[Comparison], all_arms:
         if c.expect not in NEEDS_MARGIN and c.margin:
             raise ConfigError(f"{path}: comparison {c.name}: expect {c.expect} takes no margin (got {c.margin})")
         if c.metric not in METRICS:
-            raise ConfigError(f"{path}: comparison {c.name}: metric must be one of {METRICS}, got {c.metric!r}")
-        need = MEASURED_BY.get(c.metric)
+            raise ConfigError(f"{path}: comparison {c.name}: metric must be one of {list(METRICS)}, got {c.metric!r}")
+        need = METRICS[c.metric].measure
         if need and need not in exp.measures:
             raise ConfigError(f"{path}: comparison {c.name} uses {c.metric}, which needs `measures: [{need}]`")
     unknown = set(exp.measures) - set(MEASURES)
     if unknown:
         raise ConfigError(f"{path}: unknown measures {sorted(unknown)}; valid: {list(MEASURES)}")
+    if exp.probe and exp.probe not in PROBES:
+        raise ConfigError(f"{path}: unknown probe {exp.probe!r}; valid: {list(PROBES)}")
     # an unquoted "- Why: because" item is a YAML mapping, which the report would print as a Python dict
     odd = [u for u in exp.untested if not isinstance(u, str)]
     if odd:

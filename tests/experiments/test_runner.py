@@ -354,7 +354,7 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train)
     from moe_lm.experiments.final_eval import RANK_WINDOWS, probe_windows
     from moe_lm.model import initial_model
 
-    ranked = evaluate_run(tmp_path / "run", attention_rank=True)["attention_rank"]
+    ranked = evaluate_run(tmp_path / "run", measures=("attention_rank",))["attention_rank"]
     probe = probe_windows(cfg, RANK_WINDOWS)
     assert ranked["windows"] == len(probe) and len(ranked["erank"]) == cfg.model.n_layers
     want = erank_by_layer(model, probe, forward=lambda c: objective.run(model, c))
