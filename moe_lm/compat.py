@@ -6,7 +6,7 @@ old form is an error saying what to do (as renamed config keys do, moe_lm/config
     COMPLETE files with sizes but no hashes                   0.3         resume once with 0.2 (saves again)
     RNG files holding numpy arrays (not tensors)              0.3         resume once with 0.2 (saves tensors)
     data folders without meta.json's token hashes or bos_id   0.3         moe-lm prepare --force
-    routing traces of format 1 (no margins, no log-probs)     0.3         record the trace again (moe-lm analyze)
+    routing traces of format 1 or 2 (columns not named)       0.3         record the trace again (moe-lm analyze)
 """
 
 from __future__ import annotations

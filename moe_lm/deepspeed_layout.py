@@ -182,7 +182,9 @@ def stages_without_experts(cfg: Config, world: int) -> list[int]:
 # ---- checkpoint keys -----------------------------------------------------------------------------------------
 
 STACKED = ("gate_up_proj", "down_proj")
-PER_EXPERT = re.compile(r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$")
+DEEPSPEED_EXPERT_KEY = re.compile(
+    r"^(?P<prefix>.*)deepspeed_moe\.experts\.deepspeed_experts\.(?P<e>\d+)\.(?P<name>\w+)$"
+)
 
 
 def per_expert_keys(module, state_dict, prefix, local_metadata) -> None:
@@ -206,7 +208,7 @@ def plain_state_dict(sharded: dict[str, torch.Tensor], layout: dict[str, torch.T
     model's stacked `...experts.<w>` tensors; `layout` is the plain model's state dict (for shapes)."""
     out, pieces = {}, {}
     for key, value in sharded.items():
-        m = PER_EXPERT.match(key)
+        m = DEEPSPEED_EXPERT_KEY.match(key)
         if m is None:
             out[key] = value
         else:

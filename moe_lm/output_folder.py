@@ -28,46 +28,23 @@ or a new or empty one (moe_lm/train/run_folder.py).
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import re
 import shutil
 import socket
-import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import xxhash
-
 from moe_lm.compat import old_form
 from moe_lm.errors import UserError
+from moe_lm.files import HASH, disk_full, file_hash, gib, read_small, size_of, some
 
 MARKER = ".moe-lm.json"
 PARTIAL = ".partial-"  # in the staging folder's name: .<name>.partial-<host>-<pid>
 FOLDER_KINDS = {"train": "run folder", "prepare": "prepared data folder"}  # written in place or replaced whole
-
-
-def read_small(path: Path, limit: int = 1 << 20, follow: bool = True, head: bool = False) -> str | None:
-    """The text of `path` when it is a regular file of at most `limit` bytes (`head`: its first `limit` bytes,
-    whatever its size), else None (missing, a folder, a FIFO, a device, too large, not UTF-8; with `follow=False`
-    also a symlink). why not read_text: opening a FIFO blocks until someone writes to it, and anyone can put one
-    where a marker or a pointer is looked for."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or (info.st_size > limit and not head):
-            return None
-        return os.read(fd, min(info.st_size, limit)).decode("utf-8", errors="strict" if not head else "ignore")
-    except (OSError, UnicodeDecodeError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def read_marker(folder: Path) -> dict | None:
@@ -134,17 +111,6 @@ def legacy_run(folder: Path) -> bool:
     return True
 
 
-HASH = "xxh3_128"  # why not sha256: ~14x faster here (23 vs 1.7 GiB/s); it guards against rot and edits, not forgery
-
-
-def file_hash(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def written_record(folder: Path) -> dict[str, dict]:
     """What a command wrote into `folder`: {relative path: {"bytes", "xxh3_128"}} per file, {"link": target} per
     symlink (the marker itself left out)."""
@@ -198,38 +164,6 @@ def moved_aside(folder: Path) -> Path:
         aside, n = folder.with_name(f"{folder.name}.prev-{stamp}-{n}"), n + 1
     os.rename(folder, aside)
     return aside
-
-
-NUMPY_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
-
-
-def disk_full(error: BaseException | None) -> bool:
-    """Whether `error` (or an error it was raised from) is a write that ran out of space. torch's zip writer
-    reports ENOSPC as a RuntimeError ("file write failed"), numpy's `tofile` as an OSError without an errno ("N
-    requested and M written"), so the chain and the wording are both looked at."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if isinstance(error, OSError) and error.errno is None and NUMPY_SHORT_WRITE.search(str(error)):
-            return True
-        if isinstance(error, RuntimeError) and ("file write failed" in str(error) or "No space left" in str(error)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def size_of(folder: Path) -> int:
-    """Bytes of the files under `folder` (symlinks not followed)."""
-    return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def some(names: list[str], n: int = 5) -> str:
-    """The first `n` of `names` for an error message, with "..." when there are more."""
-    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class OutputFolder:

@@ -38,6 +38,7 @@ CORE = (
     "config",
     "errors",
     "compat",
+    "files",
     "output_folder",
 )
 MAX_FUNCTION_LINES = 70
@@ -45,6 +46,7 @@ MAX_FUNCTION_LINES = 70
 FLOORS = (
     "errors",
     "compat",
+    "files",
     "flags",
     "console",
     "ops",

@@ -18,7 +18,7 @@ import numpy as np
 from moe_lm.routing.stats import (  # noqa: F401 (shared with training, part of this set)
     MAX_PAIRS,
     consecutive_pairs,
-    domain_jsd,
+    domain_jsd_table,
     expert_counts,
     js_divergence,
     max_vio,

@@ -39,7 +39,7 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffle
     counts = metrics.expert_counts(experts, trace.n_experts)
     shares = metrics.domain_shares(experts, trace.domain, len(trace.domains), trace.n_experts)
     by_domain = domain_counts(experts, trace.domain, trace)
-    table = metrics.domain_jsd(by_domain).tolist() if len(trace.domains) <= PAIR_TABLE_DOMAINS else None
+    table = metrics.domain_jsd_table(by_domain).tolist() if len(trace.domains) <= PAIR_TABLE_DOMAINS else None
     return {
         "maxvio_global": metrics.max_vio(counts),
         "load": counts.tolist(),

@@ -34,8 +34,8 @@ from moe_lm.config import Config, load_config
 from moe_lm.data.tokenizer import data_tokenizer_sha256
 from moe_lm.deepspeed_layout import model_keys, plain_state_dict
 from moe_lm.errors import DataError, NotFound
+from moe_lm.files import HASH, file_hash, read_small
 from moe_lm.model import Transformer, build_model
-from moe_lm.output_folder import HASH, file_hash, read_small
 
 COMPLETE = "COMPLETE"
 TAG = re.compile(r"step_\d{8}")  # a checkpoint's folder name, as save writes it: step_ + the step in 8 digits

@@ -50,8 +50,9 @@ from moe_lm.checkpoint.format import (
 from moe_lm.compat import old_form
 from moe_lm.config import Config, config_to_dict, dump_config, load_config
 from moe_lm.errors import RunError
+from moe_lm.files import disk_full, gib
 from moe_lm.model import Transformer, build_model
-from moe_lm.output_folder import disk_full, gib, moved_aside
+from moe_lm.output_folder import moved_aside
 from moe_lm.parallel.engine import Engine
 
 # Sections whose change makes an existing checkpoint a different experiment (the rest may change on resume).

@@ -22,13 +22,24 @@ COMMANDS = {
     "prepare": ("prepare", "prepare data: read sources, train or copy the tokenizer, write token shards"),
     "train": ("train", "train a model under DeepSpeed (resumes a run folder; --nproc N processes)"),
     "generate": ("generate", "generate text from a run (KV-cached; --speculative mtp drafts with MTP modules)"),
-    "export": ("export", "export a run to a transformers checkpoint (DeepseekV3 / Glm4Moe) with its tokenizer"),
+    "export": (
+        "export",
+        "export a run as a transformers checkpoint (DeepseekV3 / Glm4Moe) with its tokenizer, and/or "
+        "as a GGUF file for llama.cpp (f32 ... q2_K)",
+    ),
     "eval": ("evaluate", "evaluate a run or an export with lm-evaluation-harness"),
-    "analyze": ("analyze", "analyse the routing of a run or a released transformers MoE model, with baselines"),
+    "analyze": (
+        "analyze",
+        "analyse the routing of a run, a transformers MoE checkpoint or a GGUF file in llama.cpp, "
+        "with baselines; compare subjects token by token",
+    ),
     "ablate": ("ablate", "route around experts and measure each domain's loss change"),
     "experiment": ("experiment", "run an experiment (arms x seeds) and write its report with a verdict"),
     "bench": (None, "benchmarks: MoE layer, loss, training step, decoding, routing, preparation (moe_lm.bench)"),
-    "estimate": ("estimate", "estimate training memory per GPU of a config"),
+    "estimate": (
+        "estimate",
+        "plan a layout: memory per GPU, pipeline stages, the expert-parallel all-to-all (also from a routing trace)",
+    ),
     "config": ("show_config", "show a resolved config, the presets, or the reference of every key"),
 }
 

@@ -20,8 +20,8 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_lm.data.documents import DataError, Document, ReadReport, source_name
-from moe_lm.errors import require
+from moe_lm.data.documents import Document, ReadReport, source_name
+from moe_lm.errors import DataError, require
 
 BATCH = 1024
 DATASET_SUFFIXES = (".parquet", ".arrow")

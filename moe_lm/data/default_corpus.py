@@ -15,7 +15,8 @@ import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_lm.data.documents import DataError, Document, ReadReport
+from moe_lm.data.documents import Document, ReadReport
+from moe_lm.errors import DataError
 
 DOMAINS = ("python", "c", "docs", "readme", "license")
 EMBEDDED = Path(__file__).with_name("embedded") / "default_corpus.jsonl.xz"

@@ -34,12 +34,14 @@ from tqdm import tqdm
 from moe_lm.compat import old_form
 from moe_lm.config import DataConfig
 from moe_lm.data.default_corpus import iter_default_corpus
-from moe_lm.data.documents import DataError, Document, ReadReport, check_domain_field
+from moe_lm.data.documents import Document, ReadReport, check_domain_field
 from moe_lm.data.shards import TokenShard
 from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenize_shards import tokenize_to_shards
 from moe_lm.data.tokenizer import SentencePieceTokenizer, import_tokenizer, train_tokenizer, write_training_text
-from moe_lm.output_folder import MARKER, OutputFolder, some
+from moe_lm.errors import DataError
+from moe_lm.files import some
+from moe_lm.output_folder import MARKER, OutputFolder
 
 MIN_DEFAULT_DOMAINS = 4
 # What a finished data folder holds; anything else in out_dir is the user's, and is never deleted.

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from moe_lm.data.documents import DataError
+from moe_lm.errors import DataError
 
 HASH = "xxh3_128"  # as in checkpoints (moe_lm/checkpoint/format.py): fast; it guards against rot, not an adversary
 SCAN_CHUNK = 1 << 23  # tokens per step of the one pass that hashes a shard and finds its largest id

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moe_lm.data.dataset_sources import dataset_files, is_dataset_source, iter_dataset
-from moe_lm.data.documents import DataError, Document, ReadReport, counted, iter_text_source, text_files
+from moe_lm.data.documents import Document, ReadReport, counted, iter_text_source, text_files
+from moe_lm.errors import DataError
 
 
 def iter_source(

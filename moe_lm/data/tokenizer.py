@@ -23,8 +23,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from moe_lm.data.documents import DataError
-from moe_lm.errors import REMOTE_CODE_OFF, install_hint, remote_code_refused
+from moe_lm.errors import REMOTE_CODE_OFF, DataError, install_hint, remote_code_refused
 
 SPM_FILE = "tokenizer.model"
 HF_FOLDER = "tokenizer"

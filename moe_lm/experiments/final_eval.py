@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.analysis import metrics
-from moe_lm.analysis.attention_probe import erank_by_layer
 from moe_lm.checkpoint.format import load_model
 from moe_lm.data.batches import eval_windows
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import ConfigError
+from moe_lm.experiments.attention_probe import erank_by_layer
 from moe_lm.experiments.measures import domain_jsd_of_documents
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, git_commit, training_code
 from moe_lm.experiments.variants.objectives import MLM, PrefixLM

@@ -5,7 +5,7 @@ prefix; same parameters, labels, seeds) and, for each, the same architecture at 
 untrained twin). Per layer and head, on fixed validation windows: the full matrix, the prefix block (positions
 < P: bidirectional vs lower-triangular) and the target block. Plus Dong et al.'s rank collapse of the hidden states
 (also for an untrained 12-layer twin, where depth shows) and a model-free Gaussian control. Measures:
-moe_lm/analysis/attention_probe.py.
+moe_lm/experiments/attention_probe.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_lm.analysis.attention_probe import (
+from moe_lm.checkpoint.format import load_model
+from moe_lm.experiments import stats
+from moe_lm.experiments.arm_data import ArmData
+from moe_lm.experiments.attention_probe import (
     attention_logits,
     attention_matrices,
     capture_attention,
@@ -25,9 +28,6 @@ from moe_lm.analysis.attention_probe import (
     relative_residual,
     synthetic_erank,
 )
-from moe_lm.checkpoint.format import load_model
-from moe_lm.experiments import stats
-from moe_lm.experiments.arm_data import ArmData
 from moe_lm.experiments.final_eval import probe_windows
 from moe_lm.experiments.report import closing_sections, command, common_inputs, compare
 from moe_lm.experiments.runner import Run

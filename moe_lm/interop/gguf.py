@@ -27,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_lm.data.tokenizer import SPM_FILE
 from moe_lm.errors import UserError, require
 from moe_lm.interop.safetensors_folder import SafetensorsFolder
 from moe_lm.model.attention import yarn_mscale
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 ARCH = {"deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
-SPM_FILE = "tokenizer.model"
 EXPORT_AGAIN = "give a folder written by `moe-lm export`, or export the run again"
 LLAMA_YARN_BETA = (32.0, 1.0)  # llama.cpp's yarn beta_fast/beta_slow: fixed for these architectures
 

@@ -387,8 +387,8 @@ def export_run(
     start token and context length: (the tag, what was written of the tokenizer). Without the run's tokenizer the
     model alone is written, unless `tokenizer_required`."""
     from moe_lm.checkpoint.format import load_model
-    from moe_lm.data.documents import DataError
     from moe_lm.data.tokenizer import load_data_tokenizer
+    from moe_lm.errors import DataError
     from moe_lm.interop.hf_tokenizer import export_tokenizer
 
     cfg, model, tag = load_model(run_dir, tag)

@@ -26,7 +26,7 @@ from moe_lm.errors import DataError
 from moe_lm.interop.safetensors_folder import INDEX, SINGLE, SafetensorsFolder
 
 MTP_FILE = "model-mtp.safetensors"
-PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+HF_EXPERT_WEIGHT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 SHARED_COPIES = {"embed_tokens.weight": "embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
@@ -97,7 +97,7 @@ def mtp_state_from_hf(layer: dict[str, torch.Tensor], j: int, main: dict[str, to
                     "model's (as DeepSeek-V3 does in training), so the copy is not used",
                     stacklevel=2,
                 )
-        elif m := PER_EXPERT.match(name):
+        elif m := HF_EXPERT_WEIGHT.match(name):
             experts.setdefault(int(m[1]), {})[m[2]] = tensor.float()
         else:
             own[f"mtp.{j}.{name}"] = tensor.float()

@@ -1,5 +1,7 @@
 """A GGUF file run in llama.cpp (llama-cpp-python, the `llama` extra), as the analytics' third kind of subject:
-every token's experts and gate weights as llama.cpp's own graph selected them, and each token's log-prob.
+every token's experts and gate weights as llama.cpp's own graph selected them, and each token's log-prob; and
+llama.cpp's own quantiser (`quantize`: what `llama-quantize` runs), which writes the k-quants `moe-lm export
+--gguf-type` and `analyze --quantise` ask for.
 
 Read, never recomputed: llama.cpp's MoE block (`build_moe_ffn`, src/llama-graph.cpp) names its tensors
 `ffn_moe_<what>-<block>`, the block index counting leading dense blocks (so it is moe-lm's layer id). Through the
@@ -207,7 +209,7 @@ class GGUFModel:
             self._lc.llama_model_free(self._model)
             self._model = None
 
-    def __enter__(self) -> GGUFModel:  # a routing source for record_trace; the model stays loaded (its tokenizer)
+    def __enter__(self) -> GGUFModel:  # a RoutedModel for the recorder; the model stays loaded (its tokenizer)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -98,7 +98,7 @@ def decode_mask(S: int, start: int, device: torch.device) -> torch.Tensor:
 class ScaledDotProductAttention(nn.Module):
     """softmax(q k^T * scale + mask) v through PyTorch's fused kernels (mask None: causal). A module of its own, with
     no weights, because it is where the attention matrix arises: a forward hook on it sees q, k, v, the mask and the
-    scale (the attention probe, moe_lm/analysis/attention_probe.py) without the model knowing."""
+    scale (the attention probe, moe_lm/experiments/attention_probe.py) without the model knowing."""
 
     def forward(self, q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False) -> torch.Tensor:
         return F.scaled_dot_product_attention(

@@ -61,7 +61,7 @@ def pairwise_jsd(dist: np.ndarray) -> np.ndarray:
     return out
 
 
-def domain_jsd(counts_DE: np.ndarray) -> np.ndarray:
+def domain_jsd_table(counts_DE: np.ndarray) -> np.ndarray:
     """Pairwise JSD (bits) between the expert-assignment distributions of the domains that have tokens, from
     their counts [Dm, E] (`domain_expert_counts`); domains without tokens are left out, not compared as zeros."""
     return pairwise_jsd(_present_distributions(counts_DE))

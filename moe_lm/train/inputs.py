@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from moe_lm.config import Config
 from moe_lm.data.batches import eval_windows
-from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import build_signature, load_split, prepare_data, read_meta, signature_changes
+from moe_lm.errors import DataError
 
 
 def prepare_default_corpus(cfg: Config, log) -> None:

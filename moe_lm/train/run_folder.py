@@ -18,7 +18,8 @@ from pathlib import Path
 from moe_lm.checkpoint.format import ckpt_root
 from moe_lm.checkpoint.save_resume import barrier, everywhere, rank
 from moe_lm.errors import RunError
-from moe_lm.output_folder import FOLDER_KINDS, enclosing_folder, made_by, some, write_marker
+from moe_lm.files import some
+from moe_lm.output_folder import FOLDER_KINDS, enclosing_folder, made_by, write_marker
 
 LOCK = ".lock"
 

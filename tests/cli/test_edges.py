@@ -58,8 +58,8 @@ def test_a_prompt_longer_than_the_context_is_cut_with_a_warning(cli, trained_run
 
 def test_a_damaged_or_missing_tokenizer_is_named(cli, copied_run, tmp_path):
     from moe_lm.config import load_config
-    from moe_lm.data.documents import DataError
     from moe_lm.data.tokenizer import load_data_tokenizer
+    from moe_lm.errors import DataError
 
     copy = Path(copied_run(max_steps=2).train.out_dir)
     original, data = Path(load_config(copy / "config.yaml").data.out_dir), tmp_path / "data"

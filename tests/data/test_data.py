@@ -15,10 +15,11 @@ from moe_lm.config import DataConfig
 from moe_lm.data import default_corpus
 from moe_lm.data.batches import TrainWindows, eval_windows
 from moe_lm.data.default_corpus import DOMAINS, iter_default_corpus
-from moe_lm.data.documents import DataError, ReadReport
+from moe_lm.data.documents import ReadReport
 from moe_lm.data.prepare import is_validation, load_split, prepare_data
 from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.errors import DataError
 from moe_lm.experiments.provenance import data_fingerprint
 from tests.helpers.runs import WORDS, write_folder_corpus
 

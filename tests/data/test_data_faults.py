@@ -17,10 +17,10 @@ import xxhash
 from moe_lm.config import DataConfig
 from moe_lm.data import prepare
 from moe_lm.data.batches import eval_windows
-from moe_lm.data.documents import DataError, ReadReport
+from moe_lm.data.documents import ReadReport
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.sources import iter_source
-from moe_lm.errors import UserError
+from moe_lm.errors import DataError, UserError
 from moe_lm.output_folder import MARKER
 from tests.helpers.runs import VOCAB, tiny_train_cfg, write_folder_corpus
 

@@ -13,10 +13,11 @@ import pytest
 
 from moe_lm.config import ConfigError, DataConfig
 from moe_lm.data.dataset_sources import parse_hf
-from moe_lm.data.documents import DataError, ReadReport
+from moe_lm.data.documents import ReadReport
 from moe_lm.data.prepare import load_split, prepare_data, sources_fingerprint
 from moe_lm.data.sources import iter_source, source_files
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.errors import DataError
 from tests.helpers.runs import WORDS, make_text
 
 ROWS = [{"text": make_text(domain, i), "domain": domain} for domain in WORDS for i in range(5)]

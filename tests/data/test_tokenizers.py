@@ -11,9 +11,9 @@ import sentencepiece as spm
 import transformers
 
 from moe_lm.config import DataConfig
-from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split, prepare_data
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.errors import DataError
 from moe_lm.interop.hf_tokenizer import export_tokenizer
 from tests.helpers.hf import answer_yes_if_asked, remote_code_folder
 from tests.helpers.runs import write_folder_corpus

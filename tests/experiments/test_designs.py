@@ -60,3 +60,26 @@ def test_a_yaml_tag_in_a_definition_is_one_line_naming_the_file(tmp_path, cli, t
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"error: {path}: invalid YAML, line 2, column ")
     assert "could not determine a constructor for the tag" in line
+
+
+def test_every_registered_variant_is_used_by_a_shipped_definition():
+    """The ownership rule (docs/experiments.md §5): a variant lives as long as a shipped experiment uses it; one that
+    no definition names any more is removed, with its tests."""
+    import moe_lm.experiments.variants  # noqa: F401 - registers them
+    from moe_lm.model.architectures import ARCHITECTURES
+    from moe_lm.model.masks import MASKS
+    from moe_lm.train.objective import OBJECTIVES
+
+    used = {"model.attn_mask": set(), "objective.name": set(), "model.arch": set()}
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        for preset in (None, "gpu", "long"):
+            exp = load_experiment(path.stem, preset, extended=True)
+            for overrides in [exp.overrides, *exp.arms.values()]:
+                for override in overrides:
+                    key, _, value = override.partition("=")
+                    if key in used:
+                        used[key].add(value)
+    core = {"model.attn_mask": "causal", "objective.name": "lm", "model.arch": "decoder"}
+    for key, registry in (("model.attn_mask", MASKS), ("objective.name", OBJECTIVES), ("model.arch", ARCHITECTURES)):
+        unused = set(registry) - used[key] - {core[key]}
+        assert not unused, f"{key} {sorted(unused)}: registered by a variant no shipped experiment uses; remove it"

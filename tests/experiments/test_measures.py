@@ -33,10 +33,10 @@ def test_each_metric_reads_its_definition():
     )
     per_domain = [np.array([counts[(a["domain"][docs] == d), j].sum(0) for d in range(3)]) for j in range(2)]
     assert METRICS["domain_jsd"].read(a, {}, docs) == pytest.approx(
-        np.mean([stats.mean_pairwise(stats.domain_jsd(p)) for p in per_domain])
+        np.mean([stats.mean_pairwise(stats.domain_jsd_table(p)) for p in per_domain])
     )
     assert domain_jsd_of_documents(counts[:, 0], a["domain"][docs], 3) == pytest.approx(
-        stats.mean_pairwise(stats.domain_jsd(per_domain[0]))
+        stats.mean_pairwise(stats.domain_jsd_table(per_domain[0]))
     )
     result = {
         "routing": {"layer_1": {"domain_jsd": 0.3, "domain_jsd_shuffled": 0.1}},

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from moe_lm.analysis.attention_probe import attention_matrices, capture_attention
 from moe_lm.checkpoint.format import load_model
 from moe_lm.config import ConfigError, dump_config
 from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
 from moe_lm.experiments import runner
 from moe_lm.experiments.arm_data import ArmData
+from moe_lm.experiments.attention_probe import attention_matrices, capture_attention
 from moe_lm.experiments.curves import eval_curve, train_seconds
 from moe_lm.experiments.figures import relative_load
 from moe_lm.experiments.final_eval import document_windows, evaluate_run, probe_windows
@@ -350,7 +350,7 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train)
                 n += int((labels != IGNORE).sum())
     assert result["labels"] == n and result["loss"] == pytest.approx(nll / n, rel=1e-5)
     # the attention-rank measure reads the probe windows as the objective does (masked), trained and untrained
-    from moe_lm.analysis.attention_probe import erank_by_layer
+    from moe_lm.experiments.attention_probe import erank_by_layer
     from moe_lm.experiments.final_eval import RANK_WINDOWS, probe_windows
     from moe_lm.model import initial_model
 

@@ -262,8 +262,8 @@ def test_a_full_disk_during_a_gguf_export_from_an_hf_folder_is_one_line_with_the
     hf_export, tmp_path, cli, monkeypatch
 ):
     """numpy's tofile reports a short write as an OSError without an errno ("N requested and M written")."""
+    from moe_lm.files import gib
     from moe_lm.interop.gguf import hf_parameter_count, needed_bytes
-    from moe_lm.output_folder import gib
 
     def short_write(self, *a, **k):
         self.fout[0].write(b"GGUF" + b"\0" * 100) if isinstance(self.fout, list) else None

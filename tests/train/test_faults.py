@@ -24,9 +24,8 @@ import moe_lm.experiments.variants  # noqa: F401  (registers the research varian
 from moe_lm.checkpoint import save_resume
 from moe_lm.checkpoint.format import COMPLETE, latest_tag, load_model
 from moe_lm.config import ConfigError, dump_config, load_config
-from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split, prepare_data
-from moe_lm.errors import RunError
+from moe_lm.errors import DataError, RunError
 from moe_lm.train import loop, run_folder
 from moe_lm.train.flops import Throughput
 from tests.helpers.runs import VOCAB, rows, tiny_train_cfg, with_train, write_folder_corpus

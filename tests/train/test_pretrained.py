@@ -13,8 +13,8 @@ import transformers
 
 from moe_lm.config import ConfigError
 from moe_lm.data.batches import eval_windows
-from moe_lm.data.documents import DataError
 from moe_lm.data.prepare import load_split
+from moe_lm.errors import DataError
 from tests.helpers.runs import VOCAB, tiny_train_cfg
 
 

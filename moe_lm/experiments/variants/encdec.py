@@ -1,5 +1,5 @@
 """An encoder-decoder variant (RedLLM-style, arXiv 2510.26622), for the experiment that compares it with the
-decoder-only model at equal parameters and at twice the parameters.
+decoder-only model at equal parameters and at twice the parameters (`encdec`, which owns it: docs/experiments.md §5).
 
 A window's first P tokens (the prefix, `prefix_len`) go to the encoder: n_enc_layers blocks with bidirectional
 self-attention. The decoder reads t_{P-1} .. t_{S-1} and predicts t_P .. t_S: n_layers blocks, each with causal

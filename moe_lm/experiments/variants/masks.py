@@ -1,4 +1,5 @@
-"""Attention masks of the research variants, registered as `model.attn_mask` names (moe_lm/model/masks.py).
+"""Attention masks of the research variants, registered as `model.attn_mask` names (moe_lm/model/masks.py); owned by
+the experiments that use them (`mask` and `rank`: prefix; `mlm-mix`: the encoders' masks; docs/experiments.md §5).
 
 - "prefix": bidirectional inside each sequence's prefix, causal after it (prefix LM / UniLM); trained with
   objective.name=prefix_lm, which supplies the prefix length.

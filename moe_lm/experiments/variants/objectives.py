@@ -1,4 +1,5 @@
-"""Objectives of the research variants, registered as `objective.name` values (moe_lm/train/objective.py).
+"""Objectives of the research variants, registered as `objective.name` values (moe_lm/train/objective.py); owned by
+the experiments that use them (`mask`, `encdec`: prefix_lm; `mlm-mix`: mlm; docs/experiments.md §5).
 
 - "prefix_lm" with prefix_len P: t_0 .. t_{P-1} are input only; the labels are t_P .. t_S (positions j >= P - 1).
   With model.attn_mask=prefix the model attends bidirectionally inside the prefix (UniLM / prefix LM); with a

@@ -52,7 +52,7 @@ def test_kv_cache_decoding_under_the_prefix_mask_matches_full_forward(attention)
 
 
 def test_mixed_attention_masks_by_head_and_by_layer():
-    from moe_lm.analysis.attention_probe import attention_matrices, capture_attention
+    from moe_lm.experiments.attention_probe import attention_matrices, capture_attention
 
     for kind in ("mixed_heads", "mixed_layers", "bidirectional"):
         model = Transformer(dataclasses.replace(tiny_model_cfg("gqa"), attn_mask=kind)).eval()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
-from moe_lm.analysis.attention_probe import (
+from moe_lm.experiments.attention_probe import (
     attention_matrices,
     capture_attention,
     erank_by_layer,

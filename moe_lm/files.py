@@ -1,0 +1,75 @@
+"""Small file helpers every room that writes or reads the user's files shares: reading a marker or pointer without
+waiting on a FIFO, content hashes, recognising a full disk, and the numbers and names an error message shows."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from pathlib import Path
+
+import xxhash
+
+
+def read_small(path: Path, limit: int = 1 << 20, follow: bool = True, head: bool = False) -> str | None:
+    """The text of `path` when it is a regular file of at most `limit` bytes (`head`: its first `limit` bytes,
+    whatever its size), else None (missing, a folder, a FIFO, a device, too large, not UTF-8; with `follow=False`
+    also a symlink). why not read_text: opening a FIFO blocks until someone writes to it, and anyone can put one
+    where a marker or a pointer is looked for."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or (info.st_size > limit and not head):
+            return None
+        return os.read(fd, min(info.st_size, limit)).decode("utf-8", errors="strict" if not head else "ignore")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+
+
+HASH = "xxh3_128"  # why not sha256: ~14x faster here (23 vs 1.7 GiB/s); it guards against rot and edits, not forgery
+
+
+def file_hash(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+NUMPY_SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether `error` (or an error it was raised from) is a write that ran out of space. torch's zip writer
+    reports ENOSPC as a RuntimeError ("file write failed"), numpy's `tofile` as an OSError without an errno ("N
+    requested and M written"), so the chain and the wording are both looked at."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(error, OSError) and error.errno is None and NUMPY_SHORT_WRITE.search(str(error)):
+            return True
+        if isinstance(error, RuntimeError) and ("file write failed" in str(error) or "No space left" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def size_of(folder: Path) -> int:
+    """Bytes of the files under `folder` (symlinks not followed)."""
+    return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def some(names: list[str], n: int = 5) -> str:
+    """The first `n` of `names` for an error message, with "..." when there are more."""
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
