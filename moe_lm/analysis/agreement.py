@@ -66,6 +66,7 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
     doc, domain = np.asarray(ref.doc, np.int64), np.asarray(ref.domain, np.int64)
     top1, overlap = a[:, 0] == b[:, 0], (a[:, :, None] == b[:, None, :]).any(2).sum(1) / ref.k
     flip = overlap < 1
+    known = ref.margins(layer) is not None or other.margins(layer) is not None  # one side's margin decides a tie
     margin = np.fmin(_margins(ref, layer, ref.n), _margins(other, layer, ref.n))
     by_domain = {}
     for d, name in enumerate(ref.domains):
@@ -78,8 +79,9 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
         "topk_overlap": _with_interval(overlap, doc, draws),
         "flips": int(flip.sum()),
         "flip_rate": _with_interval(flip, doc, draws),
-        "flips_near_ties": int((flip & (margin < TIE)).sum()),
-        "near_ties": int((margin < TIE).sum()),
+        # they need a decision margin (the selection scores) from at least one of the two subjects
+        "flips_near_ties": int((flip & (margin < TIE)).sum()) if known else None,
+        "near_ties": int((margin < TIE).sum()) if known else None,
         "flipped_margin_median": float(np.nanmedian(margin[flip])) if flip.any() and np.isfinite(margin[flip]).any()
         else None,
         "order_differs": int((a != b).any(1).sum()),

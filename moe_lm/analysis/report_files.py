@@ -184,7 +184,7 @@ def comparison_tables(comparisons: dict[str, dict]) -> str:
                 f"<tr><td>{layer}</td><td>{t1['mean']:.4f} ({t1['interval'][0]:.4f}-{t1['interval'][1]:.4f}); chance "
                 f"{m['chance']['top1_agreement']:.3f}</td><td>{ov['mean']:.4f} ({ov['interval'][0]:.4f}-"
                 f"{ov['interval'][1]:.4f}); chance {m['chance']['topk_overlap']:.3f}</td><td>{m['flips']:,} "
-                f"({100 * fl['mean']:.3f} %), {m['flips_near_ties']:,} near ties</td></tr>"
+                f"({100 * fl['mean']:.3f} %), {_near_ties(m['flips_near_ties'])}</td></tr>"
             )
         any_layer, lp = c["tokens_differing_in_any_layer"], c.get("logprob") or {}
         cost = lp.get("all", {})
@@ -224,16 +224,21 @@ def comparisons_markdown(result: dict) -> str:
             f"{100 * m['flip_rate']['interval'][1]:.2f}; chance {100 * m['chance'].get('flip_rate', float('nan')):.0f})"
             for layer, m in c["layers"].items()
         )
-        near, flips = (sum(m[key] for m in c["layers"].values()) for key in ("flips_near_ties", "flips"))
+        flips = sum(m["flips"] for m in c["layers"].values())
+        known = [m["flips_near_ties"] for m in c["layers"].values() if m["flips_near_ties"] is not None]
+        near = f"{sum(known):,} of {flips:,}" if known else f"margins not recorded, {flips:,} flips"
         lo, hi = (100 * x for x in any_layer["interval"])
         gap = (f"{cost['mean_abs']:.2e} / {cost['p99_abs']:.2e} / {cost['max_abs']:.2e}" if cost.get("tokens")
                else "not recorded")  # fmt: skip
         what = _what_it_is(c.get("provenance") or {})
         lines.append(
-            f"| {label} | {100 * any_layer['mean']:.2f} ({lo:.2f}-{hi:.2f}) | {per_layer} | {near:,} of {flips:,} | "
-            f"{gap} | {what} |"
+            f"| {label} | {100 * any_layer['mean']:.2f} ({lo:.2f}-{hi:.2f}) | {per_layer} | {near} | {gap} | {what} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _near_ties(n: int | None) -> str:
+    return "near ties not known (no decision margins recorded)" if n is None else f"{n:,} near ties"
 
 
 def _what_it_is(provenance: dict) -> str:
