@@ -50,3 +50,18 @@ def usable_device(value: str, flag: str = "--device") -> None:
         raise UserError(f"{flag} {value}: this machine has no {device.type} device ({build}); use {flag} cpu")
     if device.index is not None and device.index >= backend.device_count():
         raise UserError(f"{flag} {value}: this machine has {backend.device_count()} {device.type} device(s)")
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+              "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def byte_size(value: str) -> int:
+    """An argparse type for a size: `64GiB`, `500MB`, `1.5TiB`, or bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    unit = m[2].lower() if m else None
+    if not m or unit not in SIZE_UNITS or float(m[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size (e.g. 64GiB, 500MB, 1.5TiB)")
+    return int(float(m[1]) * SIZE_UNITS[unit])

@@ -39,7 +39,9 @@ def ablate_experts(req: AblationRequest) -> dict:
     print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {req.max_documents}, equal shares):")
     print_sample_lines(samples, domains, unit="documents")
     routing, seq_len = subject.routing, subject.seq_len
-    assert isinstance(routing, TorchRouting), "a reroutable kind loads a PyTorch model's routing"
+    if not isinstance(routing, TorchRouting):  # a checkpoint larger than memory, streamed: nothing to route around
+        raise UserError(f"{req.subject.label}: ablation runs the model whole, and it is streamed here (larger than "
+                        "the memory given); give a --max-memory it fits in")  # fmt: skip
     check_targets(list(req.targets), routing.layers, routing.n_experts)
     targets = list(req.targets) or specialised_targets(routing, docs, domains, seq_len, out)
     print(f"routing around {len(targets)} targets with {req.controls} controls each, on {len(docs)} documents")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moe_lm.errors import DataError
+from moe_lm.interop.hf_layers import hf_forward
 from moe_lm.routing.torch_routing import TorchRouting
 
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral")
@@ -23,8 +24,9 @@ GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
 
 def hf_routing(hf_model: nn.Module) -> TorchRouting:
     """A transformers MoE causal LM (eval mode) as a RoutedModel: its gates (`model.layers.<l>.mlp.gate`) by layer,
-    their experts and top-k, and its logits. The gates return weights and indices, not their selection scores, so its
-    trace has no decision margins."""
+    their experts and top-k, and its logits, its layers called as the streamed analysis calls them
+    (interop/hf_layers.py, `hf_forward`: SDPA, causal). The gates return weights and indices, not their selection
+    scores, so its trace has no decision margins."""
     kind = hf_model.config.model_type
     if kind not in SUPPORTED:
         raise DataError(f"model_type {kind!r} is not supported for routing analytics; supported: {SUPPORTED}")
@@ -33,20 +35,11 @@ def hf_routing(hf_model: nn.Module) -> TorchRouting:
         raise DataError(f"found no MoE gate modules (model.layers.<l>.mlp.gate) in this {kind} model")
     first = next(iter(gates.values()))
     hf_model.eval()
-
-    def forward(tokens_BS: torch.Tensor) -> torch.Tensor:
-        return hf_model(input_ids=tokens_BS.to(hf_model.device)).logits
-
-    return TorchRouting(forward, dict(sorted(gates.items())), first.num_experts, first.top_k, margins=False)
-
-
-def parameter_count(config) -> int:
-    """Parameters of the model a transformers config describes, counted on the meta device (nothing allocated)."""
-    import transformers
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    return sum(p.numel() for p in model.parameters())
+    hf_model.config._attn_implementation = "sdpa"  # causal without a mask (what hf_forward gives it)
+    forward = hf_forward(hf_model)
+    device = next(hf_model.parameters()).device
+    return TorchRouting(lambda t: forward(t.to(device)), dict(sorted(gates.items())), first.num_experts, first.top_k,
+                        margins=False)  # fmt: skip
 
 
 def reroute(gate: nn.Module, logits_TE: torch.Tensor, gone: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

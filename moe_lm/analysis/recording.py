@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from moe_lm.analysis.trace import Trace, TraceWriter
-from moe_lm.routing.routed_model import RoutedModel, Window
+from moe_lm.routing.routed_model import LayerwiseModel, RoutedModel, Window
 
 Documents = Iterable[tuple[int, np.ndarray]]  # (domain index, token ids) per document
 
@@ -62,7 +62,7 @@ def bounded_batch(batch_size: int, seq_len: int, vocab_size: int) -> int:
 
 
 def record_trace(
-    model: RoutedModel,
+    model: RoutedModel | LayerwiseModel,
     docs: Documents,
     out: str | Path,
     domains: list[str],
@@ -77,20 +77,31 @@ def record_trace(
     tokens given when `docs` is a list."""
     writer = TraceWriter(Path(out), model.layers, model.n_experts, model.k, domains, provenance or {}, model.gives)
     t0 = time.perf_counter()
+    if isinstance(model, LayerwiseModel):  # one layer over every window: the windows first, each layer's rows after
+        batches = list(window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size))
+        logprob = model.route_layers(batches, writer)
+        writer.append_tokens(*_columns([w for batch in batches for w in batch]), logprob)
+        seconds = time.perf_counter() - t0
+        return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9),
+                             "windows": seq_len, "streamed": getattr(model, "timing", {})})  # fmt: skip
     bar = _progress_bar(docs, max_tokens, progress)
     with model:
         for batch in window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size):
-            writer.append(
-                np.concatenate([w.tokens for w in batch]),
-                np.concatenate([np.full(len(w.tokens), w.doc) for w in batch]),
-                np.concatenate([np.arange(w.start, w.start + len(w.tokens)) for w in batch]),
-                np.concatenate([np.full(len(w.tokens), w.domain) for w in batch]),
-                model.route_batch(batch),
-            )
+            writer.append(*_columns(batch), model.route_batch(batch))
             bar.update(sum(len(w.tokens) for w in batch))
     bar.close()
     seconds = time.perf_counter() - t0
     return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9), "windows": seq_len})
+
+
+def _columns(windows: list[Window]) -> tuple[np.ndarray, ...]:
+    """The token columns of windows in order: token ids, document, position, domain."""
+    return (
+        np.concatenate([w.tokens for w in windows]),
+        np.concatenate([np.full(len(w.tokens), w.doc) for w in windows]),
+        np.concatenate([np.arange(w.start, w.start + len(w.tokens)) for w in windows]),
+        np.concatenate([np.full(len(w.tokens), w.domain) for w in windows]),
+    )
 
 
 def _progress_bar(docs: Documents, max_tokens: int | None, progress: bool | str) -> tqdm:

@@ -27,6 +27,7 @@ spread equally over the domains. The same as `python launch/analyze_routing.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 from collections.abc import Sequence
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> None:
     require("matplotlib", "analysis", "moe-lm analyze (its figures)")
     from moe_lm.analysis.routing_workflow import analyze_routing
 
-    with out.staged() as folder:
+    args.stream_work = str(stream_work(out.path))
+    with out.staged() as folder, kept_for_resume(Path(args.stream_work)):
         compare = tuple(compared_request(spec, args, kinds) for spec in args.compare)
         compare += quantised_subjects(args, folder / "quantised")
         request = from_flags(
@@ -110,6 +112,39 @@ def run(args: argparse.Namespace) -> None:
         figures = len(list((folder / "figures").glob("*.png")))
     tables = ", comparisons.md" if compare else ""
     print(f"wrote metrics.json, metrics.csv{tables}, routing.html and {figures} figures to {out.path}")
+
+
+def stream_work(out: Path) -> Path:
+    """Where a streamed analysis into `out` keeps its hidden states and finished layers (resumable): beside it, a
+    folder of moe-lm's own (its README says so); anything else of that name is refused."""
+    from moe_lm.analysis.streamed import MARK
+    from moe_lm.files import read_small
+
+    work = out.parent / f".{out.name}.stream"
+    ours = work.is_dir() and not work.is_symlink() and any(
+        read_small(p) == MARK + "\n" for p in work.rglob("README")
+    )  # fmt: skip
+    if (work.exists() or work.is_symlink()) and not ours and not (work.is_dir() and not any(work.iterdir())):
+        raise UserError(f"{work} is not moe-lm's (a streamed analysis into {out} keeps its work there); move it away")
+    return work
+
+
+@contextlib.contextmanager
+def kept_for_resume(work: Path):
+    """The streamed analysis's work folder: removed when the analysis ends, kept (and said) when it does not, so
+    that the same command resumes from its finished layers."""
+    from moe_lm.analysis.streamed import finished_layers
+
+    try:
+        yield
+    except BaseException:
+        if finished_layers(work):
+            print(f"note: the finished layers of the streamed analysis are kept in {work}: the same command resumes "
+                  "from them (delete the folder to start over)", file=sys.stderr)  # fmt: skip
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def quantised_subjects(args: argparse.Namespace, folder: Path) -> tuple[SubjectRequest, ...]:

@@ -25,6 +25,8 @@ BENCHMARKS = {
     "decode": "decoding speed with MTP drafts against plain decoding, on a trained run",
     "routing": "routing recording (record_trace) against the same model's plain forward",
     "served": "llama.cpp decoding a GGUF with the routing callback (analyze --gguf) against without it",
+    "streamed": "an HF checkpoint analysed a layer at a time within --max-memory against the whole model in memory: "
+    "time, peak memory, the same experts",
     "prepare": "preparation's tokenizing pass, 1 and 2 workers, against the tokenizer's own encode",
     "profile": "one training step under torch.profiler: the top kernels, and the share of routing, dispatch, expert "
     "GEMMs, attention, the loss and the optimizer",

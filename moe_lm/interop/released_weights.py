@@ -21,6 +21,7 @@ mean something else.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from moe_lm.errors import UserError
 from moe_lm.interop.safetensors_folder import SafetensorsFolder
 
 SCALE_SUFFIX = "_scale_inv"
+FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_DTYPES = ("F8_E4M3",)
 KNOWN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
 
@@ -42,7 +44,7 @@ def block_size(config: dict, where: Path) -> tuple[int, int] | None:
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method != "fp8" or q.get("fmt", "e4m3") != "e4m3":
         raise UserError(
-            f"{where / 'config.json'}: weights quantised with {method or q!r}"
+            f"{where / 'config.json'}: weights quantised with {method or repr(q)}"
             f"{'' if method != 'fp8' else ' (' + str(q.get('fmt')) + ')'}; moe-lm reads unquantised checkpoints and "
             "DeepSeek's FP8 release format (quant_method fp8, e4m3, 128 x 128 blocks): give the bf16 release, or "
             "dequantise it to bf16 with its own tools first"
@@ -54,14 +56,18 @@ def block_size(config: dict, where: Path) -> tuple[int, int] | None:
 
 
 def dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """`w8` (M x N, float8_e4m3fn) times its block's scale, in float32 (DeepSeek's rule; ragged last blocks)."""
+    """`w8` (M x N, float8_e4m3fn) times its block's scale, in float32 (DeepSeek's rule; ragged last blocks); a block
+    row at a time, so that no full-size scale matrix is made beside the weight."""
     M, N = w8.shape
     rows, cols = -(-M // block[0]), -(-N // block[1])
     if tuple(scale_inv.shape) != (rows, cols):
         raise ValueError(f"a scale grid of {list(scale_inv.shape)} for a {M} x {N} weight in {block[0]} x {block[1]} "
                          f"blocks (it needs {rows} x {cols})")  # fmt: skip
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:M].repeat_interleave(block[1], 1)[:, :N]
-    return w8.float() * scale
+    w = w8.to(torch.float32)
+    per_column = scale_inv.float().repeat_interleave(block[1], 1)[:, :N]  # each block row's scale of every column
+    for i in range(rows):
+        w[i * block[0] : (i + 1) * block[0]].mul_(per_column[i])
+    return w
 
 
 class ReleasedWeights:
@@ -90,23 +96,100 @@ class ReleasedWeights:
     def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return next(self.weights([name], dtype))[1]
 
-    def weights(self, names: list[str], dtype: torch.dtype = torch.float32):
-        """(name, tensor as `dtype`) for `names`, a shard open at a time; FP8 weights dequantised on the way."""
-        for name in names:
+    def check(self, names: list[str] | None = None) -> None:
+        """Every tensor of `names` (default: all) readable, from the headers alone: a dtype moe-lm reads, an FP8
+        weight's scale present and its grid fitting the weight. A UserError naming the file and the tensor (a long
+        analysis fails before it starts, not hours in)."""
+        for name in self.names() if names is None else names:
             kind = self.files.dtype(name)
             if kind not in KNOWN_DTYPES:
                 raise UserError(f"{self.files.files[name]}: tensor {name} is stored as {kind}, which moe-lm does not "
                                 "read (bf16, fp16, fp32, FP8 e4m3 with block scales)")  # fmt: skip
+            if kind not in FP8_DTYPES:
+                continue
+            scale = name + SCALE_SUFFIX
+            if scale not in self.files:
+                raise UserError(f"{self.folder}: the FP8 weight {name} has no {scale} in its safetensors files; "
+                                "download or convert the checkpoint again")  # fmt: skip
+            block, shape = self.block or (128, 128), self.files.shape(name)
+            grid = tuple(-(-d // b) for d, b in zip(shape, block, strict=False))
+            if len(shape) != 2 or self.files.shape(scale) != grid:
+                raise UserError(f"{self.files.files[scale]}: {scale} is a grid of {list(self.files.shape(scale))} "
+                                f"scales for a {' x '.join(map(str, shape))} weight in {block[0]} x {block[1]} blocks "
+                                f"(it needs {list(grid)}); the checkpoint is damaged")  # fmt: skip
+
+    def weights(self, names: list[str], dtype: torch.dtype = torch.float32):
+        """(name, tensor as `dtype`) for `names`, a shard open at a time, in the order read (not `names`' order);
+        FP8 weights dequantised on the way."""
+        self.check(names)
         wanted = list(names) + [n + SCALE_SUFFIX for n in names if self.files.dtype(n) in FP8_DTYPES]
-        if missing := [n for n in wanted if n not in self.files]:
-            raise UserError(f"{self.folder}: {missing[0]} is missing from its safetensors files (an FP8 weight needs "
-                            "its scale); download or convert the checkpoint again")  # fmt: skip
-        got = dict(self.files.tensors(wanted))
-        for name in names:
-            tensor = got.pop(name)
-            if tensor.dtype == torch.float8_e4m3fn:
-                try:
-                    tensor = dequantize_fp8(tensor, got.pop(name + SCALE_SUFFIX), self.block or (128, 128))
-                except ValueError as e:
-                    raise UserError(f"{self.files.files[name]}: {name}: {e}; the checkpoint is damaged") from None
-            yield name, tensor.to(dtype)
+        asked = set(names)
+        scales, waiting = {}, {}  # a weight and its scale may come from two shards: each held until both are read
+        for name, tensor in self.files.tensors(wanted):
+            if name not in asked:
+                scales[name[: -len(SCALE_SUFFIX)]] = tensor
+            else:
+                waiting[name] = tensor
+            for ready in [n for n in waiting if waiting[n].dtype != torch.float8_e4m3fn or n in scales]:
+                yield ready, self._as(ready, waiting.pop(ready), scales.pop(ready, None), dtype)
+
+    def _as(self, name: str, tensor: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if tensor.dtype == torch.float8_e4m3fn:
+            try:
+                tensor = dequantize_fp8(tensor, scale, self.block or (128, 128))
+            except ValueError as e:
+                raise UserError(f"{self.files.files[name]}: {name}: {e}; the checkpoint is damaged") from None
+        return tensor.to(dtype)
+
+
+# ---- the format written, for tests and benchmarks: a model as DeepSeek releases one --------------------------------
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block) of `w`: each block scaled so that its largest value is the
+    format's largest, as DeepSeek quantises (ragged last blocks)."""
+    M, N = w.shape
+    rows, cols = -(-M // block[0]), -(-N // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[:M, :N] = w.float()
+    blocks = padded.view(rows, block[0], cols, block[1])
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
+    w8 = (blocks / scale[:, None, :, None]).view(rows * block[0], cols * block[1])[:M, :N].to(torch.float8_e4m3fn)
+    return w8.contiguous(), scale
+
+
+def fp8_quantised(name: str, tensor: torch.Tensor) -> bool:
+    """What DeepSeek's release stores in FP8: every matrix but the embedding, the output head and the router."""
+    return tensor.dim() == 2 and not any(k in name for k in ("embed_tokens", "lm_head", "mlp.gate.weight", "norm"))
+
+
+def write_fp8_release(model, folder: str | Path, shards: int = 3, dtype: torch.dtype = torch.bfloat16) -> None:
+    """A transformers `model` written into a new `folder` as DeepSeek releases its checkpoints: transformers' own
+    on-disk names (save_pretrained's), the matrices in FP8 blocks with their scales, the rest in `dtype` (the
+    selection bias in float32), `shards` files with an index, config.json's quantization_config saying so."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    plain = folder / ".plain"
+    folder.mkdir(parents=True)
+    model.save_pretrained(plain)
+    stored: dict[str, torch.Tensor] = {}
+    for file in sorted(plain.glob("*.safetensors")):
+        for name, t in load_file(file).items():
+            if fp8_quantised(name, t):
+                stored[name], stored[name + SCALE_SUFFIX] = quantize_fp8(t)
+            else:
+                stored[name] = t.float() if name.endswith("e_score_correction_bias") else t.to(dtype)
+    config = json.loads((plain / "config.json").read_text())
+    shutil.rmtree(plain)
+    names = sorted(stored)  # a weight and its scale side by side, as in DeepSeek's shards
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: stored.pop(n) for n in names[s * len(names) // shards : (s + 1) * len(names) // shards]}
+        save_file(part, folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -98,7 +98,7 @@ class SafetensorsFolder:
 
     def _header(self, file: Path) -> dict[str, dict]:
         """A file's tensors from its header alone (read once), checked: a length past the file, JSON that is not a
-        header."""
+        header, tensors past the file's end."""
         if file not in self._headers:
             self._headers[file] = self._read_header(file)
         return self._headers[file]
@@ -118,4 +118,8 @@ class SafetensorsFolder:
         header.pop("__metadata__", None)
         if not all(isinstance(v, dict) and "shape" in v and "dtype" in v for v in header.values()):
             raise UserError(f"{file} is not a readable safetensors file (its header lists no tensors); {self.fix}")
+        end = max((v.get("data_offsets", [0, 0])[1] for v in header.values()), default=0)
+        if 8 + n + end > size:  # a truncated download: said now, not when the missing tensors are reached
+            raise UserError(f"{file} is truncated: its header lists {8 + n + end:,} bytes and it holds {size:,}; "
+                            f"{self.fix}")  # fmt: skip
         return header

@@ -21,11 +21,13 @@ def routers_by_layer(model) -> dict[int, nn.Module]:
 class RoutingRecorder:
     """Context manager: forward hooks on `routers` (by MoE layer id: ours, or transformers' gates) that keep each
     layer's last choice, (experts [T, K], weights [T, K]) on the CPU, from what the router returned, and with
-    `margins` (our routers only) each decision's margin [T]."""
+    `margins` (our routers only) each decision's margin [T]. With `parts`, every choice since `last` and `margins`
+    were cleared, in order: a forward pass that runs a layer over its batch a part at a time (interop/hf_layers.py,
+    `hf_forward`) calls its router once a part."""
 
-    def __init__(self, routers: dict[int, nn.Module], margins: bool = False) -> None:
+    def __init__(self, routers: dict[int, nn.Module], margins: bool = False, parts: bool = False) -> None:
         self.routers = routers
-        self.with_margins = margins
+        self.with_margins, self.parts = margins, parts
         self.layers = sorted(routers)
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.margins: dict[int, np.ndarray] = {}
@@ -44,13 +46,17 @@ class RoutingRecorder:
     def _hook(self, layer_id: int):
         def hook(module, inputs, output) -> None:
             idx, w = (output.topk_idx, output.topk_weight) if isinstance(output, Routing) else gate_choices(output)
-            self.last[layer_id] = (idx.detach().cpu(), w.detach().cpu())
+            idx, w = idx.detach().cpu(), w.detach().cpu()
+            if self.parts and layer_id in self.last:  # the router called on the next part of the batch
+                idx, w = torch.cat((self.last[layer_id][0], idx)), torch.cat((self.last[layer_id][1], w))
+            self.last[layer_id] = (idx, w)
             if self.with_margins and isinstance(output, Routing):  # selection scores: the affinities plus the bias
                 cfg, bias = module.cfg, module.e_score_correction_bias
                 scores = output.scores.detach().float() + (bias.float() if bias is not None else 0.0)
-                self.margins[layer_id] = decision_margins(
-                    scores.cpu().numpy(), cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-                )
+                margins = decision_margins(scores.cpu().numpy(), cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
+                if self.parts and layer_id in self.margins:
+                    margins = np.concatenate((self.margins[layer_id], margins))
+                self.margins[layer_id] = margins
 
         return hook
 

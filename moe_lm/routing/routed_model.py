@@ -7,6 +7,10 @@ one to the recorder (moe_lm/analysis/recording.py), which writes the trace (moe_
 
     window --> RoutedModel.route_batch --> Routed (experts; weights, margins, log-probs if it `gives` them) --> trace
 
+A model larger than memory runs the other way round, one layer over every window (`LayerwiseModel.route_layers`): it
+hands each MoE layer's rows to the trace writer (`write_layer`) and returns the windows' log-probs when it ran every
+layer.
+
 What is required and what is optional: every routed model says which experts each token went to, in rank order
 (first choice first); gate weights, decision margins and log-probs are optional, named in `gives` (a serving
 engine's record, say, holds experts only), and each metric of the report says what it needs.
@@ -67,3 +71,24 @@ class RoutedModel(Protocol):
     def __enter__(self) -> RoutedModel: ...
 
     def __exit__(self, *exc) -> None: ...
+
+
+class LayerSink(Protocol):
+    """Where a LayerwiseModel puts what it chose: one MoE layer's rows for every token of the windows, in order."""
+
+    def write_layer(self, layer: int, experts, weights=None, margins=None) -> None: ...
+
+
+@runtime_checkable
+class LayerwiseModel(Protocol):
+    """What the recorder records routing from when a model runs one layer at a time over every window (a checkpoint
+    larger than memory, streamed from disk): `layers`, `n_experts`, `k`, `gives` as a RoutedModel's, and
+    `route_layers(batches, sink) -> log-probs [N] or None` (None: the last layers were not run), `batches` the windows
+    in the batches a RoutedModel would be given them."""
+
+    layers: list[int]
+    n_experts: int
+    k: int
+    gives: frozenset[str]
+
+    def route_layers(self, batches: list[list[Window]], sink: LayerSink) -> np.ndarray | None: ...

@@ -27,7 +27,7 @@ class TorchRouting:
         self.forward, self.routers = forward, routers
         self.layers, self.n_experts, self.k = sorted(routers), n_experts, k
         self.gives = frozenset({"weights", "logprob", *(["margins"] if margins else [])})
-        self.recorder = RoutingRecorder(routers, margins=margins)
+        self.recorder = RoutingRecorder(routers, margins=margins, parts=True)  # cleared before each forward
 
     def __enter__(self) -> TorchRouting:
         self.recorder.__enter__()

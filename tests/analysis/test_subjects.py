@@ -23,7 +23,7 @@ def test_every_kind_gives_a_routed_model_with_what_it_declares(tiny_run, cli, tm
     specs = {"run": str(tiny_run), "hf": str(tmp_path / "hf"), "gguf": str(tmp_path / "m.gguf")}
     assert set(KINDS) == set(specs), "a kind without a case here: add one"
     contract = typing.get_type_hints(RoutedModel)
-    args = type("Args", (), {"seq_len": None, "dtype": "float32", "device": "cpu", "threads": 1,
+    args = type("Args", (), {"seq_len": None, "dtype": "float32", "device": "cpu", "threads": 1, "max_memory": None,
                              "llama_defaults": False})()  # fmt: skip
     shapes = set()
     for name, spec in specs.items():

@@ -43,16 +43,27 @@ def test_a_single_file_and_shards_read_the_same_tensors(tmp_path):
         assert torch.equal(st.tensor("c.scale_inv"), load_file(st.files["c.scale_inv"])["c.scale_inv"])
 
 
-def test_names_and_shapes_come_from_the_headers_alone(tmp_path):
-    """A shard cut after its header still names its tensors and their shapes; reading a tensor from it is the error."""
+def test_names_and_shapes_come_from_the_headers_alone(tmp_path, monkeypatch):
+    """Names, shapes and sizes never open a tensor (safetensors' reader is not called)."""
+    import safetensors
+
+    folder = sharded(tmp_path / "f")
+    monkeypatch.setattr(safetensors, "safe_open", None)
+    st = SafetensorsFolder(folder)
+    assert st.shape("b.bias") == (5,) and set(st.names()) == set(TENSORS)
+
+
+def test_a_shard_cut_short_is_said_to_be_truncated_from_its_header(tmp_path):
+    """A download cut after the header is named when its header is read (when a long analysis starts), not when
+    its last tensors are reached."""
     folder = sharded(tmp_path / "cut")
     shard = folder / "model-00002-of-00002.safetensors"
     (n,) = struct.unpack("<Q", shard.read_bytes()[:8])
     shard.write_bytes(shard.read_bytes()[: 8 + n])
     st = SafetensorsFolder(folder)
-    assert st.shape("b.bias") == (5,) and torch.equal(st.tensor("a.weight"), TENSORS["a.weight"])
-    with pytest.raises(UserError, match="model-00002-of-00002.safetensors is not a readable safetensors file"):
-        st.tensor("b.bias")
+    assert torch.equal(st.tensor("a.weight"), TENSORS["a.weight"])  # the whole shard still reads
+    with pytest.raises(UserError, match=r"00002-of-00002.safetensors is truncated: its header lists [\d,]+ bytes"):
+        st.shape("b.bias")
 
 
 @pytest.mark.parametrize(

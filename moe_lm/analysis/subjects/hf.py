@@ -4,12 +4,16 @@ architecture re-initialised (seed 0). Its own `.py` files (auto_map) never run."
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
-from moe_lm.analysis.hf_routing import SUPPORTED, hf_routing, parameter_count
+from moe_lm.analysis.hf_routing import SUPPORTED, hf_routing
+from moe_lm.analysis.streamed import StreamedModel
 from moe_lm.analysis.subjects.base import (
     DEFAULT_WINDOWS,
     Flag,
@@ -20,7 +24,9 @@ from moe_lm.analysis.subjects.base import (
 )
 from moe_lm.data.tokenizer import HFTokenizer
 from moe_lm.errors import REMOTE_CODE_OFF, UserError, remote_code_refused
-from moe_lm.flags import torch_device, usable_device
+from moe_lm.files import gib
+from moe_lm.flags import byte_size, torch_device, usable_device
+from moe_lm.interop.hf_layers import HFCheckpoint, UntrainedCheckpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -31,6 +37,9 @@ class HFSubject(SubjectRequest):
     path: str
     dtype: str = "float32"
     device: str = "cpu"  # a torch device, or auto (transformers' device_map="auto")
+    max_memory: int | None = None  # bytes of weights held at once; a larger model is streamed a layer at a time
+    last_layer: int | None = None  # streamed: run the layers up to this one only (None: all, with the log-probs)
+    work: str | None = None  # streamed: the folder of its hidden states and finished layers (resumable)
 
     @property
     def spec(self) -> str:
@@ -50,13 +59,21 @@ class HFKind(SubjectKind):
         Flag(("--dtype",), {"choices": list(DTYPES), "default": "float32", "help": "with transformers subjects"}),
         Flag(("--device",), {"default": "cpu", "type": device_or_auto,
                              "help": "with transformers subjects: cpu, cuda, or auto (device_map='auto')"}),
+        Flag(("--max-memory",), {"type": byte_size, "metavar": "SIZE",
+                                 "help": "with transformers subjects: the memory its weights may take (e.g. 64GiB); a "
+                                 "larger model is streamed from disk a layer at a time (default: as the machine has "
+                                 "free)"}),
     )  # fmt: skip
     looks_like = "a transformers folder (with config.json)"
     reroutable = True
     gives = frozenset({"weights", "logprob"})  # transformers' gates return weights and indices, not their scores
 
     def from_flags(self, spec: str, args) -> HFSubject:
-        return HFSubject(spec, dtype=args.dtype, device=args.device, seq_len=args.seq_len)
+        work = getattr(args, "stream_work", None)  # the command's folder for streamed work, one per subject
+        drawn = getattr(args, "layers", None)
+        return HFSubject(spec, dtype=args.dtype, device=args.device, seq_len=args.seq_len, max_memory=args.max_memory,
+                         last_layer=max(drawn) if drawn else None,
+                         work=f"{work}/{hashlib.sha1(spec.encode()).hexdigest()[:10]}" if work else None)  # fmt: skip
 
     def recognises(self, spec: str) -> bool:
         path = Path(spec)
@@ -70,30 +87,69 @@ class HFKind(SubjectKind):
         return request.seq_len or DEFAULT_WINDOWS, getattr(hf_config(request.path), "max_position_embeddings", None)
 
     def load(self, request: HFSubject) -> Subject:
-        import transformers
-
         dtype = DTYPES[request.dtype]
         config = hf_config(request.path)
-        n = parameter_count(config)
-        gib = n * torch.tensor([], dtype=dtype).element_size() / 2**30
-        print(f"{request.path}: {n / 1e9:.2f} B parameters, {gib:.1f} GiB of weights in {request.dtype}")
-        placement = {"device_map": "auto"} if request.device == "auto" else {}
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            request.path, dtype=dtype, trust_remote_code=False, **placement
-        )
-        if request.device != "auto":
-            hf = hf.to(request.device)
-        config, where = hf.config, hf.device
-
-        def untrained():  # why config and device, not hf: the checkpoint's weights may be freed first
-            torch.manual_seed(0)
-            twin = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-            return hf_routing(twin.to(where))
-
+        if config.model_type not in SUPPORTED:
+            raise UserError(f"{request.path}: model_type {config.model_type!r} is not one the analytics read: "
+                            f"{', '.join(SUPPORTED)}")  # fmt: skip
         windows = min(request.seq_len or DEFAULT_WINDOWS, getattr(config, "max_position_embeddings", None) or 1 << 62)
         provenance = {"hf": str(request.path), "model_type": config.model_type}
-        return Subject(hf_routing(hf), HFTokenizer(Path(request.path)), windows, config.vocab_size, provenance,
-                       untrained=untrained)  # fmt: skip
+        tok = HFTokenizer(Path(request.path))
+        if request.device == "auto":  # transformers' own loader and device map (several GPUs)
+            return Subject(*_device_mapped(request.path, config, dtype), tok, windows, config.vocab_size, provenance)
+        checkpoint = HFCheckpoint(request.path, config, dtype)
+        total = checkpoint.numel() * torch.tensor([], dtype=dtype).element_size()
+        budget = memory_budget(request, total)
+        how = f": streamed a layer at a time within {gib(budget)}" if budget else ""
+        n = checkpoint.numel()
+        count = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+        print(f"{request.path}: {count} parameters, {gib(total)} in {request.dtype}{how}")
+        twin = UntrainedCheckpoint(checkpoint)
+        if budget:
+            work = Path(request.work or tempfile.mkdtemp(prefix="moe_lm_stream_"))
+            streamed = StreamedModel(checkpoint, budget, work / "model", request.last_layer)
+
+            def untrained():
+                return StreamedModel(twin, budget, work / "init", request.last_layer)
+
+            return Subject(streamed, tok, windows, config.vocab_size, provenance, untrained=untrained)
+
+        def untrained():  # why the twin's own reader: the trained weights may be freed first
+            return hf_routing(twin.model().to(request.device))
+
+        routing = hf_routing(checkpoint.model().to(request.device))
+        return Subject(routing, tok, windows, config.vocab_size, provenance, untrained=untrained)
+
+
+def memory_budget(request: HFSubject, total: int) -> int | None:
+    """The bytes of weights a streamed analysis may hold (None: the model is analysed whole): --max-memory when the
+    weights pass it, else half the memory available when the weights pass 80 % of it (said in one line)."""
+    if request.max_memory is not None:
+        budget = request.max_memory if total > request.max_memory else None
+    else:
+        available = psutil.virtual_memory().available
+        budget = available // 2 if total > 0.8 * available else None
+        if budget:
+            print(f"the weights ({gib(total)}) do not fit the memory available ({gib(available)}): streaming them")
+    if budget and request.device != "cpu":
+        raise UserError(f"a streamed analysis runs on the CPU: give --device cpu, or a --max-memory of at least "
+                        f"{gib(total)} to analyse the model whole on {request.device}")  # fmt: skip
+    return budget
+
+
+def _device_mapped(path: str, config, dtype):
+    """(routing, untrained) of a model transformers loads and places across devices (device_map="auto")."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
+                                                           device_map="auto")  # fmt: skip
+
+    def untrained():
+        torch.manual_seed(0)
+        twin = transformers.AutoModelForCausalLM.from_config(hf.config, dtype=dtype, trust_remote_code=False)
+        return hf_routing(twin.to(hf.device))
+
+    return hf_routing(hf), untrained
 
 
 def hf_config(path: str):

@@ -1,0 +1,521 @@
+"""A transformers MoE checkpoint larger than memory, run one layer over every window (docs/analytics.md, "Models
+larger than memory"): a LayerwiseModel (moe_lm/routing/routed_model.py).
+
+    embed every window --> for each layer: read it (its routed experts a chunk at a time when the layer does not
+    fit), run it over every window, record what its router chose --> final norm and head (log-probs)
+
+Every window's hidden states live in files beside the report (memory-mapped: in memory where it has room), two of
+them taking turns, so that a layer's input is intact until its output is complete. Each finished layer is noted
+with what it chose (`progress.json`, `experts_L*.npy`): the same command resumes from the first unfinished layer.
+The next unit of weights is read while this one computes.
+
+The same windows, batches and padding as the in-memory recorder (recording.py), the same transformers modules
+(hf_layers.py) and the same expert loop, in the same order: a model that fits both ways gives the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from moe_lm.errors import UserError
+from moe_lm.files import gib
+from moe_lm.interop.hf_layers import HFCheckpoint, windows_at_once
+from moe_lm.routing.recorder import gate_choices
+from moe_lm.routing.routed_model import LayerSink, Window
+
+PROGRESS = "progress.json"
+LOGITS_BYTES = 64 * 2**20  # the head's logits made at once
+MARK = "moe-lm streamed analysis: work files, removed when the analysis ends"
+
+
+@dataclass
+class Unit:
+    """What is read at once: a layer's own weights (with all its experts when they fit), or a chunk of its experts."""
+
+    layer: int
+    experts: list[int] | None  # None: the layer's own weights (`whole`: its experts too)
+    whole: bool = False
+
+
+class StreamedModel:
+    """`checkpoint` run a layer at a time within `budget` bytes of weights, up to layer `last` (None: all of them,
+    with the log-probs), its work files in `work`."""
+
+    def __init__(self, checkpoint: HFCheckpoint, budget: int, work: Path, last: int | None = None) -> None:
+        self.ck, self.budget, self.work = checkpoint, budget, Path(work)
+        self.last = checkpoint.n_layers - 1 if last is None else min(last, checkpoint.n_layers - 1)
+        self.layers = [i for i in checkpoint.moe_layers if i <= self.last]
+        cfg = checkpoint.config
+        self.n_experts, self.k = checkpoint.n_experts, cfg.num_experts_per_tok
+        self.gives = frozenset({"weights", "logprob"} if self.last == checkpoint.n_layers - 1 else {"weights"})
+        self.units = plan_units(checkpoint, self.last, budget)
+
+    # ---- the run ------------------------------------------------------------------------------------------------
+
+    def route_layers(self, batches: list[list[Window]], sink: LayerSink) -> np.ndarray | None:
+        padded = [_padded(b) for b in batches]
+        state = WorkFolder(self.work, self._key(padded), padded, self.ck.config.hidden_size, self.ck.dtype)
+        done = state.done()
+        todo = [u for u in self.units if u.layer not in done]
+        plan = Plan.of(self, padded, todo)
+        print(plan.said(state, self))
+        if done:
+            print(f"resuming the streamed analysis: layers 0..{done[-1]} finished before, kept in {self.work}")
+        else:
+            self._embed(state, padded)
+        timing = Timing()
+        reader = ThreadPoolExecutor(max_workers=1)
+        tokens = sum(int(t.numel()) for t, _ in padded)
+        bar = tqdm(total=self.last + 1, initial=len(done), unit="layer", desc=f"layers over {tokens:,} tokens")
+        try:
+            loading = reader.submit(self._read, todo[0]) if todo else None
+            for n, unit in enumerate(todo):
+                t0 = time.perf_counter()
+                weights, read_s = loading.result()
+                waited = time.perf_counter() - t0
+                loading = reader.submit(self._read, todo[n + 1]) if n + 1 < len(todo) else None  # the next, meanwhile
+                finished, compute_s, flops = self._run(unit, weights, state, padded)
+                del weights
+                timing.add(unit.layer, self._bytes(unit), read_s, compute_s, flops, waited + compute_s)
+                if finished:
+                    tqdm.write(timing.said(unit.layer))
+                    bar.update(1)
+        finally:
+            bar.close()
+            reader.shutdown(wait=True, cancel_futures=True)
+        for layer in self.layers:
+            experts, weights = state.routing(layer)
+            sink.write_layer(layer, experts, weights)
+        logprob = self._logprobs(state, padded, batches) if "logprob" in self.gives else None
+        if logprob is None:
+            print(f"log-probs not recorded: --layers stops at layer {self.last} of {self.ck.n_layers - 1}")
+        if todo:
+            print(timing.summary(plan))
+        self.timing = {**timing.totals(), "planned_s": plan.seconds, "layers_resumed": len(done)}
+        return logprob
+
+    def _key(self, padded) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps([str(self.ck.folder.resolve()), str(self.ck.dtype), self.last,
+                             getattr(self.ck, "seed", None)]).encode())  # fmt: skip
+        for tokens, _ in padded:
+            h.update(tokens.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def _read(self, unit: Unit):
+        t0 = time.perf_counter()
+        if unit.experts is not None:
+            weights = self.ck.experts(unit.layer, unit.experts)
+        else:
+            weights = self.ck.layer(unit.layer, experts=unit.whole)
+        return weights, time.perf_counter() - t0
+
+    def _bytes(self, unit: Unit) -> int:
+        """Bytes a unit reads from the checkpoint."""
+        if unit.experts is not None:
+            return len(unit.experts) * self.ck.expert_bytes(unit.layer)
+        return self.ck.layer_bytes(unit.layer, experts=unit.whole)
+
+    def _embed(self, state: WorkFolder, padded) -> None:
+        embed = self.ck.embed()
+        with torch.no_grad():
+            for b, (tokens, _) in enumerate(padded):
+                state.hidden(b, "in")[:] = embed(tokens)
+        del embed
+
+    def _run(self, unit: Unit, weights, state: WorkFolder, padded) -> tuple[bool, float, float]:
+        """Run one unit: (whether its layer is finished, seconds, its matrix products' FLOPs)."""
+        t0 = time.perf_counter()
+        finished = False
+        with torch.no_grad():
+            if unit.experts is not None:
+                rows = run_experts(weights, unit, state, padded, self.ck)
+                flops = 2.0 * rows * self.ck.expert_numel(unit.layer)
+                finished = unit.experts[-1] == self.n_experts - 1  # the layer's last chunk: its output is complete
+                if finished:
+                    for b in range(len(padded)):
+                        state.hidden(b, "out")[:] = state.part(b, "h") + (state.part(b, "y") + state.part(b, "e"))
+            else:
+                run_layer(weights, unit, state, padded, self.ck, self._rotary())
+                flops = layer_flops(self.ck, unit.layer, padded, experts=unit.whole)
+                finished = unit.whole
+        if finished:
+            state.finish(unit.layer)
+        return finished, time.perf_counter() - t0, flops
+
+    def _rotary(self):
+        if not hasattr(self, "_rot"):
+            self._rot = self.ck.rotary()
+        return self._rot
+
+    def _logprobs(self, state: WorkFolder, padded, batches) -> np.ndarray:
+        """Every window's log-probs from the last layer's output, the head's logits made a stretch of positions at a
+        time (DeepSeek-V3's vocabulary of 129,280 makes a 1,024-token window's logits half a GB)."""
+        norm, head = self.ck.head()
+        rows = max(1, LOGITS_BYTES // (4 * self.ck.config.vocab_size))
+        out = []
+        with torch.no_grad():
+            for b, (tokens, lengths) in enumerate(padded):
+                hidden = state.hidden(b, "in")
+                for i, n in enumerate(lengths):
+                    picked = [np.array([np.nan])]
+                    for a in range(0, n - 1, rows):
+                        logits = head(norm(hidden[i, a : min(a + rows, n - 1)])).float()
+                        target = tokens[i, a + 1 : a + 1 + len(logits), None]
+                        picked.append((logits.gather(-1, target)[:, 0] - torch.logsumexp(logits, -1)).double().numpy())
+                    out.append(np.concatenate(picked))
+        return np.concatenate(out)
+
+
+def layer_flops(ck: HFCheckpoint, i: int, padded, experts: bool = True) -> float:
+    """The FLOPs of layer i's matrix products over the padded windows: every weight once per token (2 FLOPs a value),
+    the routed experts k times per token, attention's scores and mix over the causal half."""
+    cfg = ck.config
+    tokens = sum(int(t.numel()) for t, _ in padded)
+    heads = cfg.num_attention_heads
+    qk = getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    v = getattr(cfg, "v_head_dim", None) or qk
+    attention = sum(t.shape[0] * t.shape[1] ** 2 * heads * (qk + v) for t, _ in padded)  # 2 * S^2 / 2 each
+    flops = 2.0 * tokens * ck.layer_numel(i, experts=False) + attention
+    if experts and i in ck.moe_layers:
+        flops += 2.0 * tokens * cfg.num_experts_per_tok * ck.expert_numel(i)
+    return flops
+
+
+@dataclass
+class Plan:
+    """What a streamed analysis will read and compute, and how long that should take at this machine's rates (a
+    matrix product of the experts' shape timed in the analysis dtype; a stretch of the first shard read)."""
+
+    read_bytes: int
+    flops: float
+    read_rate: float  # bytes/s
+    flop_rate: float  # FLOP/s
+
+    @property
+    def seconds(self) -> float:
+        return max(self.read_bytes / self.read_rate, self.flops / self.flop_rate)  # the next read while computing
+
+    @classmethod
+    def of(cls, model: StreamedModel, padded, todo: list[Unit]) -> Plan:
+        ck = model.ck
+        layers = sorted({u.layer for u in todo})
+        read = sum(ck.layer_bytes(i) for i in layers)
+        flops = sum(layer_flops(ck, i, padded) for i in layers)
+        tokens = sum(int(t.numel()) for t, _ in padded)
+        rows = max(16, min(2048, tokens * ck.config.num_experts_per_tok // max(ck.n_experts, 1)))
+        return cls(read, flops, read_rate(ck), flop_rate(ck, rows))
+
+    def said(self, state: WorkFolder, model: StreamedModel) -> str:
+        chunked = sorted({u.layer for u in model.units if u.experts is not None})
+        return (
+            f"streamed plan: layers 0..{model.last} (of {model.ck.n_layers}), {state.tokens:,} tokens (padded); "
+            f"{gib(self.read_bytes)} to read (~{self.read_rate / 1e6:,.0f} MB/s here), {self.flops / 1e9:,.0f} GFLOP "
+            f"of matrix products (~{self.flop_rate / 1e9:,.0f} GFLOP/s in {str(model.ck.dtype).removeprefix('torch.')}"
+            f"); about {_duration(self.seconds)}; hidden states {gib(state.bytes)} in {state.folder}; weights held "
+            f"within {gib(model.budget)}" + (f", experts read in chunks in layers {chunked}" if chunked else "")
+        )
+
+
+@dataclass
+class Timing:
+    """Per layer: bytes read and the reading's seconds (in the background), FLOPs and the computing's seconds, and
+    the wall time (waiting for the read + computing)."""
+
+    rows: dict[int, list[float]] = field(default_factory=dict)
+
+    def add(self, layer: int, nbytes: int, read_s: float, compute_s: float, flops: float, wall_s: float) -> None:
+        row = self.rows.setdefault(layer, [0.0] * 5)
+        for j, x in enumerate((nbytes, read_s, compute_s, flops, wall_s)):
+            row[j] += x
+
+    def total(self) -> list[float]:
+        return [sum(r[j] for r in self.rows.values()) for j in range(5)]
+
+    def totals(self) -> dict[str, float]:
+        """The whole run's numbers, by name (the trace's meta.json keeps them)."""
+        return dict(zip(("read_bytes", "read_s", "compute_s", "flops", "wall_s"), self.total(), strict=True))
+
+    @staticmethod
+    def _said(nbytes, read_s, compute_s, flops, wall_s) -> str:
+        bound = max(read_s, compute_s, 1e-9)
+        return (f"read {gib(nbytes)} in {read_s:.1f} s ({nbytes / 1e6 / max(read_s, 1e-9):,.0f} MB/s), "
+                f"{flops / 1e9:,.1f} GFLOP in {compute_s:.1f} s ({flops / 1e9 / max(compute_s, 1e-9):,.1f} GFLOP/s), "
+                f"wall {wall_s:.1f} s = {wall_s / bound:.2f} x max(read, compute)")  # fmt: skip
+
+    def said(self, layer: int) -> str:
+        return f"layer {layer}: " + self._said(*self.rows[layer])
+
+    def summary(self, plan: Plan) -> str:
+        total = self.total()
+        return f"streamed in {_duration(total[4])} (planned {_duration(plan.seconds)}): " + self._said(*total)
+
+
+def read_rate(ck: HFCheckpoint, probe: int = 128 * 2**20) -> float:
+    """Bytes/s of reading the checkpoint's largest shard (a stretch of it; faster where the OS caches it)."""
+    shard = max(set(ck.weights.files.files.values()), key=lambda f: f.stat().st_size)
+    t0, n = time.perf_counter(), 0
+    with open(shard, "rb", buffering=0) as f:
+        f.seek(max(0, shard.stat().st_size // 2 - probe // 2))
+        while n < probe and (chunk := f.read(16 * 2**20)):
+            n += len(chunk)
+    return n / max(time.perf_counter() - t0, 1e-9)
+
+
+def flop_rate(ck: HFCheckpoint, rows: int, seconds: float = 0.3) -> float:
+    """FLOP/s of this machine's matrix product of `rows` tokens through one routed expert's matrix, in the analysis
+    dtype (the product the streamed analysis does most)."""
+    cfg = ck.config
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    x = torch.randn(rows, cfg.hidden_size).to(ck.dtype)
+    w = torch.randn(inter, cfg.hidden_size).to(ck.dtype)
+    torch.nn.functional.linear(x, w)  # warm-up
+    t0, n = time.perf_counter(), 0
+    while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
+        torch.nn.functional.linear(x, w)
+        n += 1
+    return 2.0 * rows * cfg.hidden_size * inter * n / elapsed
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def finished_layers(work: Path) -> int:
+    """The layers that streamed analyses in `work` (one folder per model) finished and noted."""
+    done = 0
+    for progress in Path(work).glob(f"*/*/{PROGRESS}"):
+        try:
+            done += len(json.loads(progress.read_text()).get("done", []))
+        except (OSError, ValueError, AttributeError):
+            continue
+    return done
+
+
+def plan_units(ck: HFCheckpoint, last: int, budget: int) -> list[Unit]:
+    """The reading plan: per layer its whole weights when they fit half the budget (the other half holds the unit
+    read meanwhile), else its own weights and then chunks of its routed experts; a UserError naming the least budget
+    that works when the largest unit does not fit."""
+    elem = torch.tensor([], dtype=ck.dtype).element_size()
+    least = {}  # layer -> (bytes of its largest unit, what that unit is)
+    for i in range(last + 1):
+        whole = ck.layer_numel(i) * elem
+        if i not in ck.moe_layers:
+            least[i] = (whole, "its weights")
+        else:
+            own, one = ck.layer_numel(i, experts=False) * elem, ck.expert_numel(i) * elem
+            least[i] = (own, "its attention, router and shared experts") if own >= one else (one, "one routed expert")
+    worst = max(least, key=lambda i: least[i][0])
+    if 2 * least[worst][0] > budget:
+        size, what = least[worst]
+        raise UserError(f"--max-memory {gib(budget)} is too little: layer {worst}'s largest part ({what}) takes "
+                        f"{gib(size)}, held while the next part is read: give at least --max-memory "
+                        f"{-(-2 * size // 2**20)}MiB")  # fmt: skip
+    half = budget // 2
+    units = []
+    for i in range(last + 1):
+        if i not in ck.moe_layers or ck.layer_numel(i) * elem <= half:
+            units.append(Unit(i, None, whole=True))
+            continue
+        chunk = max(1, half // (ck.expert_numel(i) * elem))
+        units.append(Unit(i, None))
+        units += [Unit(i, list(range(s, min(s + chunk, ck.n_experts)))) for s in range(0, ck.n_experts, chunk)]
+    return units
+
+
+def _padded(batch: list[Window]) -> tuple[torch.Tensor, list[int]]:
+    """A batch's token ids, right-padded with 0 as the in-memory recorder pads them, and each window's length."""
+    S = max(len(w.tokens) for w in batch)
+    tokens = torch.zeros(len(batch), S, dtype=torch.long)
+    for b, w in enumerate(batch):
+        tokens[b, : len(w.tokens)] = torch.from_numpy(np.asarray(w.tokens, np.int64))
+    return tokens, [len(w.tokens) for w in batch]
+
+
+def run_layer(layer, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint, rotary) -> None:
+    """Layer `unit.layer` over every batch, `windows_at_once` windows at a time: whole (its output written), or
+    without its routed experts (what they need kept: the residual `h`, the MoE's output without them `y`, their
+    input `t`, the choices)."""
+    moe = unit.layer in ck.moe_layers
+    captured: dict = {}
+    hooks = []
+    if moe:
+        hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, out: captured.__setitem__("gate", out)))
+    if moe and not unit.whole:
+        layer.mlp.experts = _Deferred(captured)
+        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, a: captured.__setitem__("h", a[0])))  # fmt: skip
+        hooks.append(layer.mlp.register_forward_hook(lambda m, a, out: captured.__setitem__("y", out)))
+    try:
+        for b, (_, lengths) in enumerate(padded):
+            B, S = state.shapes[b][:2]
+            position_ids = torch.arange(S)[None]
+            cos_sin = rotary(state.hidden(b, "in"), position_ids)
+            group = windows_at_once(ck.config, S)
+            for j in range(0, B, group):
+                rows = slice(j, min(j + group, B))
+                out = layer(state.hidden(b, "in")[rows], attention_mask=None, position_ids=position_ids,
+                            position_embeddings=cos_sin)  # fmt: skip
+                out = out[0] if isinstance(out, tuple) else out
+                if moe:
+                    idx, w = gate_choices(captured["gate"])
+                    state.keep_choices(unit.layer, (b, j), idx, w, lengths[rows])
+                if moe and not unit.whole:
+                    state.part(b, "h")[rows] = captured["h"]
+                    state.part(b, "y")[rows] = captured["y"]
+                    state.part(b, "e")[rows] = 0
+                    state.keep_expert_input(b, rows, captured["t"], captured["idx"], captured["w"])
+                else:
+                    state.hidden(b, "out")[rows] = out
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+class _Deferred(torch.nn.Module):
+    """Stands in for a layer's routed experts: keeps their input and returns no contribution (added later, expert
+    by expert, in the order the experts module adds them)."""
+
+    def __init__(self, captured: dict) -> None:
+        super().__init__()
+        self.captured = captured
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        self.captured.update(t=hidden_states, idx=top_k_index, w=top_k_weights)
+        return torch.zeros_like(hidden_states)
+
+
+def run_experts(weights, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint) -> int:
+    """A chunk of layer `unit.layer`'s routed experts over every batch, `windows_at_once` windows at a time, added
+    into their experts' sum in increasing expert order, as transformers' eager experts loop adds them in the layer
+    run whole; the (token, expert) rows run."""
+    gate_up, down = weights
+    act = ck.activation()
+    rows = 0
+    for b in range(len(padded)):
+        t_all, idx_all, w_all = state.expert_input(b)
+        final_all = state.part(b, "e").view(-1, t_all.shape[-1])
+        B, S = state.shapes[b][:2]
+        group = windows_at_once(ck.config, S)
+        for first in range(0, B, group):
+            at = slice(first * S, min(first + group, B) * S)
+            t, idx, w, final = t_all[at], idx_all[at], w_all[at], final_all[at]
+            mask = torch.nn.functional.one_hot(idx, num_classes=ck.n_experts + 1).permute(2, 1, 0)
+            for j, e in enumerate(unit.experts):
+                if not mask[e].any():
+                    continue
+                top_k_pos, token_idx = torch.where(mask[e])
+                rows += len(token_idx)
+                g, u = torch.nn.functional.linear(t[token_idx], gate_up[j]).chunk(2, dim=-1)
+                h = torch.nn.functional.linear(act(g) * u, down[j])
+                h = h * w[token_idx, top_k_pos, None]
+                final.index_add_(0, token_idx, h.to(final.dtype))
+    return rows
+
+
+class WorkFolder:
+    """The streamed analysis's files: the hidden states (two files taking turns: `in` is the input of the layer
+    being run, `out` its output), the parts a chunked layer keeps between its units, each MoE layer's choices, and
+    `progress.json` (which layers are finished and which hidden file holds their output)."""
+
+    def __init__(self, folder: Path, key: str, padded, dim: int, dtype: torch.dtype) -> None:
+        self.folder, self.key, self.dtype, self.dim = folder, key, dtype, dim
+        self.shapes = [tuple(t.shape) + (dim,) for t, _ in padded]
+        self.offsets = np.cumsum([0] + [int(np.prod(s)) for s in self.shapes]).tolist()
+        elem = torch.tensor([], dtype=dtype).element_size()
+        self.tokens = sum(s[0] * s[1] for s in self.shapes)
+        self.bytes = 2 * self.offsets[-1] * elem
+        progress = self._progress()
+        if progress.get("key") != key:  # another analysis's files (or none): ours to replace
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+            need, free = 6 * self.offsets[-1] * elem, shutil.disk_usage(folder).free
+            if need > free:  # the hidden states twice, and a chunked layer's parts
+                shutil.rmtree(folder)
+                raise UserError(
+                    f"{folder}: the streamed analysis needs {gib(need)} of disk for its hidden states and {gib(free)} "
+                    "is free there: free space, or analyse fewer tokens (--max-tokens)"
+                )
+            (folder / "README").write_text(MARK + "\n")
+            progress = {"key": key, "done": [], "turn": 0}
+            self._write(progress)
+        self.progress = progress
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._inputs: dict[int, list[tuple]] = {}  # batch -> its windows' (experts, weights), in order
+        self._choices: dict[tuple[int, int, int], tuple] = {}  # (layer, batch, first window) -> choices
+
+    def _progress(self) -> dict:
+        try:
+            return json.loads((self.folder / PROGRESS).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write(self, progress: dict) -> None:
+        tmp = self.folder / f"{PROGRESS}.partial"
+        tmp.write_text(json.dumps(progress))
+        os.replace(tmp, self.folder / PROGRESS)
+
+    def done(self) -> list[int]:
+        return list(self.progress["done"])
+
+    def _file(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            path = self.folder / f"{name}.bin"
+            self._tensors[name] = torch.from_file(str(path), shared=True, size=self.offsets[-1], dtype=self.dtype)
+        return self._tensors[name]
+
+    def _view(self, name: str, b: int) -> torch.Tensor:
+        return self._file(name)[self.offsets[b] : self.offsets[b + 1]].view(self.shapes[b])
+
+    def hidden(self, b: int, which: str) -> torch.Tensor:
+        turn = self.progress["turn"] if which == "in" else 1 - self.progress["turn"]
+        return self._view(f"hidden_{turn}", b)
+
+    def part(self, b: int, name: str) -> torch.Tensor:
+        return self._view(f"part_{name}", b)
+
+    def keep_expert_input(self, b: int, rows: slice, t, idx, w) -> None:
+        """The routed experts' input for windows `rows` of batch b, and their choices (kept until the layer ends)."""
+        S = self.shapes[b][1]
+        self.part(b, "t").view(-1, self.dim)[rows.start * S : rows.stop * S] = t
+        self._inputs.setdefault(b, []).append((idx.clone(), w.clone()))
+
+    def expert_input(self, b: int):
+        idx, w = (torch.cat(parts) for parts in zip(*self._inputs[b], strict=True))
+        return self.part(b, "t").view(-1, self.dim), idx, w
+
+    def keep_choices(self, layer: int, at: tuple[int, int], idx, w, lengths: list[int]) -> None:
+        """The choices (experts by weight, largest first) of the windows of batch at[0] from window at[1] on, without
+        their padding rows."""
+        S = self.shapes[at[0]][1]
+        rows = torch.cat([torch.arange(i * S, i * S + n) for i, n in enumerate(lengths)])
+        self._choices[(layer, *at)] = (idx[rows].numpy(), w[rows].numpy())
+
+    def finish(self, layer: int) -> None:
+        """Layer `layer` is complete: its choices saved, its output made the next layer's input, noted."""
+        keys = sorted(k for k in self._choices if k[0] == layer)  # in window order
+        if keys:
+            np.save(self.folder / f"experts_L{layer}.npy", np.concatenate([self._choices[k][0] for k in keys]))
+            np.save(self.folder / f"weights_L{layer}.npy", np.concatenate([self._choices[k][1] for k in keys]))
+            for k in keys:
+                del self._choices[k]
+        self.progress = {**self.progress, "done": self.progress["done"] + [layer], "turn": 1 - self.progress["turn"]}
+        self._write(self.progress)
+        self._inputs.clear()
+
+    def routing(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.load(self.folder / f"experts_L{layer}.npy"), np.load(self.folder / f"weights_L{layer}.npy")
