@@ -15,6 +15,7 @@ The same windows, batches and padding as the in-memory recorder (recording.py), 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from moe_lm.errors import UserError
 from moe_lm.files import gib
-from moe_lm.interop.hf_layers import HFCheckpoint, windows_at_once
+from moe_lm.interop.hf_layers import HFCheckpoint, experts_deferred, windows_at_once
 from moe_lm.routing.recorder import gate_choices
 from moe_lm.routing.routed_model import LayerSink, Window
 
@@ -145,7 +146,7 @@ class StreamedModel:
                 finished = unit.experts[-1] == self.n_experts - 1  # the layer's last chunk: its output is complete
                 if finished:
                     for b in range(len(padded)):
-                        state.hidden(b, "out")[:] = state.part(b, "h") + (state.part(b, "y") + state.part(b, "e"))
+                        state.finish_batch(b)
             else:
                 run_layer(weights, unit, state, padded, self.ck, self._rotary())
                 flops = layer_flops(self.ck, unit.layer, padded, experts=unit.whole)
@@ -196,7 +197,7 @@ def layer_flops(ck: HFCheckpoint, i: int, padded, experts: bool = True) -> float
 @dataclass
 class Plan:
     """What a streamed analysis will read and compute, and how long that should take at this machine's rates (a
-    matrix product of the experts' shape timed in the analysis dtype; a stretch of the first shard read)."""
+    routed expert timed over gathered tokens in the analysis dtype; a stretch of the largest shard read)."""
 
     read_bytes: int
     flops: float
@@ -213,8 +214,9 @@ class Plan:
         layers = sorted({u.layer for u in todo})
         read = sum(ck.layer_bytes(i) for i in layers)
         flops = sum(layer_flops(ck, i, padded) for i in layers)
-        tokens = sum(int(t.numel()) for t, _ in padded)
-        rows = max(16, min(2048, tokens * ck.config.num_experts_per_tok // max(ck.n_experts, 1)))
+        # An expert's rows in one product: a batch's tokens times k, shared among the experts.
+        batch = max(int(t.numel()) for t, _ in padded)
+        rows = max(8, batch * ck.config.num_experts_per_tok // max(ck.n_experts, 1))
         return cls(read, flops, read_rate(ck), flop_rate(ck, rows))
 
     def said(self, state: WorkFolder, model: StreamedModel) -> str:
@@ -273,19 +275,31 @@ def read_rate(ck: HFCheckpoint, probe: int = 128 * 2**20) -> float:
     return n / max(time.perf_counter() - t0, 1e-9)
 
 
-def flop_rate(ck: HFCheckpoint, rows: int, seconds: float = 0.3) -> float:
-    """FLOP/s of this machine's matrix product of `rows` tokens through one routed expert's matrix, in the analysis
-    dtype (the product the streamed analysis does most)."""
+def flop_rate(ck: HFCheckpoint, rows: int, probes: int = 7, seconds: float = 0.1) -> float:
+    """FLOP/s of this machine running one routed expert (SwiGLU) over `rows` tokens gathered from and added back into
+    a larger batch, in the analysis dtype: the work the streamed analysis does most, with the gathers and the
+    activation that a bare matrix product leaves out (a bare product overstates the rate about 1.4x). The median of
+    `probes` short timings: on a shared machine one timing varies by half."""
     cfg = ck.config
-    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    x = torch.randn(rows, cfg.hidden_size).to(ck.dtype)
-    w = torch.randn(inter, cfg.hidden_size).to(ck.dtype)
-    torch.nn.functional.linear(x, w)  # warm-up
-    t0, n = time.perf_counter(), 0
-    while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
-        torch.nn.functional.linear(x, w)
-        n += 1
-    return 2.0 * rows * cfg.hidden_size * inter * n / elapsed
+    hidden, inter = cfg.hidden_size, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    batch = torch.randn(4 * rows, hidden).to(ck.dtype)
+    out = torch.zeros_like(batch)
+    rows_of = torch.randperm(4 * rows)[:rows]
+    gate_up, down = torch.randn(2 * inter, hidden).to(ck.dtype), torch.randn(hidden, inter).to(ck.dtype)
+
+    def expert() -> None:
+        gate, up = torch.nn.functional.linear(batch.index_select(0, rows_of), gate_up).chunk(2, -1)
+        out.index_add_(0, rows_of, torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down))
+
+    expert()  # warm-up
+    rates = []
+    for _ in range(probes):
+        t0, n = time.perf_counter(), 0
+        while (elapsed := time.perf_counter() - t0) < seconds or n < 2:
+            expert()
+            n += 1
+        rates.append(6.0 * rows * hidden * inter * n / elapsed)
+    return float(np.median(rates))
 
 
 def _duration(seconds: float) -> str:
@@ -346,83 +360,60 @@ def _padded(batch: list[Window]) -> tuple[torch.Tensor, list[int]]:
 
 
 def run_layer(layer, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint, rotary) -> None:
-    """Layer `unit.layer` over every batch, `windows_at_once` windows at a time: whole (its output written), or
-    without its routed experts (what they need kept: the residual `h`, the MoE's output without them `y`, their
-    input `t`, the choices)."""
+    """Layer `unit.layer` over every batch: attention and router `windows_at_once` windows at a time, a MoE layer's
+    routed experts deferred (what they need kept: the residual `h`, the MoE's output without them `y`, their input
+    `t`, the choices); in a whole unit, then the experts over each batch at once (transformers' own module, as the
+    model run whole calls it) and the layer's output written; else they come in chunks (`run_experts`)."""
     moe = unit.layer in ck.moe_layers
-    captured: dict = {}
-    hooks = []
-    if moe:
-        hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, out: captured.__setitem__("gate", out)))
-    if moe and not unit.whole:
-        layer.mlp.experts = _Deferred(captured)
-        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
-            lambda m, a: captured.__setitem__("h", a[0])))  # fmt: skip
-        hooks.append(layer.mlp.register_forward_hook(lambda m, a, out: captured.__setitem__("y", out)))
-    try:
+    experts = layer.mlp.experts if moe else None
+    gate: dict = {}
+    with contextlib.ExitStack() as stack:
+        if moe:
+            stack.callback(layer.mlp.gate.register_forward_hook(lambda m, a, out: gate.__setitem__("out", out)).remove)
+            kept = stack.enter_context(experts_deferred(layer))
         for b, (_, lengths) in enumerate(padded):
             B, S = state.shapes[b][:2]
             position_ids = torch.arange(S)[None]
             cos_sin = rotary(state.hidden(b, "in"), position_ids)
-            group = windows_at_once(ck.config, S)
-            for j in range(0, B, group):
-                rows = slice(j, min(j + group, B))
+            step = windows_at_once(ck.config, S)
+            for j in range(0, B, step):
+                rows = slice(j, min(j + step, B))
                 out = layer(state.hidden(b, "in")[rows], attention_mask=None, position_ids=position_ids,
                             position_embeddings=cos_sin)  # fmt: skip
-                out = out[0] if isinstance(out, tuple) else out
-                if moe:
-                    idx, w = gate_choices(captured["gate"])
-                    state.keep_choices(unit.layer, (b, j), idx, w, lengths[rows])
-                if moe and not unit.whole:
-                    state.part(b, "h")[rows] = captured["h"]
-                    state.part(b, "y")[rows] = captured["y"]
-                    state.part(b, "e")[rows] = 0
-                    state.keep_expert_input(b, rows, captured["t"], captured["idx"], captured["w"])
-                else:
-                    state.hidden(b, "out")[rows] = out
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-class _Deferred(torch.nn.Module):
-    """Stands in for a layer's routed experts: keeps their input and returns no contribution (added later, expert
-    by expert, in the order the experts module adds them)."""
-
-    def __init__(self, captured: dict) -> None:
-        super().__init__()
-        self.captured = captured
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        self.captured.update(t=hidden_states, idx=top_k_index, w=top_k_weights)
-        return torch.zeros_like(hidden_states)
+                if not moe:
+                    state.hidden(b, "out")[rows] = out[0] if isinstance(out, tuple) else out
+                    continue
+                state.keep_choices(unit.layer, (b, j), *gate_choices(gate["out"]), lengths[rows])
+                state.part(b, "h")[rows] = kept["h"]
+                state.part(b, "y")[rows] = kept["y"]
+                state.keep_expert_input(b, rows, kept["t"], kept["idx"], kept["w"])
+            if moe and unit.whole:
+                state.part(b, "e")[:] = experts(*state.expert_input(b)).view(state.shapes[b])
+                state.finish_batch(b)
+            elif moe:
+                state.part(b, "e")[:] = 0  # the experts' sum, added to chunk by chunk
 
 
 def run_experts(weights, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint) -> int:
-    """A chunk of layer `unit.layer`'s routed experts over every batch, `windows_at_once` windows at a time, added
-    into their experts' sum in increasing expert order, as transformers' eager experts loop adds them in the layer
-    run whole; the (token, expert) rows run."""
+    """A chunk of layer `unit.layer`'s routed experts, each over every token of a batch that chose it, added into
+    their sum in increasing expert order, as transformers' experts module does over the batch in a whole layer;
+    the (token, expert) rows run."""
     gate_up, down = weights
     act = ck.activation()
     rows = 0
     for b in range(len(padded)):
-        t_all, idx_all, w_all = state.expert_input(b)
-        final_all = state.part(b, "e").view(-1, t_all.shape[-1])
-        B, S = state.shapes[b][:2]
-        group = windows_at_once(ck.config, S)
-        for first in range(0, B, group):
-            at = slice(first * S, min(first + group, B) * S)
-            t, idx, w, final = t_all[at], idx_all[at], w_all[at], final_all[at]
-            mask = torch.nn.functional.one_hot(idx, num_classes=ck.n_experts + 1).permute(2, 1, 0)
-            for j, e in enumerate(unit.experts):
-                if not mask[e].any():
-                    continue
-                top_k_pos, token_idx = torch.where(mask[e])
-                rows += len(token_idx)
-                g, u = torch.nn.functional.linear(t[token_idx], gate_up[j]).chunk(2, dim=-1)
-                h = torch.nn.functional.linear(act(g) * u, down[j])
-                h = h * w[token_idx, top_k_pos, None]
-                final.index_add_(0, token_idx, h.to(final.dtype))
+        t, idx, w = state.expert_input(b)
+        final = state.part(b, "e").view(-1, t.shape[-1])
+        mask = torch.nn.functional.one_hot(idx, num_classes=ck.n_experts + 1).permute(2, 1, 0)
+        for j, e in enumerate(unit.experts):
+            if not mask[e].any():
+                continue
+            top_k_pos, token_idx = torch.where(mask[e])
+            rows += len(token_idx)
+            g, u = torch.nn.functional.linear(t[token_idx], gate_up[j]).chunk(2, dim=-1)
+            h = torch.nn.functional.linear(act(g) * u, down[j])
+            h = h * w[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, h.to(final.dtype))
     return rows
 
 
@@ -497,6 +488,10 @@ class WorkFolder:
     def expert_input(self, b: int):
         idx, w = (torch.cat(parts) for parts in zip(*self._inputs[b], strict=True))
         return self.part(b, "t").view(-1, self.dim), idx, w
+
+    def finish_batch(self, b: int) -> None:
+        """Batch b's layer output from its parts, as the layer adds them (experts_deferred)."""
+        self.hidden(b, "out")[:] = self.part(b, "h") + (self.part(b, "y") + self.part(b, "e"))
 
     def keep_choices(self, layer: int, at: tuple[int, int], idx, w, lengths: list[int]) -> None:
         """The choices (experts by weight, largest first) of the windows of batch at[0] from window at[1] on, without

@@ -4,7 +4,8 @@ layer over every token, and one that fits runs exactly the same modules whole.
 
 The modules are transformers' own (its decoder layers, rotary embedding, norms and head, built from the checkpoint's
 config), run with SDPA attention (causal without a mask: right-padded windows cannot reach a real token) and the
-eager expert loop (one expert at a time, what reading experts one at a time repeats exactly). The weights are read
+eager expert loop (one expert at a time over every token of a batch that chose it, what reading experts one at a
+time repeats exactly). The weights are read
 from the checkpoint's safetensors as its release lays them out, converted to the module's names the way
 transformers 5 converts them on load (transformers/conversion_mapping.py): per-expert matrices stacked into the
 fused `mlp.experts.gate_up_proj` [E, 2I, D] and `mlp.experts.down_proj` [E, D, I] (gate_proj, up_proj, down_proj; in
@@ -282,29 +283,79 @@ class UntrainedCheckpoint(HFCheckpoint):
 
 
 def windows_at_once(config, seq_len: int) -> int:
-    """How many windows a decoder layer runs over at once: as many as keep its activations near ACTIVATION_BYTES (a
-    window's attention scores, softmax and MLP activations, estimated from the config; one DeepSeek-V3 window of
-    1,024 tokens takes about 1.8 GB). The model run whole and the model streamed a layer at a time both cut a batch
-    so, and so make the very same products: the same bits (a product's rounding may depend on how many rows it has)."""
+    """How many windows a decoder layer's attention and router run over at once: as many as keep its activations near
+    ACTIVATION_BYTES (a window's attention scores, softmax and MLP activations, estimated from the config; one
+    DeepSeek-V3 window of 1,024 tokens takes about 1.8 GB). The routed experts then run once over the whole batch
+    (`ExpertsDeferred`), so that an expert's product has all the batch's rows that chose it, not a window's few."""
     per_token = 16 * config.hidden_size + 3 * config.intermediate_size + 2 * config.num_attention_heads * seq_len
     return max(1, ACTIVATION_BYTES // (4 * seq_len * per_token))
 
 
+class _Deferred(nn.Module):
+    """Stands in for a layer's routed experts: keeps their input and choices, contributes nothing."""
+
+    def __init__(self, kept: dict) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        self.kept.update(t=hidden_states, idx=top_k_index, w=top_k_weights)
+        return torch.zeros_like(hidden_states)
+
+
+@contextlib.contextmanager
+def experts_deferred(layer: nn.Module):
+    """Within it, the MoE `layer` runs without its routed experts, and after each call the dict it yields holds the
+    residual `h` (the input of post_attention_layernorm), the MoE block's output without the routed experts `y`
+    (the shared experts', or zeros), the experts' input `t` and the gate's choices `idx`, `w`. With the experts' sum
+    `e` computed afterwards (the module's own loop, or one expert at a time in that order), h + (y + e) is the
+    layer's output to the bit: the layer adds e + shared, then the residual, and a sum of two is commutative."""
+    kept: dict = {}
+    experts = layer.mlp.experts
+    layer.mlp.experts = _Deferred(kept)
+    hooks = [
+        layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a: kept.__setitem__("h", a[0])),
+        layer.mlp.register_forward_hook(lambda m, a, out: kept.__setitem__("y", out)),
+    ]
+    try:
+        yield kept
+    finally:
+        layer.mlp.experts = experts
+        for h in hooks:
+            h.remove()
+
+
 def hf_forward(model: nn.Module):
     """`forward(tokens [B, S]) -> logits` of a model `HFCheckpoint.model()` built: its layers called one after the
-    other as the streamed analysis calls them (SDPA, causal, no mask; the rotary embedding of positions 0..S-1),
-    each over `windows_at_once` windows at a time."""
+    other as the streamed analysis calls them (SDPA, causal, no mask; the rotary embedding of positions 0..S-1):
+    attention and router `windows_at_once` windows at a time, then each MoE layer's routed experts over all B
+    windows' tokens at once (transformers' own experts module; what the streamed analysis repeats expert by expert)."""
+    moe = {i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
 
     def forward(tokens_BS: torch.Tensor) -> torch.Tensor:
         x = model.model.embed_tokens(tokens_BS)
         B, S = tokens_BS.shape
         position_ids = torch.arange(S, device=tokens_BS.device)[None]
         cos_sin = model.model.rotary_emb(x, position_ids)
-        group = windows_at_once(model.config, S)
-        for layer in model.model.layers:
-            parts = [layer(x[j : j + group], attention_mask=None, position_ids=position_ids,
-                           position_embeddings=cos_sin) for j in range(0, B, group)]  # fmt: skip
-            x = torch.cat([p[0] if isinstance(p, tuple) else p for p in parts])
+        step = windows_at_once(model.config, S)
+        groups = [slice(j, j + step) for j in range(0, B, step)]
+        for i, layer in enumerate(model.model.layers):
+            if i not in moe:
+                x = torch.cat([_out(layer(x[g], attention_mask=None, position_ids=position_ids,
+                                          position_embeddings=cos_sin)) for g in groups])  # fmt: skip
+                continue
+            parts = []
+            with experts_deferred(layer) as kept:
+                for g in groups:
+                    layer(x[g], attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+                    parts.append({k: kept[k] for k in ("h", "y", "t", "idx", "w")})
+            h, y = torch.cat([p["h"] for p in parts]), torch.cat([p["y"] for p in parts])
+            t, idx, w = (torch.cat([p[k] for p in parts]) for k in ("t", "idx", "w"))
+            x = h + (y + layer.mlp.experts(t, idx, w).view_as(h))
         return model.lm_head(model.model.norm(x))
 
     return forward
+
+
+def _out(out):
+    return out[0] if isinstance(out, tuple) else out

@@ -32,6 +32,7 @@ from moe_lm.interop.safetensors_folder import SafetensorsFolder
 SCALE_SUFFIX = "_scale_inv"
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 FP8_DTYPES = ("F8_E4M3",)
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()  # by bit pattern
 KNOWN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn}
 
 
@@ -63,7 +64,9 @@ def dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     if tuple(scale_inv.shape) != (rows, cols):
         raise ValueError(f"a scale grid of {list(scale_inv.shape)} for a {M} x {N} weight in {block[0]} x {block[1]} "
                          f"blocks (it needs {rows} x {cols})")  # fmt: skip
-    w = w8.to(torch.float32)
+    # Each of the 256 codes looked up in a table: the same numbers as w8.to(float32), 3x faster on CPU (torch casts
+    # FP8 element by element, ~0.1 GB/s a core; the reading of DeepSeek-V3 would wait on it).
+    w = torch.from_numpy(FP8_VALUES[w8.view(torch.uint8).numpy()])
     per_column = scale_inv.float().repeat_interleave(block[1], 1)[:, :N]  # each block row's scale of every column
     for i in range(rows):
         w[i * block[0] : (i + 1) * block[0]].mul_(per_column[i])

@@ -79,6 +79,15 @@ def test_fp8_blocks_dequantise_by_deepseeks_rule_ragged_edges_included(shape):
             assert (ours[block] - w[block]).abs().max() <= w[block].abs().max() / 16
 
 
+def test_every_fp8_code_reads_as_torch_casts_it():
+    """The reader looks each byte up in a table (faster than torch's cast): all 256 codes, NaNs and -0 included."""
+    w8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    ours = dequantize_fp8(w8, torch.ones(1, 1))
+    cast = w8.float()
+    assert torch.equal(ours.isnan(), cast.isnan()) and torch.equal(ours.nan_to_num(), cast.nan_to_num())
+    assert torch.equal(ours.signbit(), cast.signbit())
+
+
 def test_released_fp8_weights_read_as_the_release_means_them(deepseek_fp8):
     """Every FP8 matrix of the release, read through the index and its three shards, equals the independent
     dequantisation of the stored bytes; the rest equals what is stored."""
