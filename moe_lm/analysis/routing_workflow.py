@@ -20,6 +20,7 @@ from moe_lm.analysis.requests import RoutingRequest
 from moe_lm.analysis.subjects import Subject, SubjectRequest, load_subject, windows_of
 from moe_lm.analysis.trace import Trace
 from moe_lm.errors import ConfigError, DataError, UserError
+from moe_lm.routing.routed_model import LayerwiseModel
 
 Docs = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
 
@@ -83,7 +84,11 @@ def shared_windows(req: RoutingRequest) -> int:
 
 
 def batch_within_memory(batch_size: int, subject: Subject) -> int:
-    """--batch-size, or fewer windows where a forward pass's logits would pass trace.MAX_BATCH_LOGIT_BYTES (said)."""
+    """--batch-size, or fewer windows where a forward pass's logits would pass trace.MAX_BATCH_LOGIT_BYTES (said). A
+    streamed subject computes its log-probs a few windows at a time, so its batches stay whole: a routed expert's
+    product has a batch's rows that chose it (DeepSeek-V3: 512 of 16 windows, 64 of the 2 the logits would allow)."""
+    if isinstance(subject.routing, LayerwiseModel):
+        return batch_size
     bounded = bounded_batch(batch_size, subject.seq_len, subject.vocab_size)
     if bounded < batch_size:
         print(

@@ -388,8 +388,7 @@ def run_layer(layer, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint, ro
                 state.part(b, "y")[rows] = kept["y"]
                 state.keep_expert_input(b, rows, kept["t"], kept["idx"], kept["w"])
             if moe and unit.whole:
-                state.part(b, "e")[:] = experts(*state.expert_input(b)).view(state.shapes[b])
-                state.finish_batch(b)
+                state.finish_batch(b, experts(*state.expert_input(b)).view(state.shapes[b]))
             elif moe:
                 state.part(b, "e")[:] = 0  # the experts' sum, added to chunk by chunk
 
@@ -489,9 +488,11 @@ class WorkFolder:
         idx, w = (torch.cat(parts) for parts in zip(*self._inputs[b], strict=True))
         return self.part(b, "t").view(-1, self.dim), idx, w
 
-    def finish_batch(self, b: int) -> None:
-        """Batch b's layer output from its parts, as the layer adds them (experts_deferred)."""
-        self.hidden(b, "out")[:] = self.part(b, "h") + (self.part(b, "y") + self.part(b, "e"))
+    def finish_batch(self, b: int, experts: torch.Tensor | None = None) -> None:
+        """Batch b's layer output from its parts, as the layer adds them (experts_deferred); the experts' sum given,
+        or the one added up chunk by chunk."""
+        e = self.part(b, "e") if experts is None else experts
+        self.hidden(b, "out")[:] = self.part(b, "h") + (self.part(b, "y") + e)
 
     def keep_choices(self, layer: int, at: tuple[int, int], idx, w, lengths: list[int]) -> None:
         """The choices (experts by weight, largest first) of the windows of batch at[0] from window at[1] on, without

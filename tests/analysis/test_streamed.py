@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 from moe_lm.analysis import streamed
 from moe_lm.analysis.hf_routing import hf_routing
 from moe_lm.analysis.recording import record_trace
+from moe_lm.analysis.routing_workflow import batch_within_memory
 from moe_lm.analysis.streamed import StreamedModel
+from moe_lm.analysis.subjects import Subject
 from moe_lm.analysis.trace import Trace
 from moe_lm.errors import UserError
 from moe_lm.interop import hf_layers
@@ -158,6 +160,16 @@ def test_streamed_analysis_records_what_the_whole_model_records(released, tmp_pa
     whole, part = _whole_and_streamed(released, tmp_path, 1_200_000)
     _same(whole, part)
     assert part.meta["streamed"]["read_bytes"] > 0 and part.meta["streamed"]["flops"] > 0
+
+
+def test_a_streamed_subjects_batches_are_not_cut_for_its_logits(deepseek_fp8, tmp_path):
+    """Its log-probs are made a few windows at a time, so its batches keep --batch-size windows and an expert's
+    product keeps their rows; a model run whole cuts them so that its logits fit (a 129 k vocabulary: 2 windows)."""
+    checkpoint = HFCheckpoint(deepseek_fp8, transformers.AutoConfig.from_pretrained(deepseek_fp8))
+    like_deepseek = dict(tok=None, seq_len=1024, vocab_size=129_280, provenance={})
+    streamed_subject = Subject(StreamedModel(checkpoint, 1_200_000, tmp_path / "work"), **like_deepseek)
+    assert batch_within_memory(16, streamed_subject) == 16
+    assert batch_within_memory(16, Subject(hf_routing(checkpoint.model()), **like_deepseek)) == 2
 
 
 def test_the_untrained_baseline_streams_from_its_seed(deepseek_fp8, tmp_path):
