@@ -225,8 +225,9 @@ class Plan:
             f"streamed plan: layers 0..{model.last} (of {model.ck.n_layers}), {state.tokens:,} tokens (padded); "
             f"{gib(self.read_bytes)} to read (~{self.read_rate / 1e6:,.0f} MB/s here), {self.flops / 1e9:,.0f} GFLOP "
             f"of matrix products (~{self.flop_rate / 1e9:,.0f} GFLOP/s in {str(model.ck.dtype).removeprefix('torch.')}"
-            f"); about {_duration(self.seconds)}; hidden states {gib(state.bytes)} in {state.folder}; weights held "
-            f"within {gib(model.budget)}" + (f", experts read in chunks in layers {chunked}" if chunked else "")
+            f"); about {_duration(self.seconds)}; work files up to {gib(state.bytes)} in {state.folder} (the hidden "
+            f"states, {gib(state.bytes // 6)}, twice, and a layer's parts); weights held within {gib(model.budget)}"
+            + (f", experts read in chunks in layers {chunked}" if chunked else "")
         )
 
 
@@ -427,14 +428,14 @@ class WorkFolder:
         self.offsets = np.cumsum([0] + [int(np.prod(s)) for s in self.shapes]).tolist()
         elem = torch.tensor([], dtype=dtype).element_size()
         self.tokens = sum(s[0] * s[1] for s in self.shapes)
-        self.bytes = 2 * self.offsets[-1] * elem
+        self.bytes = 6 * self.offsets[-1] * elem  # the hidden states twice (in, out) and a layer's 4 parts
         progress = self._progress()
         if progress.get("key") != key:  # another analysis's files (or none): ours to replace
             if folder.exists():
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
-            need, free = 6 * self.offsets[-1] * elem, shutil.disk_usage(folder).free
-            if need > free:  # the hidden states twice, and a chunked layer's parts
+            need, free = self.bytes, shutil.disk_usage(folder).free
+            if need > free:
                 shutil.rmtree(folder)
                 raise UserError(
                     f"{folder}: the streamed analysis needs {gib(need)} of disk for its hidden states and {gib(free)} "
