@@ -77,8 +77,7 @@ class StreamedModel:
             self._embed(state, padded)
         timing = Timing()
         reader = ThreadPoolExecutor(max_workers=1)
-        tokens = sum(int(t.numel()) for t, _ in padded)
-        bar = tqdm(total=self.last + 1, initial=len(done), unit="layer", desc=f"layers over {tokens:,} tokens")
+        bar = tqdm(total=self.last + 1, initial=len(done), unit="layer", desc=f"layers over {state.tokens:,} tokens")
         try:
             loading = reader.submit(self._read, todo[0]) if todo else None
             for n, unit in enumerate(todo):
