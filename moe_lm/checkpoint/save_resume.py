@@ -74,7 +74,10 @@ def everywhere(ok: bool) -> bool:
     """True only if `ok` holds on every rank (so that all ranks take the same branch)."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([int(ok)])
+    # why the device: NCCL reduces device tensors only ("No backend type associated with device type cpu", the
+    # first GPU run); gloo reduces CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

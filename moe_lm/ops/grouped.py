@@ -53,8 +53,8 @@ def grouped_mm(x_MD, token_N, counts_E, w_N, gate_up_EFD, down_EDI) -> torch.Ten
     # accumulating put; these are each other's backward.
     x_PD = x_MD.new_zeros(P, x_MD.shape[1]).index_copy(0, row_N, x_MD.index_select(0, token_N))
     w_P = w_N.new_zeros(P).index_copy(0, row_N, w_N)
-    offs = pad_end_E.to(torch.int32)
-    offs[-1] = P
+    # why a device-side fill and not `offs[-1] = P`: writing a Python int into a CUDA tensor waits for the host
+    offs = torch.cat((pad_end_E[:-1], pad_end_E.new_full((1,), P))).to(torch.int32)
     a_PI = swiglu(torch._grouped_mm(x_PD, gate_up_EFD.transpose(-2, -1), offs=offs)) * w_P[:, None]
     y_PD = torch._grouped_mm(a_PI, down_EDI.transpose(-2, -1), offs=offs)
     return x_MD.new_zeros(x_MD.shape).index_add(0, token_N, y_PD.index_select(0, row_N))

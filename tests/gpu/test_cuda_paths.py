@@ -1,6 +1,6 @@
 """CUDA paths (skipped without a GPU; `make gpu-check` runs them): bf16 expert paths against the loop, routing
-without host synchronisation, fp32 buffers under bf16, MLA's attention backend against the math one, and a
-ZeRO-2 bf16 training step."""
+without host synchronisation, fp32 buffers under bf16, MLA's attention backend against the math one, and the
+ranks' agreed flag under NCCL (the ZeRO-2 bf16 training run itself is the check's `train` step)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,18 @@ def test_mla_attention_backend_matches_the_math_backend(rope, nope, v):
     with sdpa_kernel(SDPBackend.MATH):
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v_.float(), is_causal=True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_ranks_agree_under_nccl():
+    """The first GPU run's training stopped at its first collective: the agreed flag was a CPU tensor, which NCCL
+    refuses ("No backend type associated with device type cpu"). A one-rank NCCL group runs on one GPU."""
+    import torch.distributed as dist
+
+    from moe_lm.checkpoint.save_resume import everywhere
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert everywhere(True) is True and everywhere(False) is False
+    finally:
+        dist.destroy_process_group()
