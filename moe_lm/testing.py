@@ -131,3 +131,44 @@ def max_abs_gap(a: list[list[float]], b: list[list[float]]) -> float:
     if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b, strict=True)):
         return math.inf
     return max((abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)), default=0.0)
+
+
+def trace_as_engine_record(trace_dir, path, engine: str, n_layers: int, phys_to_log=None) -> int:
+    """A moe-lm trace's windows written as an engine writes its record (moe_lm/interop/engine_routes.py): `engine`
+    "vllm" or "sglang" (JSON lines of responses: each window a request, half prompt, half completion, and one more
+    sampled token that has no route), or "dump" (an SGLang per-token dump into the folder `path`: each window a
+    prefill, its ids physical slots of `phys_to_log` [n_layers, slots], the first slot of each logical expert).
+    Returns the sequences written."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from moe_lm.analysis.trace import Trace
+    from moe_lm.interop.engine_routes import engine_routes, sglang_dump, sglang_response, vllm_response
+
+    trace = Trace(trace_dir)
+    experts = {layer: np.asarray(trace.experts(layer), dtype=np.int64) for layer in trace.layers}
+    token, doc, pos = (np.asarray(c, dtype=np.int64) for c in (trace.token, trace.doc, trace.pos))
+    window = doc * (1 << 32) + pos // trace.meta["windows"]
+    cuts = np.flatnonzero(np.diff(window)) + 1
+    rows = np.split(np.arange(trace.n), cuts)
+    if engine == "dump":
+        first_slot = np.stack([np.argmax(phys_to_log == e, axis=1) for e in range(trace.n_experts)], axis=1)
+        passes = []
+        for r in rows:
+            routes = engine_routes({lay: e[r] for lay, e in experts.items()}, n_layers, trace.k, -1)
+            physical = np.where(routes >= 0, np.take_along_axis(first_slot[None], routes.clip(0), axis=2), -1)
+            passes.append((token[r], physical.transpose(1, 0, 2)))
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(sglang_dump(passes, phys_to_log), Path(path) / "expert_distribution_recorder_1700000000.0_0.pt")
+        return len(passes)
+    with open(path, "w") as f:
+        for r in rows:
+            tokens = np.append(token[r], 0)  # the last sampled token: never forwarded, so never routed
+            routes = engine_routes({lay: e[r] for lay, e in experts.items()}, n_layers, trace.k, 0)
+            line = (vllm_response(tokens, len(r) // 2, routes, trace.n_experts) if engine == "vllm"
+                    else sglang_response(tokens, len(r) // 2, routes))  # fmt: skip
+            f.write(json.dumps(line) + "\n")
+    return len(rows)

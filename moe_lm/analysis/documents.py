@@ -1,5 +1,6 @@
 """The documents an analysis reads: the user's sources (`--data`: files, folders, parquet, hf:NAME, with their text
-and domain fields) tokenized by the subject's own tokenizer, or a moe-lm run's validation split with its domains."""
+and domain fields) tokenized by the subject's own tokenizer, a moe-lm run's validation split with its domains, or an
+engine's record's own sequences."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def document_stream(
         stream = user_documents(list(documents.data), subject.tok, domains, documents.text_field,
                                 documents.domain_field, max_tokens_per_domain)  # fmt: skip
         return stream, domains, ", ".join(documents.data)
+    if subject.documents is not None:  # an engine's record: the sequences it routed
+        docs, names = subject.documents
+        return iter(docs), list(names), f"{subject.provenance.get('routes', 'the record')} (its own sequences)"
     if subject.cfg is None:  # the command line refuses it first: a kind without documents needs --data
         raise UserError("this subject has no documents of its own: give --data")
     shard = load_split(subject.cfg.data.out_dir, "val")

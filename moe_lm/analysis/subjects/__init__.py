@@ -4,6 +4,7 @@
     run   --run RUN[:TAG]   RunSubject   a folder with checkpoints/            weights, margins, lp     yes     init
     hf    --hf DIR          HFSubject    config.json and no checkpoints/       weights, log-probs       yes     re-init
     gguf  --gguf FILE       GGUFSubject  a regular file with GGUF's magic      weights, margins, lp     no      none
+    routes --routes FILE    RecordedSubject  an engine's record (by content)   experts only             no      none
 
 A kind declares its flag and settings, how it is recognised, what it gives, and how it loads into a `Subject` whose
 `routing` satisfies moe_lm/routing/routed_model.py's `RoutedModel`. Adding a kind is one file here (its request, its
@@ -11,7 +12,7 @@ kind, `register_subject_kind`) imported below: `moe-lm analyze` then takes its f
 the recorder records it (docs/analytics.md, "Adding a kind of subject").
 """
 
-from moe_lm.analysis.subjects import gguf, hf, run  # noqa: F401 - registers the kinds
+from moe_lm.analysis.subjects import gguf, hf, recorded, run  # noqa: F401 - registers the kinds
 from moe_lm.analysis.subjects.base import (  # noqa: F401 - the room's interface
     DEFAULT_WINDOWS,
     KINDS,
@@ -27,4 +28,5 @@ from moe_lm.analysis.subjects.base import (  # noqa: F401 - the room's interface
 )
 from moe_lm.analysis.subjects.gguf import GGUFSubject  # noqa: F401
 from moe_lm.analysis.subjects.hf import HFSubject  # noqa: F401
+from moe_lm.analysis.subjects.recorded import RecordedSubject  # noqa: F401
 from moe_lm.analysis.subjects.run import RunSubject  # noqa: F401

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
+
 from moe_lm.config import Config
 from moe_lm.data.tokenizer import Tokenizer
 from moe_lm.errors import UserError
@@ -55,6 +57,7 @@ class Subject:
     no_untrained: str = ""
     run: Path | None = None
     cfg: Config | None = None
+    documents: tuple[list[tuple[int, np.ndarray]], list[str]] | None = None  # its own: (domain, ids) and domain names
 
 
 @dataclass(frozen=True)

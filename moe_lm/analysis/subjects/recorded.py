@@ -1,0 +1,222 @@
+"""Routes a serving engine recorded (`--routes FILE`): vLLM's or SGLang's responses with routed experts, or SGLang's
+per-token dumps (moe_lm/interop/engine_routes.py reads them), with `--served MODEL`, the checkpoint the engine served
+(a transformers folder or a moe-lm run): its config numbers the layers and says the experts and top-k, its tokenizer
+shows the ids. The record's own sequences are the documents; its routes are experts only (no gate weights, margins
+or log-probs). Another subject compared with it runs the record's token ids in the record's sequences; a record
+only routes its own tokens. No N1: an engine's record holds what it chose, not a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moe_lm.analysis.subjects.base import Flag, Subject, SubjectKind, SubjectRequest, register_subject_kind
+from moe_lm.data.tokenizer import Tokenizer
+from moe_lm.errors import UserError
+from moe_lm.interop.engine_routes import Record, Sequence, looks_like_record, read_record
+from moe_lm.routing.routed_model import Routed, Window
+
+NO_RECORD_N1 = "an engine's record holds the experts it chose, not a model to initialise afresh"
+
+
+@dataclass(frozen=True)
+class RecordedSubject(SubjectRequest):
+    kind = "routes"
+    path: str
+    served: str | None = None  # the checkpoint the engine served: a transformers folder or a moe-lm run
+
+    @property
+    def spec(self) -> str:
+        return str(self.path)
+
+
+@dataclass
+class Served:
+    """What the record needs of the model the engine served."""
+
+    tok: Tokenizer
+    vocab_size: int
+    n_layers: int  # decoder layers: the engines' layer axis
+    layers: list[int]  # MoE layer ids in the model's numbering
+    n_experts: int
+    k: int
+    provenance: dict
+
+
+class RecordedKind(SubjectKind):
+    name, request = "routes", RecordedSubject
+    flag = Flag(("--routes",), {"metavar": "FILE", "help": "routes a serving engine recorded: vLLM's or SGLang's "
+                                "responses (JSON lines), or SGLang's per-token dumps (.pt, or their folder); with "
+                                "--served"})  # fmt: skip
+    settings = (
+        Flag(("--served",), {"metavar": "MODEL", "help": "with --routes: the checkpoint the engine served (a "
+                             "transformers folder or a moe-lm run): its layers, experts and tokenizer"}),
+    )  # fmt: skip
+    looks_like = "an engine's record of routes (vLLM or SGLang)"
+    needs_data = False
+    gives = frozenset()
+
+    def from_flags(self, spec: str, args) -> RecordedSubject:
+        return RecordedSubject(spec, served=getattr(args, "served", None), seq_len=args.seq_len)
+
+    def recognises(self, spec: str) -> bool:
+        return looks_like_record(spec)
+
+    def check(self, args) -> None:
+        routes = getattr(args, "routes", None)  # moe-lm ablate has no --routes (a record cannot be rerouted)
+        uses = routes or any(looks_like_record(c) for c in (getattr(args, "compare", None) or []))
+        if uses and not getattr(args, "served", None):
+            raise UserError("--routes: give --served MODEL, the checkpoint the engine served (a transformers folder "
+                            "or a moe-lm run): an engine's record numbers layers and ids by it")  # fmt: skip
+        if routes and getattr(args, "data", None):
+            raise UserError(f"--routes {routes}: a record routes only its own tokens; leave out --data")
+
+    def windows(self, request: RecordedSubject) -> tuple[int, int | None]:
+        longest = max(len(s.routes) for s in read_record(request.path).sequences)
+        return request.seq_len or longest, None
+
+    def load(self, request: RecordedSubject) -> Subject:
+        if not request.served:
+            raise UserError(f"--routes {request.path}: give --served MODEL")
+        served = served_model(request.served)
+        record = read_record(request.path)
+        routing = RecordedRouting(record, served, request.path)
+        skipped = "".join(f"; {n:,} tokens of {why} left out" for why, n in record.skipped.items())
+        print(f"{request.path}: {record.format}, {len(record.sequences):,} sequences, "
+              f"{sum(len(s.routes) for s in record.sequences):,} routed tokens{skipped}")  # fmt: skip
+        provenance = {"routes": str(request.path), "format": record.format, **served.provenance}
+        named = [s.domain or Path(request.path).stem for s in record.sequences]  # unnamed: the file's
+        domains = sorted(set(named))
+        docs = [(domains.index(d), s.tokens[: len(s.routes)]) for d, s in zip(named, record.sequences, strict=True)]
+        windows = request.seq_len or max(len(ids) for _, ids in docs)
+        return Subject(routing, served.tok, windows, served.vocab_size, provenance, no_untrained=NO_RECORD_N1,
+                       documents=(docs, domains))  # fmt: skip
+
+
+class RecordedRouting:
+    """A record as a RoutedModel: each window is looked up among the record's sequences (the same ids from the same
+    position), and its rows are the record's experts in the MoE layers."""
+
+    gives = frozenset()
+
+    def __init__(self, record: Record, served: Served, path: str) -> None:
+        self.layers, self.n_experts, self.k = served.layers, served.n_experts, served.k
+        self.path = path
+        self.sequences = [checked(s, served, f"{path}, sequence {i}") for i, s in enumerate(record.sequences)]
+        self._by_start: dict[bytes, list[int]] = {}
+        for i, s in enumerate(self.sequences):
+            self._by_start.setdefault(s.tokens[:16].tobytes(), []).append(i)
+        self._doc: dict[int, int] = {}  # the trace's document -> the record's sequence
+        self._taken: set[int] = set()
+
+    def __enter__(self) -> RecordedRouting:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def route_batch(self, windows: list[Window]) -> Routed:
+        rows = [self._rows(w) for w in windows]
+        return Routed({layer: np.concatenate([r[:, j, :] for r in rows]) for j, layer in enumerate(self.layers)})
+
+    def _rows(self, w: Window) -> np.ndarray:
+        """[len(w), MoE layers, k]: the record's experts for the window's tokens."""
+        if w.doc not in self._doc:
+            self._doc[w.doc] = self._find(w)
+        s = self.sequences[self._doc[w.doc]]
+        end = w.start + len(w.tokens)
+        if end > len(s.routes) or not np.array_equal(s.tokens[w.start : end], w.tokens):
+            raise UserError(self._no_match(w))
+        return s.routes[w.start : end]
+
+    def _find(self, w: Window) -> int:
+        """The first sequence not yet taken whose tokens from position 0 are the window's (the same prompt sampled
+        several times: the k-th window of those ids takes the k-th sequence, as they were streamed)."""
+        if w.start == 0:
+            for i in self._by_start.get(np.asarray(w.tokens[:16], dtype=np.int64).tobytes(), []):
+                s = self.sequences[i]
+                if i not in self._taken and np.array_equal(s.tokens[: len(w.tokens)], w.tokens):
+                    if len(w.tokens) <= len(s.routes):
+                        self._taken.add(i)
+                        return i
+        raise UserError(self._no_match(w))
+
+    def _no_match(self, w: Window) -> str:
+        return (f"routes {self.path}: no sequence of the record holds the token ids of document {w.doc} at position "
+                f"{w.start} ({w.tokens[:8].tolist()}...): a record routes only its own tokens; make it the subject "
+                f"(moe-lm analyze --routes {self.path} --served MODEL --compare OTHER)")  # fmt: skip
+
+
+def checked(s: Sequence, served: Served, where: str) -> Sequence:
+    """The sequence with its routes cut to the MoE layers [n, layers, k], or a UserError naming the first thing of
+    the record that does not fit the served model (token ids, layer count, top-k, expert ids)."""
+    if s.tokens.size and int(s.tokens.max()) >= served.vocab_size:
+        raise UserError(f"{where}: token id {int(s.tokens.max())} is past the served model's vocabulary "
+                        f"({served.vocab_size:,} ids): recorded with another model")  # fmt: skip
+    routes = s.routes.reshape(len(s.routes), served.n_layers, -1) if s.routes.ndim == 2 else s.routes
+    if s.routes.ndim == 2 and s.routes.shape[1] % served.n_layers:
+        raise UserError(f"{where}: {s.routes.shape[1]} ids per token are not {served.n_layers} layers x top-k: the "
+                        "served model has another layer count")  # fmt: skip
+    if routes.shape[1] != served.n_layers:
+        raise UserError(f"{where}: routes over {routes.shape[1]} layers, the served model has {served.n_layers} "
+                        "decoder layers: recorded with another model")  # fmt: skip
+    routes = routes[:, served.layers, :]
+    k = routes.shape[2]
+    if k < served.k or (k > served.k and (routes[:, :, served.k :] != -1).any()):
+        raise UserError(f"{where}: top-{k} routes, the served model chooses {served.k} experts a token: recorded "
+                        "with another model")  # fmt: skip
+    routes = routes[:, :, : served.k]
+    bad = (routes < 0) | (routes >= served.n_experts)
+    if bad.any():
+        t, layer, j = (int(x[0]) for x in np.nonzero(bad))
+        raise UserError(
+            f"{where}: token {t}, MoE layer {served.layers[layer]}: expert id {int(routes[t, layer, j])}, not one of "
+            f"the served model's {served.n_experts} (a filler where routes were not recorded, or physical slots of an "
+            "expert-parallel placement)"
+        )
+    return Sequence(s.tokens, routes, s.domain)
+
+
+def served_model(spec: str) -> Served:
+    """The layers, experts, top-k and tokenizer of the model an engine served: a moe-lm run or a transformers
+    folder (its model built on the meta device: nothing is read but the config and the tokenizer)."""
+    import torch
+
+    path = Path(spec)
+    if (path / "checkpoints").is_dir():
+        from moe_lm.checkpoint.format import checkpoint_folder, parse_run
+        from moe_lm.config import load_config
+        from moe_lm.data.tokenizer import load_data_tokenizer
+        from moe_lm.model import Transformer
+
+        run, tag = parse_run(spec)
+        cfg = load_config(checkpoint_folder(run, tag) / "config.yaml")
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        layers = [i for i in model.moe_layer_ids() if i < cfg.model.n_layers]
+        moe = cfg.model.moe
+        return Served(load_data_tokenizer(cfg.data.out_dir), cfg.model.vocab_size, cfg.model.n_layers, layers,
+                      moe.n_routed_experts, moe.num_experts_per_tok, {"served": str(run)})  # fmt: skip
+    if (path / "config.json").is_file():
+        import transformers
+
+        from moe_lm.analysis.hf_routing import GATE
+        from moe_lm.analysis.subjects.hf import hf_config
+        from moe_lm.data.tokenizer import HFTokenizer
+
+        config = hf_config(spec)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        gates = {int(m[1]): mod for name, mod in model.named_modules() if (m := GATE.match(name))}
+        if not gates:
+            raise UserError(f"--served {spec}: no MoE gates (model.layers.<l>.mlp.gate) in this {config.model_type}")
+        first = next(iter(gates.values()))
+        provenance = {"served": str(path), "model_type": config.model_type}
+        return Served(HFTokenizer(path), config.vocab_size, config.num_hidden_layers, sorted(gates),
+                      first.num_experts, first.top_k, provenance)  # fmt: skip
+    raise UserError(f"--served {spec}: neither a moe-lm run (checkpoints/) nor a transformers folder (config.json)")
+
+
+register_subject_kind(RecordedKind())

@@ -1,0 +1,160 @@
+"""Routes recorded by serving engines as subjects (moe_lm/interop/engine_routes.py, subjects/recorded.py).
+
+The fixtures are written as each engine writes its record (moe_lm.testing.trace_as_engine_record), from the engines'
+own code: vLLM 0.33.0 (commit 4ba787ec9) `vllm/entrypoints/openai/completion/protocol.py` CompletionResponseChoice
+(prompt_token_ids, token_ids, routed_experts = base64 of .npy [tokens - 1, num_hidden_layers, top_k]) and
+`routed_experts_capturer.py`; SGLang 0.5.23 `srt/managers/detokenizer_manager.py` (meta_info.routed_experts = base64
+of int32 bytes, [tokens - 1, num_hidden_layers, top_k]) and `srt/eplb/expert_distribution.py` (per-token dumps:
+records of input_ids, positions, extend_seq_lens, topk_ids_of_layer [layers, tokens, 8] with -1, physical slots,
+last_physical_to_logical_map). A moe-lm trace written in an engine's format and read back agrees with the run on
+every token and layer.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moe_lm.analysis.subjects.recorded import served_model
+from moe_lm.testing import trace_as_engine_record
+
+
+def refused(proc, *needles: str) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert all(n in proc.stderr for n in needles), proc.stderr[-3000:]
+    return proc.stderr
+
+
+@pytest.fixture(scope="module")
+def served(tiny_run):
+    """The shared run's layers (all of them: the engines' axis), MoE layers, experts and top-k."""
+    return served_model(str(tiny_run))
+
+
+@pytest.fixture(scope="module")
+def run_trace(tiny_run, cli, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "run"
+    proc = cli("analyze", "--run", tiny_run, "--out", out, "--max-tokens", "1500", "--no-init-baseline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "trace"
+
+
+def replicas(served) -> np.ndarray:
+    """An EPLB-like placement [layers, slots]: every expert once, slots out of logical order, then replicas of the
+    first three."""
+    order = [*np.random.default_rng(0).permutation(served.n_experts).tolist(), 0, 1, 2]
+    return np.array([order] * served.n_layers)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "dump"])
+def test_a_trace_written_as_an_engine_writes_it_reads_back_as_the_run_routed_it(engine, run_trace, served, tiny_run,
+                                                                                cli, tmp_path):  # fmt: skip
+    record = tmp_path / ("dumps" if engine == "dump" else f"{engine}.jsonl")
+    n = trace_as_engine_record(run_trace, record, engine, served.n_layers, replicas(served))
+    out = tmp_path / "out"
+    proc = cli("analyze", "--routes", record, "--served", tiny_run, "--compare", tiny_run, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{n:,} sequences" in proc.stdout and "no untrained baseline N1" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    c = metrics["comparisons"][str(tiny_run)]
+    assert c["tokens_differing_in_any_layer"]["mean"] == 0.0
+    assert all(m["flips"] == 0 and m["top1_agreement"]["mean"] == 1.0 for m in c["layers"].values())
+    # the record's tokens are the run's trace's, in the same order
+    mine, run = (np.fromfile(t / "token.u32", dtype=np.uint32) for t in (out / "trace", run_trace))
+    assert np.array_equal(mine, run)
+
+
+def test_several_ranks_and_steps_that_are_not_prefills(run_trace, served, tiny_run, cli, tmp_path):
+    """Every rank of plain tensor parallelism dumps the same passes (read once); decode steps lack their request's
+    earlier tokens (counted, left out); ids are physical slots, mapped by the dump's own map."""
+    folder = tmp_path / "dumps"
+    n = trace_as_engine_record(run_trace, folder, "dump", served.n_layers, replicas(served))
+    (dump,) = folder.glob("*.pt")
+    data = torch.load(dump, weights_only=True)
+    data["records"].append({"forward_pass_id": 99, "rank": 0, "input_ids": [5, 6], "positions": [40, 17],
+                            "extend_seq_lens": None, "forward_mode": 2,
+                            "topk_ids_of_layer": torch.zeros(served.n_layers, 2, 8, dtype=torch.int32)})  # fmt: skip
+    torch.save(data, dump)
+    torch.save(data, folder / "expert_distribution_recorder_1700000000.0_1.pt")
+    proc = cli("analyze", "--routes", folder, "--served", tiny_run, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{n:,} sequences" in proc.stdout and "2 tokens of decode steps left out" in proc.stdout
+
+
+def _one_line(record, edit) -> None:
+    lines = record.read_text().splitlines()
+    obj = json.loads(lines[0])
+    edit(obj)
+    record.write_text("\n".join([json.dumps(obj), *lines[1:]]) + "\n")
+
+
+def _sglang_routes(obj) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(obj["meta_info"]["routed_experts"]), dtype=np.int32).copy()
+
+
+def _set_routes(obj, flat: np.ndarray) -> None:
+    obj["meta_info"]["routed_experts"] = base64.b64encode(flat.astype(np.int32).tobytes()).decode()
+
+
+def _filler(obj, served) -> None:
+    flat = _sglang_routes(obj).reshape(-1, served.n_layers, served.k)
+    flat[3, served.layers[0], 1] = 255
+    _set_routes(obj, flat.ravel())
+
+
+def _top_more(obj, served) -> None:
+    flat = _sglang_routes(obj).reshape(-1, served.n_layers, served.k)
+    _set_routes(obj, np.concatenate([flat, flat[:, :, :1]], axis=2).ravel())
+
+
+@pytest.mark.parametrize(
+    "edit, needles",
+    [
+        (lambda o, _: o["input_ids"].__setitem__(0, 10**6), ["sequence 0", "token id 1000000", "vocabulary"]),
+        (lambda o, _: _set_routes(o, _sglang_routes(o)[:-1]), ["line 1", "not a whole number of rows", "cut short"]),
+        (lambda o, _: o.__setitem__("routed_experts_start_len", 2), ["line 1", "start at token 2", "record with"]),
+        (lambda o, _: o["meta_info"].__setitem__("routed_experts", "%%%"), ["line 1", "not base64"]),
+        (lambda o, _: o.pop("input_ids"), ["line 1", "input_ids", "add the request's input_ids"]),
+        (_filler, ["token 3, MoE layer", "expert id 255", "filler"]),
+        (_top_more, ["routes", "the served model chooses"]),
+    ],
+)
+def test_a_record_that_does_not_fit_is_one_line_naming_the_first_mismatch(edit, needles, run_trace, served, tiny_run,
+                                                                          cli, tmp_path):  # fmt: skip
+    record = tmp_path / "sglang.jsonl"
+    trace_as_engine_record(run_trace, record, "sglang", served.n_layers)
+    _one_line(record, lambda obj: edit(obj, served))
+    refused(cli("analyze", "--routes", record, "--served", tiny_run, "--out", tmp_path / "out"), *needles)
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+def test_other_layer_counts_other_tokens_and_a_missing_model_are_refused(run_trace, served, tiny_run, cli, tmp_path):
+    record = tmp_path / "vllm.jsonl"
+    trace_as_engine_record(run_trace, record, "vllm", served.n_layers + 2)
+    refused(cli("analyze", "--routes", record, "--served", tiny_run, "--out", tmp_path / "a"),
+            f"routes over {served.n_layers + 2} layers", f"{served.n_layers} decoder layers")  # fmt: skip
+    trace_as_engine_record(run_trace, record, "vllm", served.n_layers)
+    refused(cli("analyze", "--routes", record, "--out", tmp_path / "b"), "give --served MODEL")
+    # the record is asked to route documents it never saw (the run's validation split)
+    refused(cli("analyze", "--run", tiny_run, "--compare", record, "--served", tiny_run, "--out", tmp_path / "c"),
+            "no sequence of the record holds the token ids", "make it the subject")  # fmt: skip
+    refused(cli("analyze", "--routes", record, "--served", tiny_run, "--data", record, "--out", tmp_path / "d"),
+            "leave out --data")  # fmt: skip
+
+
+def test_a_record_of_a_served_transformers_checkpoint_lines_up_with_that_checkpoint(run_trace, served, tiny_run, cli,
+                                                                                   tmp_path):  # fmt: skip
+    """What engines serve: a transformers folder; --served reads its layers from its config (the model on the meta
+    device) and its tokenizer, and --compare runs the checkpoint itself on the record's sequences."""
+    assert cli("export", "--run", tiny_run, "--out", tmp_path / "hf").returncode == 0
+    record = tmp_path / "vllm.jsonl"
+    trace_as_engine_record(run_trace, record, "vllm", served.n_layers)
+    out = tmp_path / "out"
+    proc = cli("analyze", "--routes", record, "--served", tmp_path / "hf", "--compare", tmp_path / "hf", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads((out / "metrics.json").read_text())["comparisons"][str(tmp_path / "hf")]
+    assert c["tokens_differing_in_any_layer"]["mean"] == 0.0
