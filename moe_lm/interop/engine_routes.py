@@ -81,7 +81,7 @@ def read_record(path: str | Path) -> Record:
 
 def looks_like_record(path: str | Path) -> bool:
     """Whether `path` is an engine's record by its content: a per-token dump (or a folder of them), or a JSON-lines
-    file whose first line is a vLLM or SGLang response with routed experts."""
+    file whose first line is a vLLM or SGLang response with routed experts (what --compare recognises)."""
     path = Path(path)
     if path.is_dir():
         return any(path.glob("expert_distribution_recorder_*.pt"))
@@ -89,12 +89,18 @@ def looks_like_record(path: str | Path) -> bool:
         return False
     try:
         with open(path, "rb") as f:
-            head = f.read(1 << 16)
-    except OSError:
+            if f.read(2) == b"PK":  # torch.save's zip container: SGLang names its dumps
+                return path.name.startswith("expert_distribution_recorder_")
+            f.seek(0)
+            first = json.loads(f.readline())  # why the whole line: a long sequence's ids come before its routes
+    except (OSError, ValueError):
         return False
-    if head[:2] == b"PK":
-        return b"topk_ids_of_layer" in head or path.name.startswith("expert_distribution_recorder_")
-    return b'"routed_experts"' in head.split(b"\n", 1)[0] or b'"routed_experts"' in head[:4096]
+    if not isinstance(first, dict):
+        return False
+    choices = first.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and "routed_experts" in c for c in choices)
+    return isinstance(first.get("meta_info"), dict) and "routed_experts" in first["meta_info"]
 
 
 # ---- JSON lines: vLLM completion responses and SGLang /generate responses --------------------------------------

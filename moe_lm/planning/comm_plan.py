@@ -18,7 +18,7 @@ Two ways to get the pairs:
 - `trace_pairs`: exact counts for recorded routing (per source rank, the chosen experts of its tokens), which is
   what the dispatcher counts when it routes the same tokens.
 
-`place_experts` evens measured expert load over ranks the way DeepSeek's EPLB does (hierarchical: whole groups
+`place_experts` evens measured expert load over ranks with DeepSeek's EPLB (placement.py; hierarchical: whole groups
 packed onto nodes, then hot experts replicated inside each node and packed onto its GPUs).
 """
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from moe_lm.errors import ConfigError, DataError
 from moe_lm.parallel.traffic import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
+from moe_lm.planning.placement import rank_loads, rebalance_experts
 
 
 @dataclass(frozen=True)
@@ -173,29 +174,7 @@ def split_by_rank(idx_NK: np.ndarray, ep_size: int, seq_len: int) -> list[np.nda
     return [seqs[r::ep_size].reshape(-1, idx_NK.shape[1]) for r in range(ep_size)]
 
 
-# ---- placement (EPLB-like) ----
-
-
-def balanced_packing(weights: np.ndarray, n_packs: int) -> list[list[int]]:
-    """Items into n_packs packs of equal item count, heaviest first into the lightest pack with room."""
-    per_pack = len(weights) // n_packs
-    packs: list[list[int]] = [[] for _ in range(n_packs)]
-    load = np.zeros(n_packs)
-    for i in np.argsort(-np.asarray(weights, dtype=np.float64), kind="stable"):
-        open_ = [p for p in range(n_packs) if len(packs[p]) < per_pack]
-        p = min(open_, key=lambda q: load[q])
-        packs[p].append(int(i))
-        load[p] += weights[i]
-    return packs
-
-
-def replicate(load: np.ndarray, n_slots: int) -> np.ndarray:
-    """Copies of each expert for n_slots >= len(load) slots: each extra slot to the expert whose load per copy is
-    highest."""
-    copies = np.ones(len(load), np.int64)
-    for _ in range(n_slots - len(load)):
-        copies[np.argmax(load / copies)] += 1
-    return copies
+# ---- placement (DeepSeek's EPLB: moe_lm/planning/placement.py) ----
 
 
 @dataclass
@@ -215,33 +194,15 @@ def contiguous_placement(load: np.ndarray, ep_size: int) -> Placement:
 
 def place_experts(load: np.ndarray, layout: Layout, n_group: int, redundant: int) -> Placement:
     """Even the per-rank load of one layer's expert loads [E] with `redundant` extra expert slots (a multiple of
-    ep_size). Hierarchical when the groups can be packed whole onto the group's nodes (which keeps node-limited
-    routing intact): groups onto nodes, then inside each node replicas and packing onto its GPUs; global otherwise."""
+    ep_size), by DeepSeek's EPLB over the layout's nodes: hierarchical when the groups can be packed whole onto the
+    nodes (which keeps node-limited routing intact), global otherwise."""
     E, R = len(load), layout.ep_size
     if redundant % R:
         raise ConfigError(f"redundant slots ({redundant}) must be a multiple of ep_size ({R}): every GPU holds as many")
-    nodes = sorted(set(layout.ep_nodes()))
-    n_nodes, per_node = len(nodes), R // len(nodes)
-    if n_group % n_nodes:  # groups cannot be kept whole on nodes: one global pool
-        n_nodes, per_node, node_experts = 1, R, [list(range(E))]
-    else:
-        size = E // n_group
-        group_load = load.reshape(n_group, size).sum(1)
-        node_experts = [
-            [g * size + j for g in sorted(groups) for j in range(size)]
-            for groups in balanced_packing(group_load, n_nodes)
-        ]
-    rank_experts: list[list[int]] = []
-    rank_load: list[float] = []
-    for experts in node_experts:
-        ids = np.array(experts)
-        copies = replicate(load[ids], len(ids) + redundant // n_nodes)
-        physical = np.repeat(ids, copies)
-        share = np.repeat(load[ids] / copies, copies)
-        for pack in balanced_packing(share, per_node):
-            rank_experts.append(sorted(int(physical[i]) for i in pack))
-            rank_load.append(float(share[pack].sum()))
-    return Placement(np.array(rank_load), rank_experts)
+    n_nodes = len(set(layout.ep_nodes()))
+    phy2log, _, _ = rebalance_experts(load[None], E + redundant, n_group, n_nodes, R)
+    per_rank = phy2log[0].reshape(R, -1)
+    return Placement(rank_loads(load[None], phy2log, R)[0], [sorted(r.tolist()) for r in per_rank])
 
 
 # ---- a training step's all-to-all, per GPU ----

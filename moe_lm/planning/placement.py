@@ -1,0 +1,164 @@
+"""Expert placement for expert-parallel serving and training: DeepSeek's EPLB, the load statistics engines and trainers
+report, and the placement files SGLang and vLLM load.
+
+EPLB (github.com/deepseek-ai/EPLB, eplb.py, read at d52c72d5; written here from its description, in numpy):
+`rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)` with `weight` [layers, logical experts]
+(each expert's load) gives `phy2log` [layers, num_replicas] (the logical expert of every physical slot; slot s is on
+GPU s // (num_replicas / num_gpus)), `log2phy` [layers, logical, most replicas] (-1 padded, in the order replicas
+were made) and `logcnt` [layers, logical]. Hierarchical when `num_groups % num_nodes == 0`: expert groups are
+packed onto nodes (group-limited routing then keeps a token's experts on few nodes), experts replicated within each
+node, the replicas packed onto the node's GPUs; otherwise the same with one group and one node (the global policy).
+Packing puts each item, heaviest first, on the lightest pack that still has room (the lowest-numbered on a tie);
+replication gives each new slot to the expert with the most load per replica (the lowest id on a tie).
+
+Load statistics, per layer over the expert-parallel ranks, each rank's load the token-slots its slots receive (an
+expert's tokens split evenly over its replicas, as a balancing dispatcher aims to): balancedness (vLLM's
+`eplb_state.py`: the sum over layers of the mean rank load over the sum of the max rank load, 1 = balanced),
+Megatron-Core's overload factor (max-rank tokens / balanced tokens per rank, per layer), and the ranks' coefficient
+of variation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(pack of each item, its rank within the pack), both [X, n]: every pack gets n / num_packs items."""
+    X, n = weight.shape
+    if n % num_packs:
+        raise ValueError(f"{n} items do not split into {num_packs} equal packs")
+    per_pack = n // num_packs
+    if per_pack == 1:
+        return np.tile(np.arange(n), (X, 1)), np.zeros((X, n), dtype=np.int64)
+    pack_index = np.empty((X, n), dtype=np.int64)
+    rank_in_pack = np.empty((X, n), dtype=np.int64)
+    for i in range(X):
+        load, items = [0.0] * num_packs, [0] * num_packs
+        for g in np.argsort(-weight[i], kind="stable"):  # heaviest first; ties in id order
+            pack = min((p for p in range(num_packs) if items[p] < per_pack), key=load.__getitem__)
+            pack_index[i, g], rank_in_pack[i, g] = pack, items[pack]
+            load[pack] += float(weight[i, g])
+            items[pack] += 1
+    return pack_index, rank_in_pack
+
+
+def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(phy2log [X, num_phy], replica rank [X, num_phy], logcnt [X, num_log]): the first num_log slots are the
+    experts themselves, each further slot a replica of the expert with the most load per replica."""
+    X, num_log = weight.shape
+    phy2log = np.tile(np.arange(num_phy), (X, 1))
+    rank = np.zeros((X, num_phy), dtype=np.int64)
+    logcnt = np.ones((X, num_log), dtype=np.int64)
+    rows = np.arange(X)
+    for i in range(num_log, num_phy):
+        redundant = np.argmax(weight / logcnt, axis=-1)
+        phy2log[:, i] = redundant
+        rank[:, i] = logcnt[rows, redundant]
+        logcnt[rows, redundant] += 1
+    return phy2log, rank, logcnt
+
+
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perm)
+    np.put_along_axis(inv, perm, np.tile(np.arange(perm.shape[1]), (perm.shape[0], 1)), axis=1)
+    return inv
+
+
+def _hierarchical(weight: np.ndarray, P: int, G: int, nodes: int, gpus: int):
+    L, N = weight.shape
+    if N % G or G % nodes or gpus % nodes or P % gpus:
+        raise ValueError(f"EPLB needs experts ({N}) % groups ({G}), groups % nodes ({nodes}), GPUs ({gpus}) % nodes "
+                         f"and slots ({P}) % GPUs all 0")  # fmt: skip
+    group_size, groups_per_node, per_gpu = N // G, G // nodes, P // gpus
+    # 1. expert groups onto nodes
+    group_pack, group_rank = balanced_packing(weight.reshape(L, G, group_size).sum(-1), nodes)
+    log2mlog = ((group_pack * groups_per_node + group_rank) * group_size)[..., None] + np.arange(group_size)
+    log2mlog = log2mlog.reshape(L, N)
+    mlog2log = _inverse(log2mlog)
+    # 2. replicas within each node
+    tokens_per_mlog = np.take_along_axis(weight, mlog2log, -1).reshape(L * nodes, N // nodes)
+    phy2mlog, phyrank, mlogcnt = replicate_experts(tokens_per_mlog, P // nodes)
+    # 3. the node's replicas onto its GPUs
+    tokens_per_phy = np.take_along_axis(tokens_per_mlog / mlogcnt, phy2mlog, -1)
+    pack, rank = balanced_packing(tokens_per_phy, gpus // nodes)
+    pphy2phy = _inverse(pack * per_gpu + rank)
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, -1)
+    pphy2mlog = (pphy2mlog.reshape(L, nodes, -1) + np.arange(0, N, N // nodes)[None, :, None]).reshape(L, -1)
+    pphy2log = np.take_along_axis(mlog2log, pphy2mlog, -1)
+    pphyrank = np.take_along_axis(phyrank, pphy2phy, -1).reshape(L, -1)
+    logcnt = np.take_along_axis(mlogcnt.reshape(L, -1), log2mlog, -1)
+    return pphy2log, pphyrank, logcnt
+
+
+def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int):
+    """(phy2log, log2phy, logcnt) for `weight` [layers, logical experts] (see the module's docstring)."""
+    weight = np.asarray(weight, dtype=np.float64)
+    if num_groups % num_nodes == 0:
+        phy2log, phyrank, logcnt = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    else:
+        phy2log, phyrank, logcnt = _hierarchical(weight, num_replicas, 1, 1, num_gpus)
+    L, N = weight.shape
+    most = int(logcnt.max())
+    log2phy = np.full((L, N * most), -1, dtype=np.int64)
+    np.put_along_axis(log2phy, phy2log * most + phyrank, np.tile(np.arange(num_replicas), (L, 1)), axis=1)
+    return phy2log, log2phy.reshape(L, N, most), logcnt
+
+
+# ---- load statistics -------------------------------------------------------------------------------------------
+
+
+def rank_loads(counts: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> np.ndarray:
+    """[layers, ranks]: token-slots each rank receives, `counts` [layers, logical] split evenly over each expert's
+    replicas, slot s on rank s // (slots / ranks)."""
+    L, N = counts.shape
+    replicas = np.stack([np.bincount(p, minlength=N) for p in phy2log])  # [L, N]
+    per_slot = np.take_along_axis(counts / replicas, phy2log, -1)
+    return per_slot.reshape(L, num_ranks, -1).sum(-1)
+
+
+def identity_placement(n_layers: int, n_experts: int) -> np.ndarray:
+    """Expert e on slot e (what an engine does without a placement): phy2log [layers, experts]."""
+    return np.tile(np.arange(n_experts), (n_layers, 1))
+
+
+def load_statistics(loads: np.ndarray) -> dict[str, float]:
+    """From per-rank loads [layers, ranks]: vLLM's balancedness (sum of means / sum of maxima over layers),
+    Megatron-Core's overload factor per layer (max / balanced) as its mean and max over layers, and the ranks'
+    coefficient of variation (mean over layers)."""
+    mean, most = loads.mean(1), loads.max(1)
+    overload = most / np.where(mean > 0, mean, 1.0)
+    cv = loads.std(1) / np.where(mean > 0, mean, 1.0)
+    return {
+        "balancedness": float(mean.sum() / most.sum()) if most.sum() > 0 else 0.0,
+        "overload_factor_mean": float(overload.mean()),
+        "overload_factor_max": float(overload.max()),
+        "rank_cv": float(cv.mean()),
+    }
+
+
+# ---- what engines load -----------------------------------------------------------------------------------------
+
+
+def sglang_expert_location(phy2log: np.ndarray, moe_layers: list[int], n_layers: int) -> dict:
+    """SGLang's `--init-expert-location FILE.json`: {"physical_to_logical_map": [num_hidden_layers, slots]} (srt/eplb/
+    expert_location.py, `init_by_mapping`); the dense layers' rows are its trivial map (slot % experts)."""
+    N = int(phy2log.max()) + 1
+    rows = np.tile(np.arange(phy2log.shape[1]) % N, (n_layers, 1))
+    rows[moe_layers] = phy2log
+    return {"physical_to_logical_map": rows.tolist()}
+
+
+def vllm_expert_map(phy2log: np.ndarray, num_ranks: int) -> dict:
+    """The expert map vllm-ascend loads (`--additional-config '{"eplb_config": {"expert_map_path": FILE}}'`,
+    vllm_ascend/eplb/core/eplb_utils.py): per MoE layer (0-based among MoE layers) per rank the logical experts of
+    its slots in slot order."""
+    per_rank = phy2log.reshape(phy2log.shape[0], num_ranks, -1)
+    return {
+        "moe_layer_count": int(phy2log.shape[0]),
+        "layer_list": [
+            {"layer_id": i, "device_count": num_ranks,
+             "device_list": [{"device_id": r, "device_expert": per_rank[i, r].tolist()} for r in range(num_ranks)]}
+            for i in range(phy2log.shape[0])
+        ],
+    }  # fmt: skip
