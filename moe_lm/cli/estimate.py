@@ -6,6 +6,7 @@
     moe-lm estimate --config deepseek_v3_671b --nodes 32 --gpus-per-node 8 parallel.pp_size=4 \
         performance.activation_checkpointing=full train.grad_accum_steps=16
     moe-lm estimate --config tiny --gpus-per-node 2 parallel.ep_size=2 --trace analysis/tiny/trace
+    moe-lm estimate --config tiny --gpus-per-node 4 parallel.ep_size=4 --trace analysis/tiny/trace --placement place
 
 Memory (moe_lm/planning/memory.py): ZeRO's mixed-precision bytes per parameter, experts split by ep_size,
 activations counted per token and block from the model's own tensors; with pipeline stages (parallel.pp_size) a
@@ -14,18 +15,26 @@ bubble; compare it with a measured peak (peak_mem_gib in every train row on CUDA
 (moe_lm/planning/comm_plan.py): the dispatcher's bytes per GPU and step, within the node and across nodes,
 expected under uniform routing with and without the group limit (and for a recorded routing trace), the time they
 take at the given bandwidths, the compute time at the given MFU, and their ratio: how much of the all-to-all must
-hide behind compute. The same as `python launch/estimate_memory.py`.
+hide behind compute. With --placement (moe_lm/planning/placement.py): DeepSeek's EPLB of the trace's expert loads,
+planned on half of each domain's documents and measured on the other half, per domain too (vLLM's balancedness
+over ranks, Megatron-Core's overload factor, the ranks' coefficient of variation, against experts laid out
+contiguously), written as SGLang's --init-expert-location file and vLLM's expert map. The same as
+`python launch/estimate_memory.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+
+import numpy as np
 
 from moe_lm.cli import main_of
 from moe_lm.cli.options import add_config, load
 from moe_lm.errors import ConfigError, DataError, UserError
+from moe_lm.output_folder import OutputFolder
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -42,6 +51,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", default=None, help="a routing trace folder (moe-lm analyze): plan for its routing")
     ap.add_argument("--redundant", type=int, default=None,
                     help="extra expert slots for the placement from --trace (default: one per EP rank)")  # fmt: skip
+    ap.add_argument("--placement", metavar="DIR", default=None,
+                    help="with --trace: DeepSeek's EPLB of the trace, planned on half its documents and measured on "
+                    "the other half, written into DIR as SGLang's --init-expert-location file and vLLM's expert "
+                    "map")  # fmt: skip
 
 
 def layout_of(args, ep_size: int, pp_size: int = 1):
@@ -77,9 +90,48 @@ def run(args: argparse.Namespace) -> None:
         read_trace(args.trace)
         raise UserError(f"--trace {args.trace} plans the expert-parallel all-to-all, and with parallel.ep_size 1 there "
                         "is none: give parallel.ep_size=N (with --gpus-per-node or --world)")  # fmt: skip
+    if args.placement and not args.trace:
+        raise UserError("--placement plans from a routing trace: give --trace TRACE (moe-lm analyze's trace/)")
+    out = OutputFolder(args.placement, "estimate", flag="--placement") if args.placement else None
     print_memory(args.config, cfg, layout.world)
     if cfg.parallel.ep_size > 1:
         print_communication(args, cfg, layout)
+    if out is not None:
+        write_placement(out, read_trace(args.trace), cfg, layout, args.redundant)
+
+
+def write_placement(out, trace, cfg, layout, redundant: int | None) -> None:
+    """EPLB from the trace (planned on half of each domain's documents, measured on the others), its statistics
+    printed and written with the engines' placement files into `out`."""
+    from moe_lm.planning.placement import held_out_placement, sglang_expert_location, vllm_expert_map
+
+    R = layout.ep_size
+    redundant = R if redundant is None else redundant  # a multiple of R: the plan of the trace checked it
+    nodes = len(set(layout.ep_nodes()))
+    try:
+        result = held_out_placement(trace, R, nodes, cfg.model.moe.n_group, redundant)
+    except ValueError as e:
+        raise UserError(f"--trace {trace.folder}: {e}") from None
+    phy2log = np.array(result["phy2log"])
+    print(f"placement (DeepSeek's EPLB, {trace.n_experts} experts + {redundant} redundant slots on {R} EP ranks over "
+          f"{nodes} node(s), {cfg.model.moe.n_group} group(s)): planned on half of each domain's documents, measured "
+          "on the other half; contiguous -> placed")  # fmt: skip
+    print(f"  {'tokens':24s} {'balancedness':>16s} {'overload mean':>16s} {'overload max':>16s} {'rank CV':>16s}")
+    rows = [("planned on", result["planned_on"]), ("held out", result["held_out"])]
+    rows += [(f"  held out, {d}", r) for d, r in result["held_out_by_domain"].items()]
+    for name, r in rows:
+        cells = [f"{r['contiguous'][key]:.3f} -> {r['placed'][key]:.3f}" for key in
+                 ("balancedness", "overload_factor_mean", "overload_factor_max", "rank_cv")]  # fmt: skip
+        print(f"  {name:24s} " + " ".join(f"{c:>16s}" for c in cells))
+    files = {
+        "placement.json": result,
+        "sglang_expert_location.json": sglang_expert_location(phy2log, list(trace.layers), cfg.model.n_layers),
+        "vllm_expert_map.json": vllm_expert_map(phy2log, R),
+    }
+    with out.staged() as folder:
+        for name, content in files.items():
+            (folder / name).write_text(json.dumps(content) + "\n")
+    print(f"wrote {', '.join(files)} to {out.path}")
 
 
 def read_trace(folder: str):
@@ -194,7 +246,7 @@ def print_communication(args, cfg, layout) -> None:
         print(
             f"  expert load of the trace, max / mean over the {layout.ep_size} EP ranks (mean over layers, worst): "
             f"contiguous {sum(load.contiguous) / len(load.contiguous):.2f}, {max(load.contiguous):.2f}; "
-            f"placed with {load.redundant} redundant slots (EPLB-like) "
+            f"placed with {load.redundant} redundant slots (EPLB) "
             f"{sum(load.placed) / len(load.placed):.2f}, {max(load.placed):.2f}"
         )
 

@@ -162,3 +162,50 @@ def vllm_expert_map(phy2log: np.ndarray, num_ranks: int) -> dict:
             for i in range(phy2log.shape[0])
         ],
     }  # fmt: skip
+
+
+# ---- planned on some documents, measured on others -------------------------------------------------------------
+
+
+def expert_counts(trace, rows: np.ndarray) -> np.ndarray:
+    """[MoE layers, experts]: token-slots per expert among the trace's `rows` (a boolean mask over its tokens)."""
+    return np.stack([np.bincount(np.asarray(trace.experts(layer))[rows].ravel(), minlength=trace.n_experts)
+                     for layer in trace.layers]).astype(np.float64)  # fmt: skip
+
+
+def held_out_rows(doc: np.ndarray, domain: np.ndarray) -> np.ndarray:
+    """[tokens] bool: the rows of every second document of each domain (its 2nd, 4th, ...), whole documents. why
+    within each domain: a trace whose domains alternate document by document would otherwise hold out one domain."""
+    starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+    doc_domain = domain[starts]
+    nth = np.zeros(len(starts), dtype=np.int64)
+    for d in np.unique(doc_domain):
+        nth[doc_domain == d] = np.arange((doc_domain == d).sum())
+    return np.repeat(nth % 2 == 1, np.diff(np.r_[starts, len(doc)]))
+
+
+def held_out_placement(trace, ranks: int, nodes: int, groups: int, redundant: int) -> dict:
+    """EPLB planned on half the documents of each domain of a routing trace (moe_lm.analysis.trace.Trace) and
+    measured on the other half (`held_out_rows`), against experts laid out contiguously (expert e on rank
+    e // (experts / ranks), what engines do without a placement); the same per domain of the held-out documents.
+    Returns phy2log, logcnt and the statistics."""
+    held = held_out_rows(np.asarray(trace.doc), np.asarray(trace.domain))
+    plan = ~held
+    if not plan.any() or not held.any():
+        raise ValueError("planning on half of each domain's documents and measuring on the other half needs a domain "
+                         "with at least two documents")  # fmt: skip
+    E = trace.n_experts
+    phy2log, _, logcnt = rebalance_experts(expert_counts(trace, plan), E + redundant, groups, nodes, ranks)
+    contiguous = identity_placement(len(trace.layers), E)
+
+    def both(rows: np.ndarray) -> dict:
+        counts = expert_counts(trace, rows)
+        return {"contiguous": load_statistics(rank_loads(counts, contiguous, ranks)),
+                "placed": load_statistics(rank_loads(counts, phy2log, ranks)), "tokens": int(rows.sum())}  # fmt: skip
+
+    domain = np.asarray(trace.domain)
+    result = {"ranks": ranks, "nodes": nodes, "groups": groups, "redundant": redundant, "layers": list(trace.layers),
+              "planned_on": both(plan), "held_out": both(held),
+              "held_out_by_domain": {name: both(held & (domain == d)) for d, name in enumerate(trace.domains)
+                                     if (held & (domain == d)).any()}}  # fmt: skip
+    return {**result, "phy2log": phy2log.tolist(), "logcnt": logcnt.tolist()}

@@ -3,9 +3,12 @@ statistics against their definitions; the placement files as SGLang and vllm-asc
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from moe_lm.analysis.trace import TraceWriter
 from moe_lm.planning.placement import (
     identity_placement,
     load_statistics,
@@ -14,6 +17,7 @@ from moe_lm.planning.placement import (
     sglang_expert_location,
     vllm_expert_map,
 )
+from moe_lm.routing.routed_model import Routed
 
 # github.com/deepseek-ai/EPLB README (d52c72d5): the hierarchical policy's example, input and printed phy2log
 README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -72,3 +76,53 @@ def test_the_placement_files_are_what_the_engines_read():
     for layer in vllm["layer_list"]:
         placed = {e for d in layer["device_list"] for e in d["device_expert"]}
         assert placed == set(range(12)) and all(len(d["device_expert"]) == 2 for d in layer["device_list"])
+
+
+def skewed_trace(folder, n_docs: int = 40, per_doc: int = 100):
+    """Two domains whose tokens favour other experts (each its own hot four of eight), documents alternating."""
+    rng = np.random.default_rng(0)
+    writer = TraceWriter(folder, [1, 2], 8, 2, ["code", "prose"], {"kind": "test"}, columns=())  # experts only
+    for d in range(n_docs):
+        domain = d % 2
+        p = np.array([0.3, 0.3, 0.2, 0.1, 0.025, 0.025, 0.025, 0.025])
+        p = p if domain == 0 else p[::-1]
+        first = rng.choice(8, size=per_doc, p=p)
+        idx = np.stack([first, (first + 1 + rng.integers(0, 7, per_doc)) % 8], axis=1)
+        writer.append(np.zeros(per_doc), np.full(per_doc, d), np.arange(per_doc), np.full(per_doc, domain),
+                      Routed({1: idx, 2: idx}))  # fmt: skip
+    return writer.close()
+
+
+def test_estimate_writes_a_placement_planned_on_half_the_documents_and_measured_on_the_other(tmp_path, cli):
+    trace = skewed_trace(tmp_path / "trace")
+    argv = ["--config", "tiny", "--gpus-per-node", "4", "parallel.ep_size=4", "train.seq_len=64", "--trace",
+            trace.folder, "--redundant", "4"]  # fmt: skip
+    proc = cli("estimate", *argv, "--placement", tmp_path / "place")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placement = json.loads((tmp_path / "place" / "placement.json").read_text())
+    phy2log = np.array(placement["phy2log"])
+    # held out: every second document of each domain (documents alternate domains: 2, 3, 6, 7, ...), brute force
+    odd = np.isin(np.asarray(trace.doc), [d for d in range(40) if (d // 2) % 2 == 1])
+    counts = np.stack([np.bincount(np.asarray(trace.experts(layer))[odd].ravel(), minlength=8) for layer in (1, 2)])
+    per_rank = []
+    for layer in range(2):
+        copies = np.bincount(phy2log[layer], minlength=8)
+        slots = phy2log[layer].reshape(4, 3)  # 12 slots, 3 a rank
+        per_rank.append([sum(counts[layer, e] / copies[e] for e in slots[r]) for r in range(4)])
+    per_rank = np.array(per_rank)
+    held = placement["held_out"]
+    assert held["placed"]["balancedness"] == pytest.approx(per_rank.mean(1).sum() / per_rank.max(1).sum())
+    assert held["placed"]["balancedness"] > held["contiguous"]["balancedness"]
+    assert set(placement["held_out_by_domain"]) == {"code", "prose"}
+    assert f"{held['placed']['balancedness']:.3f}" in proc.stdout
+    sglang = json.loads((tmp_path / "place" / "sglang_expert_location.json").read_text())["physical_to_logical_map"]
+    assert len(sglang) == 4 and sglang[1] == placement["phy2log"][0] and sglang[2] == placement["phy2log"][1]
+    vllm = json.loads((tmp_path / "place" / "vllm_expert_map.json").read_text())
+    assert vllm["moe_layer_count"] == 2 and [d["device_expert"] for d in vllm["layer_list"][1]["device_list"]] == [
+        placement["phy2log"][1][r * 3 : r * 3 + 3] for r in range(4)
+    ]
+    wrong = (([], "give --trace TRACE"), (["--trace", trace.folder, "--redundant", "3"], "must be a multiple"))
+    for flags, said in wrong:
+        proc = cli("estimate", "--config", "tiny", "--gpus-per-node", "4", "parallel.ep_size=4", *flags,
+                   "--placement", tmp_path / "again")  # fmt: skip
+        assert proc.returncode == 2 and said in proc.stderr and not (tmp_path / "again").exists(), proc.stderr
