@@ -20,11 +20,12 @@ from moe_lm.routing.routed_model import OPTIONAL, Routed, RoutedModel, Window
 
 def test_every_kind_gives_a_routed_model_with_what_it_declares(tiny_run, cli, tmp_path):
     assert cli("export", "--run", tiny_run, "--out", tmp_path / "hf", "--gguf", tmp_path / "m.gguf").returncode == 0
-    specs = {"run": str(tiny_run), "hf": str(tmp_path / "hf"), "gguf": str(tmp_path / "m.gguf")}
+    specs = {"run": str(tiny_run), "hf": str(tmp_path / "hf"), "gguf": str(tmp_path / "m.gguf"),
+             "routes": str(engine_record(tiny_run, tmp_path / "vllm.jsonl"))}  # fmt: skip
     assert set(KINDS) == set(specs), "a kind without a case here: add one"
     contract = typing.get_type_hints(RoutedModel)
     args = type("Args", (), {"seq_len": None, "dtype": "float32", "device": "cpu", "threads": 1, "max_memory": None,
-                             "llama_defaults": False})()  # fmt: skip
+                             "llama_defaults": False, "served": str(tiny_run)})()  # fmt: skip
     shapes = set()
     for name, spec in specs.items():
         kind = KINDS[name]
@@ -46,6 +47,22 @@ def test_every_kind_gives_a_routed_model_with_what_it_declares(tiny_run, cli, tm
         assert bool(routed.margins) == ("margins" in kind.gives)
         assert (subject.untrained is None) == bool(subject.no_untrained)
     assert len(shapes) == 1  # the same model, whichever way it is read
+
+
+def engine_record(run: Path, path: Path) -> Path:
+    """The run's routes of the test's window, as vLLM returns them (moe_lm/interop/engine_routes.py)."""
+    from moe_lm.analysis.subjects.recorded import served_model
+    from moe_lm.analysis.subjects.run import RunSubject
+    from moe_lm.checkpoint.format import parse_run
+    from moe_lm.interop.engine_routes import engine_routes, vllm_response
+
+    tokens = np.asarray(load_data_tokenizer_ids(run))
+    with load_subject(RunSubject(run=parse_run(str(run)))).routing as routing:
+        experts = routing.route_batch([Window(0, 0, 0, tokens)]).experts
+    served = served_model(str(run))
+    routes = engine_routes(experts, served.n_layers, served.k, 0)
+    path.write_text(json.dumps(vllm_response(np.append(tokens, 0), 4, routes, served.n_experts)) + "\n")
+    return path
 
 
 def load_data_tokenizer_ids(run: Path) -> list[int]:
