@@ -42,7 +42,7 @@ def agreement(ref: Trace, other: Trace, label: str, n_boot: int = N_BOOT, seed: 
     """Everything the report says about `other` against `ref` (see the module's docstring); str layer keys."""
     same_tokens(ref, other, label)
     doc = np.asarray(ref.doc, np.int64)
-    draws = _document_draws(doc, n_boot, seed)
+    draws = document_draws(doc, n_boot, seed)
     differs_any = np.zeros(ref.n, bool)
     layers, set_chance = {}, []
     for layer in ref.layers:
@@ -54,7 +54,7 @@ def agreement(ref: Trace, other: Trace, label: str, n_boot: int = N_BOOT, seed: 
         "label": label,
         "layers": layers,
         "tokens_differing_in_any_layer": {
-            **_with_interval(differs_any, doc, draws),
+            **mean_with_interval(differs_any, doc, draws),
             "chance": 1 - float(np.prod(set_chance)),
         },  # fmt: skip
         "logprob": _logprob_gap(ref, other, differs_any),
@@ -75,10 +75,10 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
             by_domain[name] = {"top1_agreement": float(top1[rows].mean()), "topk_overlap": float(overlap[rows].mean()),
                                "flip_rate": float(flip[rows].mean())}  # fmt: skip
     numbers = {
-        "top1_agreement": _with_interval(top1, doc, draws),
-        "topk_overlap": _with_interval(overlap, doc, draws),
+        "top1_agreement": mean_with_interval(top1, doc, draws),
+        "topk_overlap": mean_with_interval(overlap, doc, draws),
         "flips": int(flip.sum()),
-        "flip_rate": _with_interval(flip, doc, draws),
+        "flip_rate": mean_with_interval(flip, doc, draws),
         # they need a decision margin (the selection scores) from at least one of the two subjects
         "flips_near_ties": int((flip & (margin < TIE)).sum()) if known else None,
         "near_ties": int((margin < TIE).sum()) if known else None,
@@ -99,14 +99,14 @@ def _margins(trace: Trace, layer: int, n: int) -> np.ndarray:
     return np.full(n, np.nan) if m is None else np.asarray(m, np.float64)
 
 
-def _document_draws(doc: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+def document_draws(doc: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
     """[n_boot, D] how often each document is drawn in each bootstrap resample of the documents."""
     n_docs = int(doc.max()) + 1 if len(doc) else 0
     picks = np.random.default_rng(seed).integers(0, n_docs, (n_boot, n_docs)) if n_docs else np.zeros((n_boot, 0))
     return np.stack([np.bincount(row.astype(np.int64), minlength=n_docs) for row in picks]) if n_docs else picks
 
 
-def _with_interval(per_token: np.ndarray, doc: np.ndarray, draws: np.ndarray) -> dict:
+def mean_with_interval(per_token: np.ndarray, doc: np.ndarray, draws: np.ndarray) -> dict:
     """The mean over tokens, and its 95 % interval from resampling whole documents (tokens of one document move
     together: their routing is not independent)."""
     values = np.asarray(per_token, np.float64)
