@@ -101,3 +101,51 @@ def token_parts(lp: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "abs_after_replay": np.abs(weights),
         "abs_after_experts_only_replay": np.abs(lp["ORe"] - lp["RR"]),
     }
+
+
+def trace_documents(trace) -> list[tuple[int, np.ndarray]]:
+    """(domain, token ids) of every document of a trace (moe_lm.analysis.trace.Trace), as it was recorded."""
+    doc = np.asarray(trace.doc)
+    starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+    ends = np.r_[starts[1:], len(doc)]
+    token, domain = np.asarray(trace.token, dtype=np.int64), np.asarray(trace.domain)
+    return [(int(domain[a]), token[a:b]) for a, b in zip(starts, ends, strict=True)]
+
+
+def attribute_quantised(run, trace, files: dict[str, str], out, n_boot: int = 1000) -> dict:
+    """`drift_attribution` of the run (RUN, TAG) against each GGUF file's weights (type -> path; interop/
+    gguf_weights.py) on the trace's own documents and windows; writes attribution.json and attribution.md into
+    `out`."""
+    import json
+
+    from moe_lm.checkpoint.format import load_model
+    from moe_lm.interop.gguf_weights import model_from_gguf
+
+    cfg, ref, _ = load_model(*run)
+    docs, seq_len = trace_documents(trace), int(trace.meta["windows"])
+    results = {}
+    for kind, path in files.items():
+        print(f"drift of {kind} split into weights and routing (routes forced, {len(docs)} documents)")
+        results[kind] = drift_attribution(ref, model_from_gguf(path, cfg.model), docs, trace.domains, seq_len, n_boot)
+    (out / "attribution.json").write_text(json.dumps(results, indent=1))
+    (out / "attribution.md").write_text(attribution_table(results))
+    return results
+
+
+def attribution_table(results: dict) -> str:
+    """One row per compared model: the mean log-prob change per token and its parts (95 % intervals over
+    documents), what replay leaves, and each MoE layer's routing share."""
+    head = ("| model | total change | weights | routing | interaction | mean abs change | left by replaying experts "
+            "and weights | left by replaying experts only | routing, by MoE layer |")  # fmt: skip
+    rows = [head, "|" + "---|" * 9]
+
+    def cell(m: dict) -> str:
+        lo, hi = m["interval"]
+        return f"{m['mean']:+.4f} ({lo:+.4f}, {hi:+.4f})"
+
+    for kind, r in results.items():
+        a = r["all"]
+        layers = "; ".join(f"L{layer} {m['mean']:+.4f}" for layer, m in a["routing_by_layer"].items())
+        cells = [cell(a[p]) for p in (*PARTS, "abs_total", "abs_after_replay", "abs_after_experts_only_replay")]
+        rows.append(f"| {kind} | " + " | ".join(cells) + f" | {layers} |")
+    return "\n".join(rows) + "\n"

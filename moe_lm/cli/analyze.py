@@ -6,6 +6,7 @@
     moe-lm analyze --hf path/to/DeepSeek-V2-Lite --data corpus/ --out analysis_v2lite     # a released model
     moe-lm analyze --gguf model-Q4_K_M.gguf --data corpus/ --out a_q4                     # as llama.cpp runs it
     moe-lm analyze --run runs/tiny --quantise f16 q8_0 q4_K_M --out drift             # what quantising it flips
+    moe-lm analyze --run runs/tiny --quantise q8_0 q4_K_M --attribute --out drift     # ... and where its loss goes
     moe-lm analyze --hf path/to/Qwen3-30B-A3B --data mmlu.jsonl --domain-field subject \
         --compare qwen3-f16.gguf qwen3-q8_0.gguf qwen3-q4_k_m.gguf --out drift           # what quantisation flips
     moe-lm analyze --routes rollouts.jsonl --served path/to/Qwen3-30B-A3B --compare path/to/Qwen3-30B-A3B \
@@ -69,6 +70,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         metavar="TYPE",
         help=f"with --run: compare the run exported as GGUF at each TYPE ({', '.join(GGUF_TYPES)})",
     )
+    ap.add_argument("--attribute", action="store_true",
+                    help="with --quantise: split each type's log-prob change into weights, routing and their "
+                    "interaction (its weights dequantised into the run's architecture, the run's routes forced; "
+                    "attribution.md)")  # fmt: skip
     ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=default_of(RoutingRequest, "max_tokens"),
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--min-count must be at least 2 occurrences, got {args.min_count}")
     if args.quantise and not args.run:
         raise UserError("--quantise exports a moe-lm run as GGUF: give the run as --run RUN[:TAG]")
+    if args.attribute and not args.quantise:
+        raise UserError("--attribute splits what quantising the run changes: give --quantise TYPE ...")
     out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
     kinds = all_kinds()
     check_subject(args, kinds)
@@ -110,6 +117,8 @@ def run(args: argparse.Namespace) -> None:
             init_baseline=not args.no_init_baseline, layers=tuple(args.layers) if args.layers is not None else None,
         )  # fmt: skip
         result = analyze_routing(request)
+        if args.attribute:
+            attribute(args, folder)
         if args.wandb:
             log_to_wandb(request.subject, folder, result)
         shutil.rmtree(folder / "quantised", ignore_errors=True)  # moe-lm's own files, in its staging folder
@@ -149,6 +158,17 @@ def kept_for_resume(work: Path):
             shutil.rmtree(work, ignore_errors=True)
         raise
     shutil.rmtree(work, ignore_errors=True)
+
+
+def attribute(args: argparse.Namespace, folder: Path) -> None:
+    """--attribute: each quantised file's drift split into weights and routing, on the trace's documents."""
+    from moe_lm.analysis.attribution import attribute_quantised
+    from moe_lm.analysis.trace import Trace
+    from moe_lm.checkpoint.format import parse_run
+
+    files = {kind: str(folder / "quantised" / f"model-{kind}.gguf") for kind in args.quantise}
+    attribute_quantised(parse_run(args.run), Trace(folder / "trace"), files, folder)
+    print((folder / "attribution.md").read_text(), end="")
 
 
 def quantised_subjects(args: argparse.Namespace, folder: Path) -> tuple[SubjectRequest, ...]:

@@ -332,7 +332,7 @@ def import_hf(path: str | Path) -> Transformer:
             raise MissingKey(f"{path}: checkpoint has no tensor {hf_key!r} (needed for our {key!r})")
         state[key] = hf_state[hf_key].float()
     if cfg.attention == "mla" and getattr(hf_cfg, "rope_interleave", False):
-        _deinterleave_rope(state, cfg)
+        deinterleave_rope(state, cfg)
     model.load_state_dict(state, strict=True)
     return model
 
@@ -349,14 +349,14 @@ def _fill_empty(state: dict[str, torch.Tensor], hf_model) -> dict[str, torch.Ten
     return state
 
 
-def _deinterleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def deinterleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Reorder rotary rows from interleaved pairs (x0, x1), (x2, x3)... to rotate-half (x0, x2, ..., x1, x3, ...),
     in every decoder layer and MTP block."""
     _permute_rope_rows(state, cfg, _half_from_interleaved(cfg.mla.qk_rope_head_dim))
 
 
 def _interleave_rope(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """The inverse of `_deinterleave_rope`: our rotate-half rows into DeepSeek's published interleaved order."""
+    """The inverse of `deinterleave_rope`: our rotate-half rows into DeepSeek's published interleaved order."""
     _permute_rope_rows(state, cfg, torch.argsort(_half_from_interleaved(cfg.mla.qk_rope_head_dim)))
 
 

@@ -4,6 +4,8 @@ whole change to routing, with no interaction; one whose experts moved has a weig
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -81,3 +83,41 @@ def test_moved_experts_have_a_weights_part(models):
     assert split["abs_after_replay"]["mean"] > 0
     parts = sum(split[p]["mean"] for p in ("weights", "routing", "interaction"))
     assert parts == pytest.approx(split["total"]["mean"], abs=1e-12)
+
+
+def test_a_gguf_files_weights_come_back_into_the_run_and_their_drift_splits(tiny_run, cli, tmp_path):
+    """moe_lm/interop/gguf_weights.py: an f32 GGUF export read back (dequantised by gguf-py, the exporter's tensor
+    map inverted) is the run, weight for weight; a q8_0 one differs, and its drift's parts add up to its total."""
+    from moe_lm.checkpoint.format import load_model
+    from moe_lm.interop.gguf_weights import model_from_gguf
+
+    cfg, run_model, _ = load_model(tiny_run, None)
+    run_model.eval()
+    for kind in ("f32", "q8_0"):
+        proc = cli("export", "--run", tiny_run, "--gguf", tmp_path / f"{kind}.gguf", "--gguf-type", kind)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = run_model.state_dict()
+    back = model_from_gguf(tmp_path / "f32.gguf", cfg.model).state_dict()
+    assert all(torch.equal(ours[k].float(), back[k].float()) for k in ours)
+    q8 = model_from_gguf(tmp_path / "q8_0.gguf", cfg.model)
+    gap = max(float((ours[k].float() - v.float()).abs().max()) for k, v in q8.state_dict().items() if v.numel())
+    assert 0 < gap < 0.05
+    docs = [(0, torch.randint(2, cfg.model.vocab_size, (48,), generator=torch.Generator().manual_seed(i)).numpy())
+            for i in range(4)]  # fmt: skip
+    split = drift_attribution(run_model, q8, docs, ["d"], seq_len=32, n_boot=50)["all"]
+    parts = sum(split[p]["mean"] for p in ("weights", "routing", "interaction"))
+    assert split["abs_total"]["mean"] > 0 and parts == pytest.approx(split["total"]["mean"], abs=1e-12)
+
+
+def test_analyze_attribute_writes_the_split_for_each_quantised_type(tiny_run, cli, tmp_path):
+    out = tmp_path / "drift"
+    proc = cli("analyze", "--run", tiny_run, "--quantise", "q8_0", "--attribute", "--max-tokens", "600",
+               "--no-init-baseline", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "attribution.json").read_text())["q8_0"]
+    parts = sum(result["all"][p]["mean"] for p in ("weights", "routing", "interaction"))
+    assert parts == pytest.approx(result["all"]["total"]["mean"], abs=1e-12)
+    assert "| q8_0 |" in (out / "attribution.md").read_text() and "| q8_0 |" in proc.stdout
+    assert not (out / "quantised").exists()
+    proc = cli("analyze", "--run", tiny_run, "--attribute", "--out", tmp_path / "x")
+    assert proc.returncode == 2 and "give --quantise" in proc.stderr
