@@ -50,6 +50,10 @@ def window_passes(ref, other, tokens: np.ndarray) -> dict[str, np.ndarray]:
     for layer, route in ref_routes.items():
         with forced_routes(other, {layer: route}):
             out[f"OR@{layer}"] = lp(other)
+    # tokens whose set of experts differs in some layer (O's own routes against R's)
+    differs = [(a[0].sort(-1).values != b[0].sort(-1).values).any(-1) for a, b in
+               ((ref_routes[layer], other_routes[layer]) for layer in ref_routes)]  # fmt: skip
+    out["elsewhere"] = torch.stack(differs).any(0).double().numpy()
     return out
 
 
@@ -63,7 +67,7 @@ def drift_attribution(ref, other, docs, domains: list[str], seq_len: int, n_boot
     doc, domain = [], []
     for w in document_windows(docs, seq_len):
         for name, values in window_passes(ref, other, w.tokens).items():
-            rows.setdefault(name, []).append(values[1:])  # the first token of a window has no log-prob
+            rows.setdefault(name, []).append(values[1:])  # the first token of a window has no log-prob (all rows)
         doc.append(np.full(len(w.tokens) - 1, w.doc))
         domain.append(np.full(len(w.tokens) - 1, w.domain))
     lp = {name: np.concatenate(v) for name, v in rows.items()}
@@ -100,6 +104,7 @@ def token_parts(lp: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         "abs_total": np.abs(total),
         "abs_after_replay": np.abs(weights),
         "abs_after_experts_only_replay": np.abs(lp["ORe"] - lp["RR"]),
+        "routed_elsewhere": lp["elsewhere"],
     }
 
 
@@ -135,9 +140,10 @@ def attribute_quantised(run, trace, files: dict[str, str], out, n_boot: int = 10
 def attribution_table(results: dict) -> str:
     """One row per compared model: the mean log-prob change per token and its parts (95 % intervals over
     documents), what replay leaves, and each MoE layer's routing share."""
-    head = ("| model | total change | weights | routing | interaction | mean abs change | left by replaying experts "
-            "and weights | left by replaying experts only | routing, by MoE layer |")  # fmt: skip
-    rows = [head, "|" + "---|" * 9]
+    head = ("| model | tokens routed elsewhere in some layer | total change | weights | routing | interaction | mean "
+            "abs change | left by replaying experts and weights | left by replaying experts only | routing, by MoE "
+            "layer |")  # fmt: skip
+    rows = [head, "|" + "---|" * 10]
 
     def cell(m: dict) -> str:
         lo, hi = m["interval"]
@@ -146,6 +152,8 @@ def attribution_table(results: dict) -> str:
     for kind, r in results.items():
         a = r["all"]
         layers = "; ".join(f"L{layer} {m['mean']:+.4f}" for layer, m in a["routing_by_layer"].items())
-        cells = [cell(a[p]) for p in (*PARTS, "abs_total", "abs_after_replay", "abs_after_experts_only_replay")]
+        lo, hi = a["routed_elsewhere"]["interval"]
+        cells = [f"{100 * a['routed_elsewhere']['mean']:.2f} % ({100 * lo:.2f}-{100 * hi:.2f})"]
+        cells += [cell(a[p]) for p in (*PARTS, "abs_total", "abs_after_replay", "abs_after_experts_only_replay")]
         rows.append(f"| {kind} | " + " | ".join(cells) + f" | {layers} |")
     return "\n".join(rows) + "\n"

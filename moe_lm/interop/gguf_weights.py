@@ -64,7 +64,7 @@ def state_from_gguf(g: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, tor
                                                               g[p + "ffn_up_exps.weight"]], axis=1),
                   m + "experts.down_proj": g[p + "ffn_down_exps.weight"]}  # fmt: skip
         state |= {m + f"shared_experts.{h}.weight": g[p + f"ffn_{x}_shexp.weight"] for h, x in FFN.items()}
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in state.items()}
+    tensors = {k: torch.from_numpy(np.array(a, dtype=np.float32)) for k, a in state.items()}  # owned, writable
     deinterleave_rope(tensors, cfg)  # why: the export wrote DeepSeek's interleaved rotary rows
     return tensors
 

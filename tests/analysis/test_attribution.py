@@ -55,6 +55,7 @@ def test_forcing_a_models_own_routes_changes_nothing_and_forcing_others_changes_
 def test_equal_weights_attribute_nothing(models):
     ref, same, _, _, docs = models
     passes = window_passes(ref, same, docs[0][1][:32])
+    assert not passes.pop("elsewhere").any()
     for name, values in passes.items():
         np.testing.assert_array_equal(values, passes["RR"], err_msg=name)
     split = drift_attribution(ref, same, docs, ["a", "b"], seq_len=32, n_boot=50)["all"]
@@ -71,6 +72,7 @@ def test_a_moved_router_is_routing_only(models):
     assert split["weights"]["mean"] == 0.0 and split["interaction"]["mean"] == 0.0
     assert split["abs_after_replay"]["mean"] == 0.0 and split["abs_after_experts_only_replay"]["mean"] == 0.0
     assert split["abs_total"]["mean"] > 0 and split["routing"]["mean"] == pytest.approx(split["total"]["mean"])
+    assert 0 < split["routed_elsewhere"]["mean"] < 1
     assert set(result["by_domain"]) == {"a", "b"}
     assert set(split["routing_by_layer"]) == {str(i) for i in ref.moe_layer_ids()}
     lo, hi = split["abs_total"]["interval"]
