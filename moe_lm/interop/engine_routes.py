@@ -58,7 +58,7 @@ class Record:
 
     format: str
     sequences: list[Sequence]
-    skipped: dict[str, int] = field(default_factory=dict)  # why -> tokens
+    skipped: dict[str, int] = field(default_factory=dict)  # why -> tokens (responses, for NO_ROUTES)
 
 
 def read_record(path: str | Path) -> Record:
@@ -106,9 +106,18 @@ def looks_like_record(path: str | Path) -> bool:
 # ---- JSON lines: vLLM completion responses and SGLang /generate responses --------------------------------------
 
 
+class _NoRoutes(Exception):
+    """A response whose routes are null: the request was aborted before its first forward pass (both engines say
+    so in their protocol), or the engine ran without the option."""
+
+
+NO_ROUTES = "responses whose routes are null (aborted requests)"
+
+
 def read_responses(path: Path) -> Record:
     sequences: list[Sequence] = []
     formats = set()
+    aborted = 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -120,18 +129,24 @@ def read_responses(path: Path) -> Record:
             where = f"{path}, line {n}"
             if isinstance(obj, dict) and isinstance(obj.get("choices"), list):
                 formats.add("vllm")
-                sequences += [_vllm_choice(c, obj, f"{where}, choice {i}") for i, c in enumerate(obj["choices"])]
+                items = [(_vllm_choice, (c, obj, f"{where}, choice {i}")) for i, c in enumerate(obj["choices"])]
             elif isinstance(obj, dict) and isinstance(obj.get("meta_info"), dict):
                 formats.add("sglang")
-                sequences.append(_sglang_response(obj, where))
+                items = [(_sglang_response, (obj, where))]
             else:
                 raise DataError(f"{where}: neither a vLLM completion response (choices) nor an SGLang /generate "
                                 "response (meta_info)")  # fmt: skip
+            for read, args in items:
+                try:
+                    sequences.append(read(*args))
+                except _NoRoutes:
+                    aborted += 1
     if not sequences:
-        raise DataError(f"{path}: no responses in it")
+        raise DataError(f"{path}: no response holds routes ({aborted} null): start the engine with "
+                        "--enable-return-routed-experts (SGLang: and request return_routed_experts)")  # fmt: skip
     if len(formats) > 1:
         raise DataError(f"{path}: vLLM and SGLang responses in one file; give one engine's record at a time")
-    return Record(f"{formats.pop()} responses", sequences)
+    return Record(f"{formats.pop()} responses", sequences, {NO_ROUTES: aborted} if aborted else {})
 
 
 def _ids(obj: dict, key: str, where: str) -> np.ndarray:
@@ -154,6 +169,8 @@ def _vllm_choice(choice: dict, response: dict, where: str) -> Sequence:
     prompt = _ids(choice if "prompt_token_ids" in choice else response, "prompt_token_ids", where)
     tokens = np.concatenate([prompt, _ids(choice, "token_ids", where)])
     encoded = choice.get("routed_experts")
+    if encoded is None and "routed_experts" in choice:
+        raise _NoRoutes
     if not isinstance(encoded, str):
         raise DataError(f"{where}: no routed_experts (start vLLM with --enable-return-routed-experts)")
     try:
@@ -167,6 +184,8 @@ def _vllm_choice(choice: dict, response: dict, where: str) -> Sequence:
 def _sglang_response(obj: dict, where: str) -> Sequence:
     tokens = np.concatenate([_ids(obj, "input_ids", where), _ids(obj, "output_ids", where)])
     encoded = obj["meta_info"].get("routed_experts")
+    if encoded is None and "routed_experts" in obj["meta_info"]:
+        raise _NoRoutes
     if not isinstance(encoded, str):
         raise DataError(f"{where}: no meta_info.routed_experts (start SGLang with --enable-return-routed-experts and "
                         "request return_routed_experts)")  # fmt: skip

@@ -158,3 +158,21 @@ def test_a_record_of_a_served_transformers_checkpoint_lines_up_with_that_checkpo
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = json.loads((out / "metrics.json").read_text())["comparisons"][str(tmp_path / "hf")]
     assert c["tokens_differing_in_any_layer"]["mean"] == 0.0
+
+
+def test_aborted_requests_without_routes_are_counted_and_left_out(run_trace, served, tiny_run, cli, tmp_path):
+    """Both engines return null routes for a request aborted before its first forward pass (their protocols say so):
+    such responses are counted and left out; a file of nothing else says how to record routes."""
+    record = tmp_path / "vllm.jsonl"
+    n = trace_as_engine_record(run_trace, record, "vllm", served.n_layers)
+    _one_line(record, lambda obj: obj["choices"][0].__setitem__("routed_experts", None))
+    proc = cli("analyze", "--routes", record, "--served", tiny_run, "--out", tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{n - 1:,} sequences" in proc.stdout
+    assert "1 responses whose routes are null (aborted requests) left out" in proc.stdout
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    for obj in lines:
+        obj["choices"][0]["routed_experts"] = None
+    record.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
+    refused(cli("analyze", "--routes", record, "--served", tiny_run, "--out", tmp_path / "b"),
+            "no response holds routes", "--enable-return-routed-experts")  # fmt: skip

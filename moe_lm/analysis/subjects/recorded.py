@@ -15,7 +15,7 @@ import numpy as np
 from moe_lm.analysis.subjects.base import Flag, Subject, SubjectKind, SubjectRequest, register_subject_kind
 from moe_lm.data.tokenizer import Tokenizer
 from moe_lm.errors import UserError
-from moe_lm.interop.engine_routes import Record, Sequence, looks_like_record, read_record
+from moe_lm.interop.engine_routes import NO_ROUTES, Record, Sequence, looks_like_record, read_record
 from moe_lm.routing.routed_model import Routed, Window
 
 NO_RECORD_N1 = "an engine's record holds the experts it chose, not a model to initialise afresh"
@@ -83,7 +83,8 @@ class RecordedKind(SubjectKind):
         served = served_model(request.served)
         record = read_record(request.path)
         routing = RecordedRouting(record, served, request.path)
-        skipped = "".join(f"; {n:,} tokens of {why} left out" for why, n in record.skipped.items())
+        skipped = "".join(f"; {n:,} {'' if why == NO_ROUTES else 'tokens of '}{why} left out"
+                          for why, n in record.skipped.items())  # fmt: skip
         print(f"{request.path}: {record.format}, {len(record.sequences):,} sequences, "
               f"{sum(len(s.routes) for s in record.sequences):,} routed tokens{skipped}")  # fmt: skip
         provenance = {"routes": str(request.path), "format": record.format, **served.provenance}
