@@ -7,6 +7,7 @@ only routes its own tokens. No N1: an engine's record holds what it chose, not a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,14 +75,14 @@ class RecordedKind(SubjectKind):
             raise UserError(f"--routes {routes}: a record routes only its own tokens; leave out --data")
 
     def windows(self, request: RecordedSubject) -> tuple[int, int | None]:
-        longest = max(len(s.routes) for s in read_record(request.path).sequences)
+        longest = max(len(s.routes) for s in cached_record(request.path).sequences)
         return request.seq_len or longest, None
 
     def load(self, request: RecordedSubject) -> Subject:
         if not request.served:
             raise UserError(f"--routes {request.path}: give --served MODEL")
         served = served_model(request.served)
-        record = read_record(request.path)
+        record = cached_record(request.path)
         routing = RecordedRouting(record, served, request.path)
         skipped = "".join(f"; {n:,} {'' if why == NO_ROUTES else 'tokens of '}{why} left out"
                           for why, n in record.skipped.items())  # fmt: skip
@@ -94,6 +95,19 @@ class RecordedKind(SubjectKind):
         windows = request.seq_len or max(len(ids) for _, ids in docs)
         return Subject(routing, served.tok, windows, served.vocab_size, provenance, no_untrained=NO_RECORD_N1,
                        documents=(docs, domains))  # fmt: skip
+
+
+def cached_record(path: str) -> Record:
+    """`read_record`, once per file as it is now (the window length, the comparison's windows and the load all ask):
+    a rollout file of many sequences takes a while to decode."""
+    p = Path(path)
+    stamp = (p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else None
+    return _read_once(str(p.resolve()), stamp)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_once(path: str, stamp) -> Record:
+    return read_record(path)
 
 
 class RecordedRouting:
