@@ -21,7 +21,7 @@ import torch
 
 from moe_lm.analysis.agreement import document_draws, mean_with_interval
 from moe_lm.analysis.recording import document_windows
-from moe_lm.routing.forced import captured_routes, forced_routes
+from moe_lm.routing.forced import decoder_routes, forced_routes
 from moe_lm.routing.torch_routing import window_logprobs
 
 PARTS = ("total", "weights", "routing", "interaction")
@@ -35,12 +35,12 @@ def window_passes(ref, other, tokens: np.ndarray) -> dict[str, np.ndarray]:
     def lp(model) -> np.ndarray:
         return window_logprobs(model(t).logits[0], t[0])
 
-    with captured_routes(ref) as ref_routes:
+    with decoder_routes(ref) as recorded:
         out = {"RR": lp(ref)}
-    ref_routes = dict(ref_routes)
-    with captured_routes(other) as other_routes:
+    ref_routes = dict(recorded.last)
+    with decoder_routes(other) as recorded:
         out["OO"] = lp(other)
-    other_routes = dict(other_routes)
+    other_routes = dict(recorded.last)
     with forced_routes(other, ref_routes):
         out["OR"] = lp(other)
     with forced_routes(other, ref_routes, weights=False):
@@ -62,7 +62,8 @@ def drift_attribution(ref, other, docs, domains: list[str], seq_len: int, n_boot
     `seq_len` (both models in eval mode, the same MoE layers)."""
     if ref.moe_layer_ids() != other.moe_layer_ids():
         raise ValueError(f"MoE layers {ref.moe_layer_ids()} and {other.moe_layer_ids()}: not the same architecture")
-    ref.eval(), other.eval()
+    ref.eval()
+    other.eval()
     rows: dict[str, list[np.ndarray]] = {}
     doc, domain = [], []
     for w in document_windows(docs, seq_len):

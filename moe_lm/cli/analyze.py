@@ -166,7 +166,7 @@ def attribute(args: argparse.Namespace, folder: Path) -> None:
     from moe_lm.analysis.trace import Trace
     from moe_lm.checkpoint.format import parse_run
 
-    files = {kind: str(folder / "quantised" / f"model-{kind}.gguf") for kind in args.quantise}
+    files = {kind: str(quantised_file(folder / "quantised", kind)) for kind in args.quantise}
     attribute_quantised(parse_run(args.run), Trace(folder / "trace"), files, folder)
     print((folder / "attribution.md").read_text(), end="")
 
@@ -183,11 +183,15 @@ def quantised_subjects(args: argparse.Namespace, folder: Path) -> tuple[SubjectR
     export_run(*parse_run(args.run), folder / "hf", tokenizer_required=False)
     subjects = []
     for kind in args.quantise:
-        file = folder / f"model-{kind}.gguf"
+        file = quantised_file(folder, kind)
         write_gguf(folder / "hf", file, kind)
         subjects.append(GGUFSubject(str(file), name=kind, threads=args.threads, seq_len=args.seq_len,
                                     llama_defaults=args.llama_defaults))  # fmt: skip
     return tuple(subjects)
+
+
+def quantised_file(folder: Path, kind: str) -> Path:
+    return folder / f"model-{kind}.gguf"
 
 
 def log_to_wandb(subject: SubjectRequest, report: Path, result: dict) -> None:

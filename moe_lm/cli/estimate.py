@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> None:
     if args.placement and not args.trace:
         raise UserError("--placement plans from a routing trace: give --trace TRACE (moe-lm analyze's trace/)")
     out = OutputFolder(args.placement, "estimate", flag="--placement") if args.placement else None
+    if args.redundant is None:  # one extra slot per EP rank, for the plan of the trace and the placement alike
+        args.redundant = layout.ep_size
     print_memory(args.config, cfg, layout.world)
     if cfg.parallel.ep_size > 1:
         print_communication(args, cfg, layout)
@@ -100,13 +102,12 @@ def run(args: argparse.Namespace) -> None:
         write_placement(out, read_trace(args.trace), cfg, layout, args.redundant)
 
 
-def write_placement(out, trace, cfg, layout, redundant: int | None) -> None:
+def write_placement(out, trace, cfg, layout, redundant: int) -> None:
     """EPLB from the trace (planned on half of each domain's documents, measured on the others), its statistics
     printed and written with the engines' placement files into `out`."""
     from moe_lm.planning.placement import held_out_placement, sglang_expert_location, vllm_expert_map
 
-    R = layout.ep_size
-    redundant = R if redundant is None else redundant  # a multiple of R: the plan of the trace checked it
+    R = layout.ep_size  # `redundant` is a multiple of R: the plan of the trace checked it
     nodes = len(set(layout.ep_nodes()))
     try:
         result = held_out_placement(trace, R, nodes, cfg.model.moe.n_group, redundant)
@@ -205,9 +206,8 @@ def print_communication(args, cfg, layout) -> None:
         steps.append(uniform_step(cfg, layout, limited=True, dispatch_elem=out_elem, combine_elem=elem))
     load = None
     if args.trace:
-        redundant = layout.ep_size if args.redundant is None else args.redundant
         try:
-            step, load = trace_plan(read_trace(args.trace), cfg, layout, redundant, out_elem, elem)
+            step, load = trace_plan(read_trace(args.trace), cfg, layout, args.redundant, out_elem, elem)
         except (DataError, ConfigError) as e:  # a trace or a layout the user gave
             raise UserError(str(e)) from None
         steps.append(step)

@@ -32,7 +32,7 @@ import numpy as np
 
 from moe_lm.errors import ConfigError, DataError
 from moe_lm.parallel.traffic import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
-from moe_lm.planning.placement import rank_loads, rebalance_experts
+from moe_lm.planning.placement import identity_placement, rank_loads, rebalance_experts
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,9 @@ class Placement:
 
 
 def contiguous_placement(load: np.ndarray, ep_size: int) -> Placement:
-    experts = _rank_experts(len(load), ep_size)
-    return Placement(np.array([load[e].sum() for e in experts], dtype=np.float64), [e.tolist() for e in experts])
+    identity = identity_placement(1, len(load))
+    rank_experts = identity[0].reshape(ep_size, -1)
+    return Placement(rank_loads(load[None], identity, ep_size)[0], [e.tolist() for e in rank_experts])
 
 
 def place_experts(load: np.ndarray, layout: Layout, n_group: int, redundant: int) -> Placement:

@@ -15,7 +15,7 @@ import torch
 
 from moe_lm.model import Routing
 from moe_lm.model.router import gate_weights
-from moe_lm.routing.recorder import routers_by_layer
+from moe_lm.routing.recorder import RoutingRecorder, routers_by_layer
 
 Routes = dict[int, tuple[torch.Tensor, torch.Tensor]]  # MoE layer id -> (experts [T, K], gate weights [T, K])
 
@@ -51,23 +51,7 @@ def forced_routes(model, routes: Routes, weights: bool = True):
             h.remove()
 
 
-@contextmanager
-def captured_routes(model):
-    """Within the block, `routes` (the yielded dict) holds each MoE layer's last (experts, gate weights), as the
-    router handed them on (forced or its own)."""
-    routes: Routes = {}
-    hooks = []
-
-    def keep(layer: int):
-        def hook(module, inputs, out: Routing) -> None:
-            routes[layer] = (out.topk_idx.detach(), out.topk_weight.detach())
-
-        return hook
-
-    routers = routers_by_layer(model)
-    try:
-        hooks = [r.register_forward_hook(keep(layer)) for layer, r in routers.items() if layer < model.cfg.n_layers]
-        yield routes
-    finally:
-        for h in hooks:
-            h.remove()
+def decoder_routes(model) -> RoutingRecorder:
+    """The recorder of the decoder's routers (its `last`: each MoE layer's (experts, gate weights) as the router
+    handed them on, forced or its own), the routes `forced_routes` takes."""
+    return RoutingRecorder({i: r for i, r in routers_by_layer(model).items() if i < model.cfg.n_layers})

@@ -12,7 +12,7 @@ import torch
 
 from moe_lm.analysis.attribution import drift_attribution, window_passes
 from moe_lm.model import Transformer
-from moe_lm.routing.forced import captured_routes, forced_routes
+from moe_lm.routing.forced import decoder_routes, forced_routes
 from moe_lm.testing import tiny_model_cfg
 
 
@@ -40,16 +40,18 @@ def models():
 def test_forcing_a_models_own_routes_changes_nothing_and_forcing_others_changes_its_experts(models):
     ref, _, moved, _, docs = models
     t = torch.as_tensor(docs[1][1][:32])[None]
-    with torch.no_grad(), captured_routes(ref) as own:
+    with torch.no_grad(), decoder_routes(ref) as recorded:
         plain = ref(t).logits
-    with torch.no_grad(), forced_routes(ref, dict(own)):
+    own = dict(recorded.last)
+    with torch.no_grad(), forced_routes(ref, own):
         assert torch.equal(ref(t).logits, plain)
-    with torch.no_grad(), captured_routes(moved) as theirs:
+    with torch.no_grad(), decoder_routes(moved) as recorded:
         moved(t)
+    theirs = dict(recorded.last)
     assert any(not torch.equal(own[layer][0], theirs[layer][0]) for layer in own)  # the moved bias moved choices
-    with torch.no_grad(), forced_routes(ref, dict(theirs)), captured_routes(ref) as seen:
+    with torch.no_grad(), forced_routes(ref, theirs), decoder_routes(ref) as recorded:
         ref(t)
-    assert all(torch.equal(seen[layer][0], theirs[layer][0]) for layer in theirs)
+    assert all(torch.equal(recorded.last[layer][0], theirs[layer][0]) for layer in theirs)
 
 
 def test_equal_weights_attribute_nothing(models):
