@@ -136,9 +136,11 @@ def max_abs_gap(a: list[list[float]], b: list[list[float]]) -> float:
 def trace_as_engine_record(trace_dir, path, engine: str, n_layers: int, phys_to_log=None) -> int:
     """A moe-lm trace's windows written as an engine writes its record (moe_lm/interop/engine_routes.py): `engine`
     "vllm" or "sglang" (JSON lines of responses: each window a request, half prompt, half completion, and one more
-    sampled token that has no route), or "dump" (an SGLang per-token dump into the folder `path`: each window a
-    prefill, its ids physical slots of `phys_to_log` [n_layers, slots], the first slot of each logical expert).
-    Returns the sequences written."""
+    sampled token that has no route), "dump" (an SGLang per-token dump into the folder `path`: each window a
+    prefill, its ids physical slots of `phys_to_log` [n_layers, slots], the first slot of each logical expert), or
+    "megatron" (Megatron-Core's router trace and the tokens file into the folder `path`: the full-length windows in
+    micro-batches of two, two a step, each recorded again as activation recompute does). Returns the sequences
+    written."""
     import json
     from pathlib import Path
 
@@ -154,6 +156,14 @@ def trace_as_engine_record(trace_dir, path, engine: str, n_layers: int, phys_to_
     window = doc * (1 << 32) + pos // trace.meta["windows"]
     cuts = np.flatnonzero(np.diff(window)) + 1
     rows = np.split(np.arange(trace.n), cuts)
+    if engine == "megatron":
+        from moe_lm.interop.megatron_routes import megatron_trace
+
+        full = [r for r in rows if len(r) == trace.meta["windows"]]
+        pairs = [np.stack(full[i : i + 2]) for i in range(0, len(full) - 1, 2)]  # [2, s] rows each
+        megatron_trace(Path(path), [(token[r], {lay: e[r] for lay, e in experts.items()}) for r in pairs],
+                       recompute=True)  # fmt: skip
+        return 2 * len(pairs)
     if engine == "dump":
         first_slot = np.stack([np.argmax(phys_to_log == e, axis=1) for e in range(trace.n_experts)], axis=1)
         passes = []

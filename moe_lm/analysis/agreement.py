@@ -65,6 +65,7 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
     """One layer's numbers (its experts `a` under ref, `b` under other), and which tokens' expert sets differ."""
     doc, domain = np.asarray(ref.doc, np.int64), np.asarray(ref.domain, np.int64)
     top1, overlap = a[:, 0] == b[:, 0], (a[:, :, None] == b[:, None, :]).any(2).sum(1) / ref.k
+    ranked = ref.ranked and other.ranked  # a side recorded as sets (Megatron's trace) has no first choice
     flip = overlap < 1
     known = ref.margins(layer) is not None or other.margins(layer) is not None  # one side's margin decides a tie
     margin = np.fmin(_margins(ref, layer, ref.n), _margins(other, layer, ref.n))
@@ -72,10 +73,11 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
     for d, name in enumerate(ref.domains):
         rows = domain == d
         if rows.any():
-            by_domain[name] = {"top1_agreement": float(top1[rows].mean()), "topk_overlap": float(overlap[rows].mean()),
+            by_domain[name] = {"top1_agreement": float(top1[rows].mean()) if ranked else None,
+                               "topk_overlap": float(overlap[rows].mean()),
                                "flip_rate": float(flip[rows].mean())}  # fmt: skip
     numbers = {
-        "top1_agreement": mean_with_interval(top1, doc, draws),
+        "top1_agreement": mean_with_interval(top1, doc, draws) if ranked else None,
         "topk_overlap": mean_with_interval(overlap, doc, draws),
         "flips": int(flip.sum()),
         "flip_rate": mean_with_interval(flip, doc, draws),
@@ -84,8 +86,8 @@ def _layer_agreement(ref: Trace, other: Trace, layer: int, a: np.ndarray, b: np.
         "near_ties": int((margin < TIE).sum()) if known else None,
         "flipped_margin_median": float(np.nanmedian(margin[flip])) if flip.any() and np.isfinite(margin[flip]).any()
         else None,
-        "order_differs": int((a != b).any(1).sum()),
-        "chance": {"top1_agreement": _chance_top1(a, b, ref.n_experts),
+        "order_differs": int((a != b).any(1).sum()) if ranked else None,
+        "chance": {"top1_agreement": _chance_top1(a, b, ref.n_experts) if ranked else None,
                    "topk_overlap": _chance_overlap(a, b, ref.n_experts, ref.k),
                    "flip_rate": 1 - _chance_same_set(a, b)},  # fmt: skip
         "by_domain": by_domain,

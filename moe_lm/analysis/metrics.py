@@ -237,10 +237,13 @@ def bootstrap_ratio(numer: np.ndarray, denom: np.ndarray, n_boot: int = 1000, se
     return float(lo), float(hi)
 
 
-def repetition_with_ci(experts: np.ndarray, doc: np.ndarray, n_boot: int = 1000) -> dict[str, float]:
-    """repetition() plus document-bootstrap 95 % intervals for both rates."""
+def repetition_with_ci(experts: np.ndarray, doc: np.ndarray, n_boot: int = 1000, ranked: bool = True) -> dict:
+    """repetition() plus document-bootstrap 95 % intervals for both rates; `ranked` False (experts as sets): no
+    first choice, `same_first` None."""
     t, same_first, overlap = repetition_hits(experts, doc)
     result = _rates(t, same_first, overlap)
+    if not ranked:
+        result["same_first"] = None
     if len(t) == 0:
         return result
     pair_doc = np.asarray(doc)[t]
@@ -248,6 +251,8 @@ def repetition_with_ci(experts: np.ndarray, doc: np.ndarray, n_boot: int = 1000)
     pairs = per_document_sums(np.ones(len(t)), pair_doc, n_docs)
     has = pairs > 0
     for name, hit in (("same_first", same_first), ("topk_overlap", overlap)):
+        if result[name] is None:
+            continue
         lo, hi = bootstrap_ratio(per_document_sums(hit, pair_doc, n_docs)[has], pairs[has], n_boot)
         result[f"{name}_ci95"] = [lo, hi]
     return result

@@ -85,6 +85,10 @@ def repetition_by_layer(layers: list[int], rep: dict[int, dict], baseline: dict,
         (axes[0], "same_first", "same first choice"),
         (axes[1], "topk_overlap", "top-k sets overlap"),
     ):
+        if rep[layers[0]][key] is None:  # experts recorded as sets: no first choice
+            ax.set_title(f"consecutive tokens: {title}\n(not known: the record holds unranked experts)", fontsize=8)
+            ax.set_xticks(x, [f"L{layer}" for layer in layers])
+            continue
         vals = np.array([rep[layer][key] for layer in layers])
         cis = np.array([rep[layer].get(f"{key}_ci95", [v, v]) for layer, v in zip(layers, vals, strict=True)])
         ax.bar(x, vals, color="tab:blue", label="trained")
@@ -150,6 +154,8 @@ def agreement_by_layer(layers: list[int], comparisons: dict[str, dict]):
         color = plt.cm.viridis(i / max(len(comparisons) - 1, 1))
         for ax, key in zip(axes, ("top1_agreement", "topk_overlap"), strict=True):
             rows = [c["layers"][str(layer)][key] for layer in layers]
+            if rows[0] is None:  # a side recorded its experts as sets: no first choice
+                continue
             mean = np.array([r["mean"] for r in rows])
             err = np.abs(np.array([r["interval"] for r in rows]).T - mean)
             ax.errorbar(x, mean, yerr=err, marker="o", ms=3, lw=1.2, capsize=2, color=color, label=label)

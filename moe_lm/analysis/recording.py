@@ -76,6 +76,7 @@ def record_trace(
     to `out`, with the optional columns the model gives. `progress`: a progress bar (a string labels it), counting the
     tokens given when `docs` is a list."""
     writer = TraceWriter(Path(out), model.layers, model.n_experts, model.k, domains, provenance or {}, model.gives)
+    ranked = {"ranked": getattr(model, "ranked", True)}  # False: experts as sets (routed_model.py)
     t0 = time.perf_counter()
     if isinstance(model, LayerwiseModel):  # one layer over every window: the windows first, each layer's rows after
         batches = list(window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size))
@@ -83,7 +84,7 @@ def record_trace(
         writer.append_tokens(*_columns([w for batch in batches for w in batch]), logprob)
         seconds = time.perf_counter() - t0
         return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9),
-                             "windows": seq_len, "streamed": getattr(model, "timing", {})})  # fmt: skip
+                             "windows": seq_len, "streamed": getattr(model, "timing", {}), **ranked})  # fmt: skip
     bar = _progress_bar(docs, max_tokens, progress)
     with model:
         for batch in window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size):
@@ -91,7 +92,8 @@ def record_trace(
             bar.update(sum(len(w.tokens) for w in batch))
     bar.close()
     seconds = time.perf_counter() - t0
-    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9), "windows": seq_len})
+    return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9), "windows": seq_len,
+                         **ranked})  # fmt: skip
 
 
 def _columns(windows: list[Window]) -> tuple[np.ndarray, ...]:

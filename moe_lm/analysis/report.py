@@ -45,7 +45,7 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffle
         "load": counts.tolist(),
         "load_entropy": metrics.load_entropy(counts),
         "dead_experts": metrics.dead_experts(counts),
-        "repetition": metrics.repetition_with_ci(experts, trace.doc, n_boot),
+        "repetition": metrics.repetition_with_ci(experts, trace.doc, n_boot, trace.ranked),
         "domain_token_share": shares["token_share"].tolist(),
         "domain_relative_load": shares["relative_load"].tolist(),
         "domain_jsd_bits": table,  # None above PAIR_TABLE_DOMAINS domains (result["domain_pairs"] says so)

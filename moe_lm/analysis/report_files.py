@@ -180,9 +180,10 @@ def comparison_tables(comparisons: dict[str, dict]) -> str:
         rows = []
         for layer, m in c["layers"].items():
             t1, ov, fl = m["top1_agreement"], m["topk_overlap"], m["flip_rate"]
+            first = ("not known (unranked experts)" if t1 is None else f"{t1['mean']:.4f} ({t1['interval'][0]:.4f}-"
+                     f"{t1['interval'][1]:.4f}); chance {m['chance']['top1_agreement']:.3f}")  # fmt: skip
             rows.append(
-                f"<tr><td>{layer}</td><td>{t1['mean']:.4f} ({t1['interval'][0]:.4f}-{t1['interval'][1]:.4f}); chance "
-                f"{m['chance']['top1_agreement']:.3f}</td><td>{ov['mean']:.4f} ({ov['interval'][0]:.4f}-"
+                f"<tr><td>{layer}</td><td>{first}</td><td>{ov['mean']:.4f} ({ov['interval'][0]:.4f}-"
                 f"{ov['interval'][1]:.4f}); chance {m['chance']['topk_overlap']:.3f}</td><td>{m['flips']:,} "
                 f"({100 * fl['mean']:.3f} %), {_near_ties(m['flips_near_ties'])}</td></tr>"
             )

@@ -218,11 +218,12 @@ def print_summary(result: dict) -> None:
     base = result["baseline_uniform_N0"]
     for layer, lm in result["layers"].items():
         r = lm["repetition"]
+        first = ("" if r["same_first"] is None  # experts recorded as sets: no first choice
+                 else f"same first choice {r['same_first']:.3f} (random {base['same_first']:.3f}) | ")  # fmt: skip
         print(
             f"layer {layer}: MaxVio_global {lm['maxvio_global']:.3f} (floor {base['maxvio_floor']:.3f}) | domain JSD "
             f"{lm['mean_domain_jsd_bits']:.4f} bits (token-shuffled "
-            f"{lm['mean_domain_jsd_bits_token_shuffled_N2']:.4f}) | "
-            f"same first choice {r['same_first']:.3f} (random {base['same_first']:.3f}) | top-k overlap "
+            f"{lm['mean_domain_jsd_bits_token_shuffled_N2']:.4f}) | {first}top-k overlap "
             f"{r['topk_overlap']:.3f} (random {base['topk_overlap']:.3f})"
         )
     for label, c in (result.get("comparisons") or {}).items():

@@ -64,6 +64,8 @@ class Trace:
         # what each format holds of the optional columns: format 1 gate weights only, format 2 all of them
         self.columns = frozenset(self.meta.get("columns", ["weights"] if version < 2 else OPTIONAL))
         self.provenance: dict = self.meta.get("provenance", self.meta.get("source", {}))
+        # False: each token's experts are a set in id order (Megatron's trace), so there is no first choice
+        self.ranked: bool = self.meta.get("ranked", True)
 
     def _col(self, name: str, dtype, width: int | None = None) -> np.ndarray:
         shape = (self.n,) if width is None else (self.n, width)
@@ -79,7 +81,7 @@ class Trace:
         return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
     def experts(self, layer: int) -> np.ndarray:
-        """[N, K] chosen experts of MoE layer `layer` (a model layer index), first choice first."""
+        """[N, K] chosen experts of MoE layer `layer` (a model layer index), first choice first (`ranked`)."""
         name = f"experts_L{layer}.{_expert_suffix(self.n_experts)}"
         col = self._col(name, _expert_dtype(self.n_experts), self.k)
         if layer not in self._checked:  # why once: an id past the experts would index out of every count
@@ -123,6 +125,8 @@ def _meta_problem(meta) -> str | None:
     columns = meta.get("columns", [])
     if not isinstance(columns, list) or not set(columns) <= set(OPTIONAL):
         return f"columns is {shown(columns)}"
+    if not isinstance(meta.get("ranked", True), bool):
+        return f"ranked is {shown(meta['ranked'])}"
     return None
 
 

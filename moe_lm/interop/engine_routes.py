@@ -23,6 +23,8 @@ Formats (docs/analytics.md, "Routes from serving engines", names the engine vers
   are physical slots (mapped to logical here by the dump's own map); -1 fills dense layers and the columns past
   top_k. A pass holds several requests' tokens; a document here is a prefill segment that starts at position 0 (a
   decode step, or a prefill continuing a cached prefix, lacks its request's earlier tokens: counted, not read).
+- **Megatron-Core's router trace** (`--moe-routing-trace-path`): moe_lm/interop/megatron_routes.py, with the token
+  ids the trainer fed it; its routes name their layers (`Record.layers`) and are unranked.
 """
 
 from __future__ import annotations
@@ -54,17 +56,25 @@ class Sequence:
 
 @dataclass
 class Record:
-    """What a file held: its format, its sequences, and what was left out (and why), for the console."""
+    """What a file held: its format, its sequences, and what was left out (and why), for the console. `layers`: the
+    decoder layers a sequence's routes hold, in order, where the record names them (None: every decoder layer, the
+    serving engines' axis); `ranked`: whether each token's experts come first choice first."""
 
     format: str
     sequences: list[Sequence]
     skipped: dict[str, int] = field(default_factory=dict)  # why -> tokens (responses, for NO_ROUTES)
+    layers: list[int] | None = None
+    ranked: bool = True
 
 
 def read_record(path: str | Path) -> Record:
     """The sequences of an engine's record (the format told by the file's content); a DataError naming the file, the
     line or pass, and what is wrong for anything that is not as the engine writes it."""
+    from moe_lm.interop.megatron_routes import is_megatron_trace, read_megatron_trace
+
     path = Path(path)
+    if path.exists() and is_megatron_trace(path):
+        return read_megatron_trace(path)
     if path.is_dir():
         dumps = sorted(path.glob("expert_distribution_recorder_*.pt"))
         if not dumps:
@@ -80,9 +90,14 @@ def read_record(path: str | Path) -> Record:
 
 
 def looks_like_record(path: str | Path) -> bool:
-    """Whether `path` is an engine's record by its content: a per-token dump (or a folder of them), or a JSON-lines
-    file whose first line is a vLLM or SGLang response with routed experts (what --compare recognises)."""
+    """Whether `path` is an engine's record by its content: a per-token dump (or a folder of them), a JSON-lines
+    file whose first line is a vLLM or SGLang response with routed experts, or Megatron's router trace (what --compare
+    recognises)."""
+    from moe_lm.interop.megatron_routes import is_megatron_trace
+
     path = Path(path)
+    if path.exists() and is_megatron_trace(path):
+        return True
     if path.is_dir():
         return any(path.glob("expert_distribution_recorder_*.pt"))
     if not path.is_file():

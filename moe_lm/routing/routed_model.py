@@ -12,8 +12,9 @@ hands each MoE layer's rows to the trace writer (`write_layer`) and returns the 
 layer.
 
 What is required and what is optional: every routed model says which experts each token went to, in rank order
-(first choice first); gate weights, decision margins and log-probs are optional, named in `gives` (a serving
-engine's record, say, holds experts only), and each metric of the report says what it needs.
+(first choice first) unless it says `ranked = False` (Megatron's router trace holds each token's experts as a set,
+in id order); gate weights, decision margins and log-probs are optional, named in `gives` (a serving engine's
+record, say, holds experts only), and each metric of the report says what it needs.
 """
 
 from __future__ import annotations

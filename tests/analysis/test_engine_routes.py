@@ -176,3 +176,66 @@ def test_aborted_requests_without_routes_are_counted_and_left_out(run_trace, ser
     record.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
     refused(cli("analyze", "--routes", record, "--served", tiny_run, "--out", tmp_path / "b"),
             "no response holds routes", "--enable-return-routed-experts")  # fmt: skip
+
+
+def test_megatron_router_trace_with_the_trainers_tokens_reads_back_as_the_run_routed_it(run_trace, served, tiny_run,
+                                                                                       cli, tmp_path):  # fmt: skip
+    """Megatron-Core's router trace (megatron/core/transformer/moe/router_trace.py at 059f0f5c) holds no token ids,
+    its rows in [sequence, batch] order, each token's experts ascending (the routing map's nonzero()), and activation
+    recompute's records twice: with the trainer's tokens file it agrees with the run on every token's experts, and
+    the metrics of a first choice say they are not known."""
+    folder = tmp_path / "megatron"
+    n = trace_as_engine_record(run_trace, folder, "megatron", served.n_layers)
+    assert n >= 4  # two steps of two micro-batches
+    out = tmp_path / "out"
+    proc = cli("analyze", "--routes", folder, "--served", tiny_run, "--compare", tiny_run, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"megatron router trace, {n:,} sequences" in proc.stdout
+    assert "routes repeated by activation recompute left out" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    c = metrics["comparisons"][str(tiny_run)]
+    assert c["tokens_differing_in_any_layer"]["mean"] == 0.0  # rows put back in token order, or experts would differ
+    assert all(m["flips"] == 0 and m["top1_agreement"] is None for m in c["layers"].values())
+    assert all(lm["repetition"]["same_first"] is None and lm["repetition"]["topk_overlap"] > 0
+               for lm in metrics["layers"].values())  # fmt: skip
+    assert "not known (unranked experts)" in (out / "routing.html").read_text()
+
+
+def _megatron_lines(folder, edit) -> None:
+    trace = folder / "router_trace_rank0.jsonl"
+    trace.write_text(
+        "".join(json.dumps(r) + "\n" for r in edit([json.loads(x) for x in trace.read_text().splitlines()]))
+    )
+
+
+def _stage_local(records):
+    first = min(r["layer"] for r in records)
+    return [{**r, "layer": r["layer"] - first} for r in records]
+
+
+def _cut(records):
+    records[0]["top_indices"] = records[0]["top_indices"][:-1]
+    return records
+
+
+@pytest.mark.parametrize(
+    "damage, needles",
+    [
+        (lambda f: (f / "tokens_rank0.npy").unlink(), ["holds no token ids", "tokens_rank0.npy beside it"]),
+        (lambda f: np.save(f / "tokens_rank0.npy", np.load(f / "tokens_rank0.npy")[:-1]), ["needs one more"]),
+        (
+            lambda f: np.save(
+                f / "tokens_rank0.npy",
+                np.load(f / "tokens_rank0.npy").reshape(-1, 1, np.load(f / "tokens_rank0.npy").shape[2]),
+            ),
+            ["routed rows", "sequence or context parallelism"],
+        ),
+        (lambda f: _megatron_lines(f, _stage_local), ["a pipeline stage's file"]),
+        (lambda f: _megatron_lines(f, _cut), ["line 1", "cut short"]),
+    ],
+)
+def test_a_megatron_trace_that_does_not_fit_is_one_line(damage, needles, run_trace, served, tiny_run, cli, tmp_path):
+    folder = tmp_path / "megatron"
+    trace_as_engine_record(run_trace, folder, "megatron", served.n_layers)
+    damage(folder)
+    refused(cli("analyze", "--routes", folder, "--served", tiny_run, "--out", tmp_path / "out"), *needles)

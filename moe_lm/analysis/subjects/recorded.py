@@ -1,5 +1,6 @@
-"""Routes a serving engine recorded (`--routes FILE`): vLLM's or SGLang's responses with routed experts, or SGLang's
-per-token dumps (moe_lm/interop/engine_routes.py reads them), with `--served MODEL`, the checkpoint the engine served
+"""Routes a serving engine recorded (`--routes FILE`): vLLM's or SGLang's responses with routed experts, SGLang's
+per-token dumps (moe_lm/interop/engine_routes.py reads them) or Megatron-Core's router trace with the trainer's token
+ids (megatron_routes.py), with `--served MODEL`, the checkpoint the engine served
 (a transformers folder or a moe-lm run): its config numbers the layers and says the experts and top-k, its tokenizer
 shows the ids. The record's own sequences are the documents; its routes are experts only (no gate weights, margins
 or log-probs). Another subject compared with it runs the record's token ids in the record's sequences; a record
@@ -48,14 +49,15 @@ class Served:
 
 class RecordedKind(SubjectKind):
     name, request = "routes", RecordedSubject
-    flag = Flag(("--routes",), {"metavar": "FILE", "help": "routes a serving engine recorded: vLLM's or SGLang's "
-                                "responses (JSON lines), or SGLang's per-token dumps (.pt, or their folder); with "
+    flag = Flag(("--routes",), {"metavar": "FILE", "help": "routes an engine recorded: vLLM's or SGLang's responses "
+                                "(JSON lines), SGLang's per-token dumps (.pt, or their folder), or Megatron-Core's "
+                                "router trace (router_trace_rank*.jsonl with tokens_rank*.npy, or their folder); with "
                                 "--served"})  # fmt: skip
     settings = (
         Flag(("--served",), {"metavar": "MODEL", "help": "with --routes: the checkpoint the engine served (a "
                              "transformers folder or a moe-lm run): its layers, experts and tokenizer"}),
     )  # fmt: skip
-    looks_like = "an engine's record of routes (vLLM or SGLang)"
+    looks_like = "an engine's record of routes (vLLM, SGLang or Megatron-Core)"
     needs_data = False
     gives = frozenset()
 
@@ -118,8 +120,9 @@ class RecordedRouting:
 
     def __init__(self, record: Record, served: Served, path: str) -> None:
         self.layers, self.n_experts, self.k = served.layers, served.n_experts, served.k
-        self.path = path
-        self.sequences = [checked(s, served, f"{path}, sequence {i}") for i, s in enumerate(record.sequences)]
+        self.path, self.ranked = path, record.ranked
+        self.sequences = [checked(s, served, f"{path}, sequence {i}", record.layers)
+                          for i, s in enumerate(record.sequences)]  # fmt: skip
         self._by_start: dict[bytes, list[int]] = {}
         for i, s in enumerate(self.sequences):
             self._by_start.setdefault(s.tokens[:16].tobytes(), []).append(i)
@@ -164,12 +167,19 @@ class RecordedRouting:
                 f"(moe-lm analyze --routes {self.path} --served MODEL --compare OTHER)")  # fmt: skip
 
 
-def checked(s: Sequence, served: Served, where: str) -> Sequence:
+def checked(s: Sequence, served: Served, where: str, layers: list[int] | None = None) -> Sequence:
     """The sequence with its routes cut to the MoE layers [n, layers, k], or a UserError naming the first thing of
-    the record that does not fit the served model (token ids, layer count, top-k, expert ids)."""
+    the record that does not fit the served model (token ids, layer count, top-k, expert ids). `layers`: the decoder
+    layers of the routes' axis where the record names them (None: every decoder layer)."""
     if s.tokens.size and int(s.tokens.max()) >= served.vocab_size:
         raise UserError(f"{where}: token id {int(s.tokens.max())} is past the served model's vocabulary "
                         f"({served.vocab_size:,} ids): recorded with another model")  # fmt: skip
+    if layers is not None:
+        if sorted(layers) != served.layers:
+            raise UserError(f"{where}: routes of layers {layers}, the served model's MoE layers are "
+                            f"{served.layers}: a pipeline stage's file (Megatron numbers layers within the stage), or "
+                            "another model")  # fmt: skip
+        return checked(Sequence(s.tokens, _all_layers(s.routes, layers, served.n_layers), s.domain), served, where)
     routes = s.routes.reshape(len(s.routes), served.n_layers, -1) if s.routes.ndim == 2 else s.routes
     if s.routes.ndim == 2 and s.routes.shape[1] % served.n_layers:
         raise UserError(f"{where}: {s.routes.shape[1]} ids per token are not {served.n_layers} layers x top-k: the "
@@ -192,6 +202,13 @@ def checked(s: Sequence, served: Served, where: str) -> Sequence:
             "expert-parallel placement)"
         )
     return Sequence(s.tokens, routes, s.domain)
+
+
+def _all_layers(routes: np.ndarray, layers: list[int], n_layers: int) -> np.ndarray:
+    """[n, n_layers, k]: routes of the named `layers` in their rows, -1 in the others (the engines' axis)."""
+    full = np.full((len(routes), n_layers, routes.shape[2]), -1, dtype=np.int64)
+    full[:, layers] = routes
+    return full
 
 
 def served_model(spec: str) -> Served:
