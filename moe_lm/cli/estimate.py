@@ -99,13 +99,31 @@ def run(args: argparse.Namespace) -> None:
     if cfg.parallel.ep_size > 1:
         print_communication(args, cfg, layout)
     if out is not None:
-        write_placement(out, read_trace(args.trace), cfg, layout, args.redundant)
+        write_placement(out, read_trace(args.trace), cfg, layout, args)
 
 
-def write_placement(out, trace, cfg, layout, redundant: int) -> None:
-    """EPLB from the trace (planned on half of each domain's documents, measured on the others), its statistics
-    printed and written with the engines' placement files into `out`."""
-    from moe_lm.planning.placement import held_out_placement, sglang_expert_location, vllm_expert_map
+def links_and_bytes(args, cfg):
+    """The GPUs' links and compute rate, and the bytes of a dispatched and a combined element."""
+    from moe_lm.planning.comm_plan import Links
+
+    links = Links(args.intra_gbs, args.inter_gbs, args.peak_tflops, args.mfu)
+    elem = 4 if cfg.parallel.dtype == "fp32" else 2
+    return links, args.dispatch_bytes or elem, elem
+
+
+def write_placement(out, trace, cfg, layout, args) -> None:
+    """EPLB from the trace (planned on half of each domain's documents, measured on the others), its statistics and
+    the all-to-all time it gives printed and written with the engines' placement files into `out`."""
+    from moe_lm.planning.comm_plan import slowest_rank_step
+    from moe_lm.planning.placement import (
+        held_out_placement,
+        held_out_rows,
+        identity_placement,
+        sglang_expert_location,
+        vllm_expert_map,
+    )
+
+    redundant = args.redundant
 
     R = layout.ep_size  # `redundant` is a multiple of R: the plan of the trace checked it
     nodes = len(set(layout.ep_nodes()))
@@ -124,6 +142,18 @@ def write_placement(out, trace, cfg, layout, redundant: int) -> None:
         cells = [f"{r['contiguous'][key]:.3f} -> {r['placed'][key]:.3f}" for key in
                  ("balancedness", "overload_factor_mean", "overload_factor_max", "rank_cv")]  # fmt: skip
         print(f"  {name:24s} " + " ".join(f"{c:>16s}" for c in cells))
+    held = held_out_rows(np.asarray(trace.doc), np.asarray(trace.domain))
+    links, out_elem, elem = links_and_bytes(args, cfg)
+    try:
+        a2a = {name: 1e3 * slowest_rank_step(trace, held, p, cfg, layout, links, out_elem, elem)
+               for name, p in (("contiguous", identity_placement(len(trace.layers), trace.n_experts)),
+                               ("placed", phy2log))}  # fmt: skip
+    except DataError as e:
+        raise UserError(f"--trace {trace.folder}: {e}") from None
+    result["all_to_all_ms_per_step"] = {**a2a, "intra_gbs": links.intra_gbs, "inter_gbs": links.inter_gbs}
+    ratio = a2a["placed"] / a2a["contiguous"] if a2a["contiguous"] > 0 else float("nan")
+    print(f"  all-to-all per GPU and step on the held-out tokens, each layer as long as its slowest rank: contiguous "
+          f"{a2a['contiguous']:.3g} ms -> placed {a2a['placed']:.3g} ms ({ratio:.2f}x)")  # fmt: skip
     files = {
         "placement.json": result,
         "sglang_expert_location.json": sglang_expert_location(phy2log, list(trace.layers), cfg.model.n_layers),
@@ -196,11 +226,9 @@ def print_stages(cfg, world: int, estimates) -> None:
 
 def print_communication(args, cfg, layout) -> None:
     from moe_lm.model import train_flops_per_token
-    from moe_lm.planning.comm_plan import Links, trace_plan, uniform_step
+    from moe_lm.planning.comm_plan import trace_plan, uniform_step
 
-    links = Links(args.intra_gbs, args.inter_gbs, args.peak_tflops, args.mfu)
-    elem = 4 if cfg.parallel.dtype == "fp32" else 2
-    out_elem = args.dispatch_bytes or elem
+    links, out_elem, elem = links_and_bytes(args, cfg)
     steps = [uniform_step(cfg, layout, limited=False, dispatch_elem=out_elem, combine_elem=elem)]
     if cfg.model.moe.n_group > 1:
         steps.append(uniform_step(cfg, layout, limited=True, dispatch_elem=out_elem, combine_elem=elem))

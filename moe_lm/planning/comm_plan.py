@@ -165,6 +165,43 @@ def trace_pairs(idx_per_rank: list[np.ndarray], n_experts: int, expert_rank: np.
     return TracePairs(pairs, slots, np.array([len(i) for i in idx_per_rank]))
 
 
+def replica_pairs(idx_per_rank: list[np.ndarray], phy2log: np.ndarray) -> TracePairs:
+    """`trace_pairs` under a placement with replicas (`phy2log` [slots]: the expert of each slot, slot s on rank
+    s // (slots / R)): each token's copy of an expert drawn uniformly among its replicas, the even split the load
+    statistics assume, so pairs and slots are expectations; without replicas they are `trace_pairs`' counts."""
+    R = len(idx_per_rank)
+    on_rank = np.zeros((int(phy2log.max()) + 1, R))
+    np.add.at(on_rank, (phy2log, np.arange(len(phy2log)) // (len(phy2log) // R)), 1.0)
+    share = on_rank / on_rank.sum(1, keepdims=True)  # P(a token's copy of expert e is on rank r)
+    pairs, slots = np.zeros((R, R)), np.zeros(R)
+    for s, idx in enumerate(idx_per_rank):
+        p = share[np.asarray(idx, dtype=np.int64)]  # [T, K, R]
+        pairs[s] = (1 - np.prod(1 - p, axis=1)).sum(0)  # P(the token reaches rank r), its K copies drawn apart
+        slots += p.sum((0, 1))
+    return TracePairs(pairs, slots, np.array([len(i) for i in idx_per_rank]))
+
+
+def slowest_rank_seconds(pairs: np.ndarray, nodes: list[int], row_out: int, row_back: int, links: Links) -> float:
+    """One MoE layer's dispatch and combine, each as long as its slowest rank (an all-to-all ends when the last rank
+    has its rows): a rank's link is busy with the larger of what it sends and what it receives on it; NVLink and
+    the NIC at the same time. `pairs` [R, R]: rows rank s sends rank r in the dispatch (the combine sends them
+    back)."""
+    R = len(nodes)
+    kind = np.array([[KINDS.index(pair_kind(s, r, nodes)) for r in range(R)] for s in range(R)])
+    total = 0.0
+    for rows, row_bytes in ((pairs, row_out), (pairs.T, row_back)):
+        slowest = 0.0
+        for r in range(R):
+            seconds = []
+            for name, gbs in (("intra", links.intra_gbs), ("inter", links.inter_gbs)):
+                k = KINDS.index(name)
+                sent, got = rows[r][kind[r] == k].sum(), rows[:, r][kind[:, r] == k].sum()
+                seconds.append(max(sent, got) * row_bytes / (gbs * 1e9))
+            slowest = max(slowest, max(seconds))
+        total += slowest
+    return total
+
+
 def split_by_rank(idx_NK: np.ndarray, ep_size: int, seq_len: int) -> list[np.ndarray]:
     """A trace's tokens as a run would spread them: sequences of seq_len tokens dealt to the ranks in turn."""
     n_seq = len(idx_NK) // seq_len
@@ -247,9 +284,7 @@ def step_traffic(label: str, pairs: dict, nodes: tuple, cfg, dispatch_elem: int,
     checkpointing; backward sends as much as forward). `nodes`: (nodes per token, the most, remote nodes). With
     pipeline stages a GPU runs its stage's layers only: a stage's share, the MoE layers / pp_size."""
     m, t = cfg.model, cfg.train
-    moe_layers = (m.n_layers - min(m.first_k_dense_replace, m.n_layers) + m.mtp.depth) / cfg.parallel.pp_size
-    passes = 2 + (cfg.performance.activation_checkpointing != "none")
-    scale = t.micro_batch_size * t.seq_len * t.grad_accum_steps * moe_layers * passes
+    scale = t.micro_batch_size * t.seq_len * t.grad_accum_steps * layer_passes(cfg)
     row_out = dispatch_row_bytes(m.dim, m.moe.num_experts_per_tok, dispatch_elem)
     row_back = combine_row_bytes(m.dim, combine_elem)
     return StepTraffic(
@@ -259,6 +294,32 @@ def step_traffic(label: str, pairs: dict, nodes: tuple, cfg, dispatch_elem: int,
         {kind: pairs[kind] * row_out * scale for kind in ("intra", "inter")},
         {kind: pairs[kind] * row_back * scale for kind in ("intra", "inter")},
     )
+
+
+def layer_passes(cfg) -> float:
+    """MoE layers' all-to-all rounds of one GPU in a step: its stage's MoE layers (MTP's included) x passes (forward,
+    backward, and a recomputed forward under activation checkpointing)."""
+    m = cfg.model
+    moe_layers = (m.n_layers - min(m.first_k_dense_replace, m.n_layers) + m.mtp.depth) / cfg.parallel.pp_size
+    return moe_layers * (2 + (cfg.performance.activation_checkpointing != "none"))
+
+
+def slowest_rank_step(trace, rows: np.ndarray, phy2log: np.ndarray, cfg, layout: Layout, links: Links,
+                      dispatch_elem: int, combine_elem: int) -> float:  # fmt: skip
+    """Seconds of a training step's all-to-all for the trace's tokens `rows` (a mask), dealt to the EP ranks by
+    sequence and scaled to a step's tokens per GPU, experts placed by `phy2log` [MoE layers, slots] (the identity:
+    contiguous): every layer as long as its slowest rank (`slowest_rank_seconds`), averaged over the trace's layers,
+    times `layer_passes`."""
+    m, t = cfg.model, cfg.train
+    row_out = dispatch_row_bytes(m.dim, m.moe.num_experts_per_tok, dispatch_elem)
+    row_back = combine_row_bytes(m.dim, combine_elem)
+    per_layer = []
+    for i, layer in enumerate(trace.layers):
+        per_rank = split_by_rank(np.asarray(trace.experts(layer), dtype=np.int64)[rows], layout.ep_size, t.seq_len)
+        p = replica_pairs(per_rank, np.asarray(phy2log[i]))
+        step_tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / p.tokens.mean()
+        per_layer.append(slowest_rank_seconds(p.pairs * step_tokens, layout.ep_nodes(), row_out, row_back, links))
+    return float(np.mean(per_layer)) * layer_passes(cfg)
 
 
 def uniform_step(cfg, layout: Layout, limited: bool, dispatch_elem: int, combine_elem: int) -> StepTraffic:

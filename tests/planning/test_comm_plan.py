@@ -16,10 +16,13 @@ from moe_lm.model.router import Router
 from moe_lm.planning.comm_plan import (
     KINDS,
     Layout,
+    Links,
     contiguous_placement,
     max_nodes_per_token,
     pair_kind,
     place_experts,
+    replica_pairs,
+    slowest_rank_seconds,
     split_by_rank,
     trace_pairs,
     uniform_nodes_per_token,
@@ -190,3 +193,40 @@ def test_a_trace_the_plan_cannot_use_is_refused_not_ignored(tmp_path, cli):
     empty = TraceWriter(tmp_path / "dense", [], 8, 2, ["d"], {"kind": "test"}).close()
     proc = cli("estimate", *one, "parallel.ep_size=2", "--trace", empty.folder)
     assert proc.returncode == 2 and "records no MoE layer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_pairs_under_replicas_are_those_of_a_uniform_choice_among_the_copies():
+    """`replica_pairs`: without replicas the exact counts of `trace_pairs`; with them the mean over many draws of
+    which copy each token's expert goes to (uniform among its replicas), sampled here."""
+    rng = np.random.default_rng(0)
+    per_rank = [np.stack([rng.permutation(8)[:2] for _ in range(300)]) for _ in range(4)]
+    identity = np.arange(8)
+    exact = replica_pairs(per_rank, identity)
+    assert np.array_equal(exact.pairs, trace_pairs(per_rank, 8).pairs) and np.array_equal(
+        exact.slots, trace_pairs(per_rank, 8).slots
+    )
+    phy2log = np.array([0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 2])  # 12 slots, 3 a rank: expert 0 thrice, 1 and 2 twice
+    rank_of_slot = np.arange(12) // 3
+    copies = [np.flatnonzero(phy2log == e) for e in range(8)]
+    draws, sampled = 400, np.zeros((4, 4))
+    for _ in range(draws):
+        for s, idx in enumerate(per_rank):
+            slot = np.array([[rng.choice(copies[e]) for e in row] for row in idx])
+            hit = np.zeros((len(idx), 4), bool)
+            np.put_along_axis(hit, rank_of_slot[slot], True, axis=1)
+            sampled[s] += hit.sum(0) / draws
+    expected = replica_pairs(per_rank, phy2log)
+    assert expected.pairs == pytest.approx(sampled, rel=0.02)
+    assert expected.slots.sum() == pytest.approx(4 * 300 * 2)
+
+
+def test_a_layers_all_to_all_lasts_as_long_as_its_slowest_rank():
+    """Two ranks on two nodes: rank 0 sends 30 rows to rank 1 and gets 5 back in the dispatch; the combine returns
+    them. Each phase is the larger of what a rank sends and receives on the link, at the link's rate."""
+    pairs = np.array([[10.0, 30.0], [5.0, 20.0]])
+    links = Links(intra_gbs=1.0, inter_gbs=0.5)
+    seconds = slowest_rank_seconds(pairs, [0, 1], row_out=100, row_back=50, links=links)
+    assert seconds == pytest.approx(30 * 100 / 0.5e9 + 30 * 50 / 0.5e9)
+    # on one node the same rows cross NVLink; rows to a rank's own experts cost nothing
+    assert slowest_rank_seconds(pairs, [0, 0], 100, 50, links) == pytest.approx(30 * 100 / 1e9 + 30 * 50 / 1e9)
+    assert slowest_rank_seconds(np.diag([7.0, 9.0]), [0, 1], 100, 50, links) == 0.0

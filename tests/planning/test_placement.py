@@ -115,6 +115,10 @@ def test_estimate_writes_a_placement_planned_on_half_the_documents_and_measured_
     assert held["placed"]["balancedness"] > held["contiguous"]["balancedness"]
     assert set(placement["held_out_by_domain"]) == {"code", "prose"}
     assert f"{held['placed']['balancedness']:.3f}" in proc.stdout
+    # the all-to-all on the held-out tokens, each layer waiting for its slowest rank: the evened load sends less to it
+    a2a = placement["all_to_all_ms_per_step"]
+    assert 0 < a2a["placed"] < a2a["contiguous"]
+    assert f"contiguous {a2a['contiguous']:.3g} ms -> placed {a2a['placed']:.3g} ms" in proc.stdout
     sglang = json.loads((tmp_path / "place" / "sglang_expert_location.json").read_text())["physical_to_logical_map"]
     assert len(sglang) == 4 and sglang[1] == placement["phy2log"][0] and sglang[2] == placement["phy2log"][1]
     vllm = json.loads((tmp_path / "place" / "vllm_expert_map.json").read_text())
