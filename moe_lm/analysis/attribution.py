@@ -118,21 +118,33 @@ def trace_documents(trace) -> list[tuple[int, np.ndarray]]:
     return [(int(domain[a]), token[a:b]) for a, b in zip(starts, ends, strict=True)]
 
 
-def attribute_quantised(run, trace, files: dict[str, str], out, n_boot: int = 1000) -> dict:
-    """`drift_attribution` of the run (RUN, TAG) against each GGUF file's weights (type -> path; interop/
-    gguf_weights.py) on the trace's own documents and windows; writes attribution.json and attribution.md into
-    `out`."""
+def same_architecture(ref, other, label: str) -> None:
+    """A ValueError naming the first parameter whose name or shape differs: routes force only into the same model."""
+    mine, theirs = ref.state_dict(), other.state_dict()
+    for name in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(name), theirs.get(name)
+        if a is None or b is None or a.shape != b.shape:
+            shown = lambda t: "absent" if t is None else tuple(t.shape)  # noqa: E731
+            raise ValueError(f"{label}: {name} is {shown(b)}, the run's is {shown(a)}: not the run's architecture, "
+                             "so its routes cannot be forced into it")  # fmt: skip
+
+
+def attribute_models(run, trace, others: dict, out, n_boot: int = 1000) -> dict:
+    """`drift_attribution` of the run (RUN, TAG) against each other model (label -> a function of the run's
+    ModelConfig that builds it: a GGUF file's weights dequantised, another checkpoint, a transformers folder
+    imported) on the trace's own documents and windows; writes attribution.json and attribution.md into `out`."""
     import json
 
     from moe_lm.checkpoint.format import load_model
-    from moe_lm.interop.gguf_weights import model_from_gguf
 
     cfg, ref, _ = load_model(*run)
     docs, seq_len = trace_documents(trace), int(trace.meta["windows"])
     results = {}
-    for kind, path in files.items():
-        print(f"drift of {kind} split into weights and routing (routes forced, {len(docs)} documents)")
-        results[kind] = drift_attribution(ref, model_from_gguf(path, cfg.model), docs, trace.domains, seq_len, n_boot)
+    for label, build in others.items():
+        other = build(cfg.model)
+        same_architecture(ref, other, label)
+        print(f"drift of {label} split into weights and routing (routes forced, {len(docs)} documents)")
+        results[label] = drift_attribution(ref, other, docs, trace.domains, seq_len, n_boot)
     (out / "attribution.json").write_text(json.dumps(results, indent=1))
     (out / "attribution.md").write_text(attribution_table(results))
     return results

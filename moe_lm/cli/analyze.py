@@ -71,8 +71,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help=f"with --run: compare the run exported as GGUF at each TYPE ({', '.join(GGUF_TYPES)})",
     )
     ap.add_argument("--attribute", action="store_true",
-                    help="with --quantise: split each type's log-prob change into weights, routing and their "
-                    "interaction (its weights dequantised into the run's architecture, the run's routes forced; "
+                    help="with --run: split the log-prob change of each --quantise type and each compared model of "
+                    "the run's architecture (a checkpoint, a transformers folder, a GGUF file) into weights, routing "
+                    "and their interaction (its weights in the run's architecture, the run's routes forced; "
                     "attribution.md)")  # fmt: skip
     ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
@@ -99,8 +100,9 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--min-count must be at least 2 occurrences, got {args.min_count}")
     if args.quantise and not args.run:
         raise UserError("--quantise exports a moe-lm run as GGUF: give the run as --run RUN[:TAG]")
-    if args.attribute and not args.quantise:
-        raise UserError("--attribute splits what quantising the run changes: give --quantise TYPE ...")
+    if args.attribute and not (args.run and (args.quantise or args.compare)):
+        raise UserError("--attribute splits what another model of the run's architecture changes: give --run RUN and "
+                        "--quantise TYPE ... or --compare CHECKPOINT|HF_FOLDER|GGUF ...")  # fmt: skip
     out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
     kinds = all_kinds()
     check_subject(args, kinds)
@@ -161,14 +163,47 @@ def kept_for_resume(work: Path):
 
 
 def attribute(args: argparse.Namespace, folder: Path) -> None:
-    """--attribute: each quantised file's drift split into weights and routing, on the trace's documents."""
-    from moe_lm.analysis.attribution import attribute_quantised
+    """--attribute: the drift of each quantised file and each compared model whose weights run in the run's
+    architecture, split into weights and routing on the trace's documents."""
+    from moe_lm.analysis.attribution import attribute_models
     from moe_lm.analysis.trace import Trace
     from moe_lm.checkpoint.format import parse_run
 
-    files = {kind: str(quantised_file(folder / "quantised", kind)) for kind in args.quantise}
-    attribute_quantised(parse_run(args.run), Trace(folder / "trace"), files, folder)
+    others = {kind: weights_in_architecture(str(quantised_file(folder / "quantised", kind))) for kind in args.quantise}
+    for spec in args.compare:
+        build = weights_in_architecture(spec)
+        if build is None:
+            print(f"--attribute: {spec} is not split (its weights do not run in the run's architecture: a moe-lm "
+                  "checkpoint, a DeepseekV3 transformers folder or a GGUF file of the run's shape do)")  # fmt: skip
+        else:
+            others[spec] = build
+    if not others:
+        raise UserError("--attribute: no compared model runs in the run's architecture; give --quantise TYPE or "
+                        "--compare CHECKPOINT|HF_FOLDER|GGUF of the run's shape")  # fmt: skip
+    try:
+        attribute_models(parse_run(args.run), Trace(folder / "trace"), others, folder)
+    except ValueError as e:
+        raise UserError(f"--attribute {e}") from None
     print((folder / "attribution.md").read_text(), end="")
+
+
+def weights_in_architecture(spec: str):
+    """A function of the run's ModelConfig that builds `spec`'s weights as our Transformer (a GGUF file dequantised,
+    a moe-lm checkpoint, a DeepseekV3 transformers folder imported), or None for anything else."""
+    from moe_lm.analysis.subjects.hf import hf_config
+    from moe_lm.checkpoint.format import load_model, parse_run
+    from moe_lm.interop.gguf_header import is_gguf
+    from moe_lm.interop.gguf_weights import model_from_gguf
+    from moe_lm.interop.hf import import_hf
+
+    path = Path(spec)
+    if path.is_file() and is_gguf(path):
+        return lambda cfg: model_from_gguf(path, cfg)
+    if (parse_run(spec).run / "checkpoints").is_dir():
+        return lambda cfg: load_model(*parse_run(spec))[1]
+    if (path / "config.json").is_file() and hf_config(spec).model_type == "deepseek_v3":
+        return lambda cfg: import_hf(path)
+    return None
 
 
 def quantised_subjects(args: argparse.Namespace, folder: Path) -> tuple[SubjectRequest, ...]:

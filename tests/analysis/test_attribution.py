@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from moe_lm.analysis.attribution import drift_attribution, window_passes
+from moe_lm.cli.analyze import weights_in_architecture
 from moe_lm.model import Transformer
 from moe_lm.routing.forced import decoder_routes, forced_routes
 from moe_lm.testing import tiny_model_cfg
+from tests.helpers.released import qwen3_moe
 
 
 @pytest.fixture(scope="module")
@@ -124,4 +126,25 @@ def test_analyze_attribute_writes_the_split_for_each_quantised_type(tiny_run, cl
     assert "| q8_0 |" in (out / "attribution.md").read_text() and "| q8_0 |" in proc.stdout
     assert not (out / "quantised").exists()
     proc = cli("analyze", "--run", tiny_run, "--attribute", "--out", tmp_path / "x")
-    assert proc.returncode == 2 and "give --quantise" in proc.stderr
+    assert proc.returncode == 2 and "give --run RUN and --quantise TYPE" in proc.stderr
+
+
+def test_analyze_attribute_splits_the_drift_of_compared_checkpoints_of_the_runs_architecture(tiny_run, cli, tmp_path):
+    """--attribute with --compare: an earlier checkpoint of the run (router and experts both moved) splits into parts
+    that add up; the run's own transformers export (imported back: the same weights) attributes nothing; a compared
+    model that does not run in the run's architecture is named and left out."""
+    assert cli("export", "--run", tiny_run, "--out", tmp_path / "hf").returncode == 0
+    earlier, out = f"{tiny_run}:step_00000002", tmp_path / "drift"
+    proc = cli("analyze", "--run", tiny_run, "--compare", earlier, tmp_path / "hf", "--attribute", "--max-tokens",
+               "600", "--no-init-baseline", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "attribution.json").read_text())
+    moved = result[earlier]["all"]
+    assert moved["abs_total"]["mean"] > 0 and moved["routed_elsewhere"]["mean"] > 0
+    parts = sum(moved[p]["mean"] for p in ("weights", "routing", "interaction"))
+    assert parts == pytest.approx(moved["total"]["mean"], abs=1e-12)
+    same = result[str(tmp_path / "hf")]["all"]
+    assert all(same[p]["mean"] == 0.0 for p in ("total", "weights", "routing", "interaction", "abs_total"))
+    assert same["routed_elsewhere"]["mean"] == 0.0
+    qwen3_moe().save_pretrained(tmp_path / "qwen")  # another architecture: its routes cannot be forced into the run
+    assert weights_in_architecture(str(tmp_path / "qwen")) is None and weights_in_architecture(earlier) is not None
