@@ -33,45 +33,21 @@ import base64
 import binascii
 import io
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from moe_lm.errors import DataError
+from moe_lm.interop.megatron_routes import is_megatron_trace, read_megatron_trace
+from moe_lm.interop.route_records import Record, Sequence
 
 SGLANG_TOPK_COLUMNS = 8  # the per-token recorder's fixed width (_TOP_K_NUM); columns past top_k are -1
 FILLER = -1  # SGLang's per-token recorder: dense layers, unused columns
 
 
-@dataclass
-class Sequence:
-    """One request's tokens from position 0 and the routes of its routed tokens, `routes[i]` for `tokens[i]`
-    ([n, engine layers, k], n <= len(tokens)); `domain`: what the record says it is (None: not said)."""
-
-    tokens: np.ndarray
-    routes: np.ndarray
-    domain: str | None = None
-
-
-@dataclass
-class Record:
-    """What a file held: its format, its sequences, and what was left out (and why), for the console. `layers`: the
-    decoder layers a sequence's routes hold, in order, where the record names them (None: every decoder layer, the
-    serving engines' axis); `ranked`: whether each token's experts come first choice first."""
-
-    format: str
-    sequences: list[Sequence]
-    skipped: dict[str, int] = field(default_factory=dict)  # why -> tokens (responses, for NO_ROUTES)
-    layers: list[int] | None = None
-    ranked: bool = True
-
-
 def read_record(path: str | Path) -> Record:
     """The sequences of an engine's record (the format told by the file's content); a DataError naming the file, the
     line or pass, and what is wrong for anything that is not as the engine writes it."""
-    from moe_lm.interop.megatron_routes import is_megatron_trace, read_megatron_trace
-
     path = Path(path)
     if path.exists() and is_megatron_trace(path):
         return read_megatron_trace(path)
@@ -93,8 +69,6 @@ def looks_like_record(path: str | Path) -> bool:
     """Whether `path` is an engine's record by its content: a per-token dump (or a folder of them), a JSON-lines
     file whose first line is a vLLM or SGLang response with routed experts, or Megatron's router trace (what --compare
     recognises)."""
-    from moe_lm.interop.megatron_routes import is_megatron_trace
-
     path = Path(path)
     if path.exists() and is_megatron_trace(path):
         return True

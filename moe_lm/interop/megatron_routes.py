@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.errors import DataError
-from moe_lm.interop.engine_routes import Record, Sequence
+from moe_lm.interop.route_records import Record, Sequence
 
 TRACE_GLOB = "router_trace_rank*.jsonl"
 MTP = "multi-token-prediction layers' routes"

@@ -17,7 +17,8 @@ import numpy as np
 from moe_lm.analysis.subjects.base import Flag, Subject, SubjectKind, SubjectRequest, register_subject_kind
 from moe_lm.data.tokenizer import Tokenizer
 from moe_lm.errors import UserError
-from moe_lm.interop.engine_routes import NO_ROUTES, Record, Sequence, looks_like_record, read_record
+from moe_lm.interop.engine_routes import NO_ROUTES, looks_like_record, read_record
+from moe_lm.interop.route_records import Record, Sequence
 from moe_lm.routing.routed_model import Routed, Window
 
 NO_RECORD_N1 = "an engine's record holds the experts it chose, not a model to initialise afresh"
