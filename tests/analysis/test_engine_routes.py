@@ -6,8 +6,10 @@ own code: vLLM 0.33.0 (commit 4ba787ec9) `vllm/entrypoints/openai/completion/pro
 `routed_experts_capturer.py`; SGLang 0.5.23 `srt/managers/detokenizer_manager.py` (meta_info.routed_experts = base64
 of int32 bytes, [tokens - 1, num_hidden_layers, top_k]) and `srt/eplb/expert_distribution.py` (per-token dumps:
 records of input_ids, positions, extend_seq_lens, topk_ids_of_layer [layers, tokens, 8] with -1, physical slots,
-last_physical_to_logical_map). A moe-lm trace written in an engine's format and read back agrees with the run on
-every token and layer.
+last_physical_to_logical_map); Megatron-Core at 059f0f5c `megatron/core/transformer/moe/router_trace.py` (a JSON
+line per router call: step, block, layer, num_tokens, top_indices in [sequence, batch] row order, ascending ids; no
+token ids, so the trainer's micro-batches as tokens_rank{r}.npy). A moe-lm trace written in an engine's format and
+read back agrees with the run on every token and layer.
 """
 
 from __future__ import annotations
