@@ -20,9 +20,9 @@ responses with routed experts, SGLang's per-token dumps, Megatron-Core's router 
 its own sequences the documents, with --served, the checkpoint it served (the kinds of subject:
 moe_lm/analysis/subjects/). --compare: other subjects routing the very same token ids in the same windows (a
 checkpoint RUN[:TAG], an HF folder, a GGUF file, each recognised by what it is): their agreement with this one per
-layer and domain, in comparisons.md and the report. --quantise: the run exported as GGUF at each type, each file run in llama.cpp and
-compared the same way (the files are deleted afterwards; `moe-lm export --gguf-type` keeps one). --data
-takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the subject's
+layer and domain, in comparisons.md and the report. --quantise: the run exported as GGUF at each type, each file run
+in llama.cpp and compared the same way (the files are deleted afterwards; `moe-lm export --gguf-type` keeps one).
+--data takes .txt/.jsonl files or folders (a sub-folder per domain), parquet, hf:NAME, tokenised with the subject's
 tokenizer. Writes into --out: trace/ (the recorded routing), trace_init/ (the same tokens through the untrained
 model: baseline N1; none for a GGUF file), trace_compare_<i>/, figures/*.png, routing.html, metrics.json and
 metrics.csv; with --wandb, logs the figures to the run's own wandb run too. The token budget (--max-tokens) is
