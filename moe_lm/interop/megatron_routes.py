@@ -39,15 +39,18 @@ UNUSED = "micro-batches of the tokens files after the traced steps"
 
 
 def is_megatron_trace(path: Path) -> bool:
-    """A folder of router_trace_rank*.jsonl, or one such file (by its first line's keys)."""
+    """A folder of router_trace_rank*.jsonl, or one such file: a regular file (never a FIFO, which would wait for
+    a writer) whose first bytes are a record as the tracer's json.dumps orders its keys (step first)."""
     if path.is_dir():
         return any(path.glob(TRACE_GLOB))
-    try:
-        with open(path, encoding="utf-8") as f:
-            first = json.loads(f.readline())
-    except (OSError, ValueError):
+    if not path.is_file():
         return False
-    return isinstance(first, dict) and {"step", "layer", "top_indices"} <= first.keys()
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return head.startswith(b'{"step": ') and b'"layer": ' in head
 
 
 def read_megatron_trace(path: Path) -> Record:
