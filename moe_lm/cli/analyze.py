@@ -54,6 +54,8 @@ from moe_lm.cli.subject import (
 from moe_lm.errors import UserError, require
 from moe_lm.flags import default_of, from_flags
 
+ATTRIBUTE_DTYPES = ("bfloat16", "float16")  # the run's other dtypes that --attribute-dtype splits against float32
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_subject(ap, all_kinds())
@@ -75,6 +77,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "the run's architecture (a checkpoint, a transformers folder, a GGUF file) into weights, routing "
                     "and their interaction (its weights in the run's architecture, the run's routes forced; "
                     "attribution.md)")  # fmt: skip
+    ap.add_argument("--attribute-dtype", nargs="+", default=[], choices=ATTRIBUTE_DTYPES, metavar="DTYPE",
+                    help=f"with --run: also split the drift of the run itself computed in DTYPE "
+                    f"({', '.join(ATTRIBUTE_DTYPES)}) against float32 (implies --attribute)")  # fmt: skip
     ap.add_argument("--chart-tokens", nargs="*", default=list(CHART_TOKENS), metavar="TOKEN", type=utf8_text,
                     help="tokens whose routing across layers is charted")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=default_of(RoutingRequest, "max_tokens"),
@@ -100,9 +105,11 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--min-count must be at least 2 occurrences, got {args.min_count}")
     if args.quantise and not args.run:
         raise UserError("--quantise exports a moe-lm run as GGUF: give the run as --run RUN[:TAG]")
-    if args.attribute and not (args.run and (args.quantise or args.compare)):
+    args.attribute = args.attribute or bool(args.attribute_dtype)
+    if args.attribute and not (args.run and (args.quantise or args.compare or args.attribute_dtype)):
         raise UserError("--attribute splits what another model of the run's architecture changes: give --run RUN and "
-                        "--quantise TYPE ... or --compare CHECKPOINT|HF_FOLDER|GGUF ...")  # fmt: skip
+                        "--quantise TYPE ..., --compare CHECKPOINT|HF_FOLDER|GGUF ... or --attribute-dtype "
+                        "DTYPE")  # fmt: skip
     out = output_folder(args, "analyze")  # why first: a bad --out should fail before any model is loaded
     kinds = all_kinds()
     check_subject(args, kinds)
@@ -170,6 +177,8 @@ def attribute(args: argparse.Namespace, folder: Path) -> None:
     from moe_lm.checkpoint.format import parse_run
 
     others = {kind: weights_in_architecture(str(quantised_file(folder / "quantised", kind))) for kind in args.quantise}
+    for dtype in args.attribute_dtype:  # the run itself, its weights and arithmetic in another dtype
+        others[f"{args.run} in {dtype}"] = in_dtype(args.run, dtype)
     for spec in args.compare:
         build = weights_in_architecture(spec)
         if build is None:
@@ -185,6 +194,15 @@ def attribute(args: argparse.Namespace, folder: Path) -> None:
     except ValueError as e:
         raise UserError(f"--attribute {e}") from None
     print((folder / "attribution.md").read_text(), end="")
+
+
+def in_dtype(run: str, dtype: str):
+    """A function of the run's ModelConfig that builds the run's own model with weights and compute in `dtype`."""
+    import torch
+
+    from moe_lm.checkpoint.format import load_model, parse_run
+
+    return lambda cfg: load_model(*parse_run(run))[1].to(getattr(torch, dtype))
 
 
 def weights_in_architecture(spec: str):

@@ -131,12 +131,12 @@ def test_analyze_attribute_writes_the_split_for_each_quantised_type(tiny_run, cl
 
 def test_analyze_attribute_splits_the_drift_of_compared_checkpoints_of_the_runs_architecture(tiny_run, cli, tmp_path):
     """--attribute with --compare: an earlier checkpoint of the run (router and experts both moved) splits into parts
-    that add up; the run's own transformers export (imported back: the same weights) attributes nothing; a compared
-    model that does not run in the run's architecture is named and left out."""
+    that add up; the run's own transformers export (imported back: the same weights) attributes nothing; the run in
+    bfloat16 (--attribute-dtype, which implies --attribute) has a weights part; another architecture is not split."""
     assert cli("export", "--run", tiny_run, "--out", tmp_path / "hf").returncode == 0
     earlier, out = f"{tiny_run}:step_00000002", tmp_path / "drift"
-    proc = cli("analyze", "--run", tiny_run, "--compare", earlier, tmp_path / "hf", "--attribute", "--max-tokens",
-               "600", "--no-init-baseline", "--out", out)  # fmt: skip
+    proc = cli("analyze", "--run", tiny_run, "--compare", earlier, tmp_path / "hf", "--attribute-dtype", "bfloat16",
+               "--max-tokens", "600", "--no-init-baseline", "--out", out)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "attribution.json").read_text())
     moved = result[earlier]["all"]
@@ -146,5 +146,9 @@ def test_analyze_attribute_splits_the_drift_of_compared_checkpoints_of_the_runs_
     same = result[str(tmp_path / "hf")]["all"]
     assert all(same[p]["mean"] == 0.0 for p in ("total", "weights", "routing", "interaction", "abs_total"))
     assert same["routed_elsewhere"]["mean"] == 0.0
+    bf16 = result[f"{tiny_run} in bfloat16"]["all"]  # the run itself in bfloat16: weights and arithmetic rounded
+    assert bf16["abs_total"]["mean"] > 0 and bf16["abs_after_replay"]["mean"] > 0
+    parts = sum(bf16[p]["mean"] for p in ("weights", "routing", "interaction"))
+    assert parts == pytest.approx(bf16["total"]["mean"], abs=1e-12)
     qwen3_moe().save_pretrained(tmp_path / "qwen")  # another architecture: its routes cannot be forced into the run
     assert weights_in_architecture(str(tmp_path / "qwen")) is None and weights_in_architecture(earlier) is not None
