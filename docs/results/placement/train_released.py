@@ -1,4 +1,5 @@
-"""Train a small MoE of a released architecture (transformers' Qwen3MoeForCausalLM by default) on a moe-lm data folder.
+"""Train a small MoE of a released architecture (transformers' Qwen3MoeForCausalLM by default) on a moe-lm data
+folder: the released architecture of docs/results/placement/README.md (a result's script, not a moe-lm command).
 
 Why: moe-lm's own runs (runs/d256) route with DeepSeek-V3's sigmoid gate, shared expert and bias balancing. To tell
 which routing statistics belong to that design and which to any learned MoE, the same data also trains a released
@@ -6,10 +7,9 @@ architecture as transformers ships it: softmax gate, top-k, no shared expert, th
 (router_aux_loss_coef, as in the release). The result is a transformers folder with the data's tokenizer, so that
 `moe-lm analyze --hf` reads it like any released checkpoint.
 
-    python launch/train_released.py                                  # data/default -> runs/qwen3moe-d256, 600 steps
-    python launch/train_released.py --steps 300 --out runs/qwen3moe-short
-    python launch/train_released.py --config my_config.json          # other settings; or a JSON object:
-    python launch/train_released.py --config '{"num_experts": 16}' --out runs/qwen3moe-16e
+    python docs/results/placement/train_released.py                  # data/default -> runs/qwen3moe-d256, 600 steps
+    python docs/results/placement/train_released.py --steps 300 --out runs/qwen3moe-short
+    python docs/results/placement/train_released.py --config '{"num_experts": 16}' --out runs/qwen3moe-16e
     moe-lm analyze --hf runs/qwen3moe-d256 --data DOCS.jsonl --out analysis_qwen3moe
 
 Trains on CPU or the first GPU, float32, one process. Prints the loss every 50 steps and the validation loss (per
