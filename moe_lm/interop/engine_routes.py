@@ -49,7 +49,7 @@ def read_record(path: str | Path) -> Record:
     """The sequences of an engine's record (the format told by the file's content); a DataError naming the file, the
     line or pass, and what is wrong for anything that is not as the engine writes it."""
     path = Path(path)
-    if path.exists() and is_megatron_trace(path):
+    if is_megatron_trace(path):
         return read_megatron_trace(path)
     if path.is_dir():
         dumps = sorted(path.glob("expert_distribution_recorder_*.pt"))
@@ -70,7 +70,7 @@ def looks_like_record(path: str | Path) -> bool:
     file whose first line is a vLLM or SGLang response with routed experts, or Megatron's router trace (what --compare
     recognises)."""
     path = Path(path)
-    if path.exists() and is_megatron_trace(path):
+    if is_megatron_trace(path):
         return True
     if path.is_dir():
         return any(path.glob("expert_distribution_recorder_*.pt"))

@@ -24,6 +24,7 @@ not say, and how it is read here:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -115,6 +116,7 @@ def _tokens(trace: Path) -> np.ndarray:
 def _steps(file: Path, skipped: dict) -> dict[int, dict[int, list[np.ndarray]]]:
     """step -> decoder layer -> its records' [num_tokens, topk] in file order, recompute's repeats dropped."""
     steps: dict[int, dict[int, list[np.ndarray]]] = {}
+    seen: set[tuple[int, int, bytes]] = set()  # (step, layer, digest of the rows): a set, not a scan of the records
     with open(file, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -135,11 +137,12 @@ def _steps(file: Path, skipped: dict) -> dict[int, dict[int, list[np.ndarray]]]:
             if ids.ndim != 2 or len(ids) != rec.get("num_tokens", len(ids)):
                 raise DataError(f"{where}: top_indices is not {rec.get('num_tokens')} rows of top-k expert ids: cut "
                                 "short")  # fmt: skip
-            records = steps.setdefault(step, {}).setdefault(layer, [])
-            if any(np.array_equal(ids, r) for r in records):
+            key = (step, layer, hashlib.blake2b(ids.tobytes() + str(ids.shape).encode(), digest_size=16).digest())
+            if key in seen:
                 skipped[RECOMPUTED] = skipped.get(RECOMPUTED, 0) + len(ids)
                 continue
-            records.append(ids)
+            seen.add(key)
+            steps.setdefault(step, {}).setdefault(layer, []).append(ids)
     return steps
 
 
