@@ -20,7 +20,10 @@ How it is run, and why (each checked against moe-lm's own routing on the same to
 - the KV cache in f32 and flash attention off by default (`faithful`): llama.cpp's defaults (an f16 cache, flash
   attention on CPU) flip a few near-tie decisions of an f32 file; `faithful=False` measures the defaults;
 - an exception inside the callback would make it return False, which silently stops the graph: every error is
-  kept and raised after the decode instead.
+  kept and raised after the decode instead;
+- every llama.cpp call that may call back into Python (its log, the evaluation callback) runs with Ctrl-C, SIGTERM
+  and SIGHUP held (held_signals.py: one raised inside a callback would be dropped); a signal noted during a decode
+  stops its graph at the next node, and is raised when the call returns.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from moe_lm.data.tokenizer import SPECIAL, Tokenizer
 from moe_lm.errors import DataError, UserError, require, shown
 from moe_lm.interop.gguf_header import GGUFHeader, read_gguf_header
 from moe_lm.interop.gguf_header import tensor_types as header_tensor_types
-from moe_lm.interop.llama_probe import probe
+from moe_lm.interop.held_signals import held_signals
+from moe_lm.interop.llama_process import probe, quantize_in_child
 from moe_lm.routing.routed_model import Routed, Window
 from moe_lm.routing.stats import decision_margins
 
@@ -138,7 +142,8 @@ class GGUFModel:
         _quiet(lc)
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
-        model = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        with held_signals():
+            model = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not model:
             raise UserError(f"{self.path}: llama.cpp could not load it (a truncated file, or an architecture this "
                             "llama.cpp does not know); run with --verbose for llama.cpp's own message")  # fmt: skip
@@ -163,6 +168,7 @@ class GGUFModel:
         self.n_ctx, self.threads, self.faithful, self.record = n_ctx, threads, faithful, record
         self._got: list[tuple[str, int, np.ndarray]] = []
         self._errors: list[BaseException] = []
+        self._signals: list[int] = []  # noted during a decode (held_signals): the graph stops at the next node
         self._callback = lc.ggml_backend_sched_eval_callback(self._on_eval)  # kept alive with the context
         self._ctx = self._context()
         self.tok = GGUFTokenizer(self)
@@ -189,7 +195,8 @@ class GGUFModel:
         if self.faithful:
             cp.flash_attn_type = 0  # off (the low-level default, AUTO, is on for CPU)
             cp.type_k = cp.type_v = GGML_TYPE_F32
-        ctx = lc.llama_init_from_model(self._model, cp)
+        with held_signals():
+            ctx = lc.llama_init_from_model(self._model, cp)
         if not ctx:
             raise UserError(f"{self.path}: llama.cpp could not make a context of {self.n_ctx} tokens")
         return ctx
@@ -202,12 +209,13 @@ class GGUFModel:
                 "llama_cpp_python": getattr(self._lc, "__version__", "?")}  # fmt: skip
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            self._lc.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            self._lc.llama_model_free(self._model)
-            self._model = None
+        with held_signals():
+            if getattr(self, "_ctx", None):
+                self._lc.llama_free(self._ctx)
+                self._ctx = None
+            if getattr(self, "_model", None):
+                self._lc.llama_model_free(self._model)
+                self._model = None
 
     def __enter__(self) -> GGUFModel:  # a RoutedModel for the recorder; the model stays loaded (its tokenizer)
         return self
@@ -232,6 +240,8 @@ class GGUFModel:
             found = WANT.match(self._g.ggml_get_name(tensor) or b"")
             if ask:
                 return found is not None
+            if self._signals:
+                return False  # stops the graph: the decode returns, and held_signals raises the signal
             kind, layer = found[1].decode(), int(found[2])
             self._got.append((kind, layer, self._read(tensor, np.int32 if kind == "topk" else np.float32)))
         except BaseException as e:  # noqa: BLE001 - raised after the decode; returning False would stop the graph
@@ -266,7 +276,8 @@ class GGUFModel:
             batch.n_tokens = T
             self._got.clear()
             self._errors.clear()
-            rc = lc.llama_decode(self._ctx, batch)
+            with held_signals() as self._signals:
+                rc = lc.llama_decode(self._ctx, batch)
             if self._errors:
                 raise self._errors[0]
             if rc != 0:
@@ -377,17 +388,13 @@ K_QUANTS = {"q2_K": 10, "q3_K_S": 11, "q3_K_M": 12, "q3_K_L": 13, "q4_K_S": 14, 
 
 
 def quantize(source: Path, out: Path, kind: str, threads: int = 0) -> str:
-    """`source` (an f32 GGUF) quantised to `kind` (K_QUANTS) by llama.cpp's `llama_model_quantize`, into `out`;
-    returns what the file holds: how many tensors of each type. llama.cpp keeps the routers, norms and biases as
-    they are, and a tensor whose rows are not a multiple of its block (256 values for a k-quant) falls back to
-    another type; the count says how many did."""
-    lc = _llama_cpp()
-    _quiet(lc)
-    params = lc.llama_model_quantize_default_params()
-    params.ftype, params.nthread = K_QUANTS[kind], threads
-    rc = lc.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
-    if rc != 0 or not out.is_file():
-        raise UserError(f"llama.cpp's quantiser failed on {source} (return code {rc}); run with --verbose for its log")
+    """`source` (an f32 GGUF) quantised to `kind` (K_QUANTS) by llama.cpp's `llama_model_quantize`, into `out`, in a
+    process of its own (llama_process.py: Ctrl-C stops it at once); returns what the file holds: how many tensors of
+    each type. llama.cpp keeps the routers, norms and biases as they are, and a tensor whose rows are not a multiple
+    of its block (256 values for a k-quant) falls back to another type; the count says how many did."""
+    _llama_cpp()
+    if (problem := quantize_in_child(source, out, K_QUANTS[kind], threads)) or not out.is_file():
+        raise UserError(f"{source}: {problem or 'llama.cpp wrote no file'}")
     return tensor_types(out)
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,6 +156,54 @@ def test_sigterm_during_quantise_leaves_nothing_behind(trained_run, tmp_path, pr
     assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_while_llama_cpp_decodes_is_raised_not_dropped(exported):
+    """Python raises Ctrl-C's KeyboardInterrupt in whichever callback llama.cpp runs next (its log, the evaluation
+    callback, entered for every graph node), and ctypes drops an exception raised there: a Ctrl-C during a GGUF
+    analysis was lost (the command ran on to exit 0). Five Ctrl-Cs, each sent while decodes run back to back: each is
+    raised, within a few decodes."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Python handles signals in the main thread only")
+    model, folder = exported
+    tokens = (np.arange(128) * 7 + 3) % VOCAB
+    with GGUFModel(folder / "f32.gguf", n_ctx=128) as m:
+        for _ in range(5):
+            sent = threading.Event()
+            sender = threading.Thread(target=lambda: (time.sleep(0.05), os.kill(os.getpid(), signal.SIGINT),
+                                                      sent.set()))  # fmt: skip
+            after = 0
+            with pytest.raises(KeyboardInterrupt):
+                sender.start()
+                while after < 20:
+                    m.route(tokens)
+                    after += sent.is_set()
+            sender.join()
+        assert m.route(tokens).logprob.shape == (128,)  # a decode cut short leaves the context usable
+
+
+def test_ctrl_c_during_quantisation_stops_it_and_its_process(exported, tmp_path):
+    """llama.cpp's quantiser runs in a process of its own: Ctrl-C reaches the command, which waits in Python, and the
+    quantiser's process is ended with it (in the command's own process the signal waited for the whole
+    quantisation, minutes on a large model)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Python handles signals in the main thread only")
+    import psutil
+
+    model, folder = exported
+    me = psutil.Process()
+    sender = threading.Thread(target=lambda: (_wait_for(me.children), os.kill(os.getpid(), signal.SIGINT)))
+    sender.start()
+    with pytest.raises(KeyboardInterrupt):
+        quantize(folder / "f32.gguf", tmp_path / "q4.gguf", "q4_K_M")
+    sender.join()
+    assert [c for c in me.children() if c.status() != psutil.STATUS_ZOMBIE] == []  # killed (reaped later)
+
+
+def _wait_for(condition, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_export_writes_k_quants_with_llama_cpps_quantiser(trained_run, tmp_path, cli):
     proc = cli("export", "--run", trained_run(), "--gguf", tmp_path / "q.gguf", "--gguf-type", "q6_K")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -264,9 +313,9 @@ def test_moe_keys_llama_cpp_would_abort_on_are_one_line(exported, tmp_path, cli,
 
 
 def test_llama_cpp_aborting_takes_only_its_own_process(exported, tmp_path):
-    """What moe-lm does not check itself, llama.cpp meets first in a process of its own (llama_probe): its abort is a
-    line naming the signal and llama.cpp's own message, and the command goes on to say so."""
-    from moe_lm.interop.llama_probe import probe
+    """What moe-lm does not check itself, llama.cpp meets first in a process of its own (llama_process.py): its abort
+    is a line naming the signal and llama.cpp's own message, and the command goes on to say so."""
+    from moe_lm.interop.llama_process import probe
 
     model, folder = exported
     arch = gguf.GGUFReader(folder / "f32.gguf").fields["general.architecture"].contents()
