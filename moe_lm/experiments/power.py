@@ -25,6 +25,7 @@ import numpy as np
 
 from moe_lm.errors import UserError
 from moe_lm.experiments import stats
+from moe_lm.experiments.report_file import read_report
 
 TARGET = 0.8  # the probability of a verdict a design is sized for
 SIMULATIONS = 20_000
@@ -110,9 +111,9 @@ def power_table(name: str, folder: Path) -> str:
         try:
             r = json.loads(path.read_text())
         except (OSError, ValueError):
-            continue
+            continue  # why not refused: another tool's file under the folder is none of this experiment's reports
         if isinstance(r, dict) and r.get("experiment") == name and r.get("comparisons"):
-            reports.append((path.parent, r))
+            reports.append((path.parent, read_report(path)))  # one of its reports: of a shape the table reads
     if not reports:
         raise UserError(f"no report of {name} under {folder} (a results.json with experiment: {name}); run it first")
     lines = [f"{name}: seeds for a verdict with {100 * TARGET:.0f} % probability, taking each report's seed-paired "
@@ -128,7 +129,7 @@ def power_table(name: str, folder: Path) -> str:
             p = seeds_needed(c["deltas"], c["expect"], c["margin"])
             needed = str(p.seeds) if p.seeds else f"none up to {MOST_SEEDS} (best {p.best_seeds})"
             lines.append(
-                f"| {c['name']} | {where} ({kind}) | {len(c['deltas'])} x {r['steps']} | {p.mean:+.4f} | {p.sd:.4f} | "
+                f"| {c['name']} | {where} ({kind}) | {len(c['deltas'])} x {r.get('steps', '?')} | {p.mean:+.4f} | {p.sd:.4f} | "
                 f"{needed} | {p.p_supported:.2f} | {p.p_contradicted:.2f} |"
             )
     return "\n".join(lines) + "\n"

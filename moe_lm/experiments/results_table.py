@@ -7,12 +7,12 @@ a claim still open, what would close it (the seeds its last report's power estim
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from moe_lm.errors import UserError, shown
+from moe_lm.errors import UserError
 from moe_lm.experiments.declaration import DECLARATIONS_DIR, load_declaration
 from moe_lm.experiments.power import seeds_needed
+from moe_lm.experiments.report_file import read_report
 
 
 def load_results(folder: Path) -> list[dict]:
@@ -23,53 +23,11 @@ def load_results(folder: Path) -> list[dict]:
         raise UserError(f"no */results.json under {folder}: write reports there (moe-lm experiment NAME --out ...)")
     results = []
     for path in paths:
-        r = _report(path)
+        r = read_report(path)
         if r.get("exploratory"):
             raise UserError(f"{path} is exploratory ({r['exploratory']}): only declared designs go in the table")
         results.append(r)
     return results
-
-
-def _report(path: Path) -> dict:
-    """An experiment report's results.json, checked for what the table reads: a UserError naming the file and the
-    first thing missing (another tool's results.json, a report of another shape, a damaged file)."""
-
-    def refuse(problem: str) -> UserError:
-        return UserError(f"{path} is not an experiment report this moe-lm reads ({problem}); move it out of the "
-                         "results folder, or write it again with moe-lm experiment")  # fmt: skip
-
-    try:
-        r = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise refuse(f"not JSON: {e}") from None
-    if not isinstance(r, dict):
-        raise refuse(f"a {type(r).__name__}, not an object")
-    for key, kind in REPORT_FIELDS.items():
-        if not isinstance(r.get(key), kind):
-            raise refuse(f"{key} is {shown(r.get(key))}")
-    for part, fields in (("comparisons", COMPARISON_FIELDS), ("checks", CHECK_FIELDS)):
-        rows = r.get(part, [])
-        if not isinstance(rows, list) or not all(isinstance(c, dict) for c in rows):
-            raise refuse(f"{part} is {shown(rows)}")
-        for c in rows:
-            for key, kind in fields.items():
-                if not isinstance(c.get(key), kind):
-                    raise refuse(f"{part[:-1]} {c.get('name')!r}: {key} is {shown(c.get(key))}")
-            interval = c.get("t_interval", [0, 0] if "mean" not in c else None)
-            if (
-                not isinstance(interval, list)
-                or len(interval) != 2
-                or not all(isinstance(x, (int, float)) for x in interval)
-            ):
-                raise refuse(f"{part[:-1]} {c['name']!r}: t_interval is {shown(interval)}")
-    return r
-
-
-# what the table reads of a report, of each of its comparisons and of a probe's checks, with their types
-REPORT_FIELDS = {"experiment": str, "claim": str, "verdict": str}
-COMPARISON_FIELDS = {"name": str, "role": str, "metric": str, "verdict": str, "mean": (int, float), "t_interval": list,
-                     "deltas": list, "expect": str, "margin": (int, float)}  # fmt: skip
-CHECK_FIELDS = {"name": str, "role": str, "verdict": str}
 
 
 def results_table(folder: Path) -> str:

@@ -60,6 +60,27 @@ def test_power_prints_every_committed_report_of_an_experiment(cli):
     assert cli("experiment", "mtp", "--power", "--results", "no/such/folder").returncode == 2
 
 
+@pytest.mark.parametrize(
+    "comparison, said",
+    [({"name": "loss", "deltas": [0.1, 0.2]}, "comparison 'loss': role is None"),  # an older or hand-made report
+     ({"name": "loss", "role": "claim", "metric": "loss", "verdict": "supported", "mean": 0.1, "t_interval": [0, 1],
+       "deltas": [0.1, None], "expect": "lower", "margin": 0}, "deltas [0.1, None] are not all finite numbers")],
+)  # fmt: skip
+def test_power_over_a_report_of_another_shape_is_one_line_naming_it(tmp_path, cli, comparison, said):
+    """`--power` over such a report ended in `KeyError: 'role'`, and over a two-seed pilot with a missing delta in
+    `ValueError: a pilot of 2 seed gives no spread`; `--table` already named the file. A results.json of another
+    experiment or tool under the folder is none of this experiment's reports, and is passed over."""
+    report = {"experiment": "mtp", "claim": "c", "verdict": "supported", "steps": 10, "comparisons": [comparison]}
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "results.json").write_text(json.dumps(report))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "results.json").write_text('{"accuracy": 0.5}')
+    proc = cli("experiment", "mtp", "--power", "--results", tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(tmp_path / "mine" / "results.json") in lines[0] and said in lines[0], lines[0]
+
+
 def test_a_declaration_is_sized_from_its_pilot_and_copies_what_is_judged(tmp_path, cli, monkeypatch):
     import yaml
 
