@@ -218,3 +218,48 @@ def test_a_model_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(
     assert line.startswith(f"error: {folder}: its config.json asks to run the folder's own Python code")
     assert "trust_remote_code is off" in line and ", ".join(SUPPORTED) in line
     assert not asked and not (folder / "RAN").exists()
+
+
+def test_a_served_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(tmp_path, cli, monkeypatch):
+    """`--served` (the checkpoint an engine served) reads a folder's config and tokenizer as `--hf` does."""
+    from moe_lm.interop.engine_routes import vllm_response
+
+    folder = remote_code_folder(tmp_path / "custom")
+    asked = answer_yes_if_asked(monkeypatch)
+    routes = np.tile(np.array([0, 1]), (5, 3, 1))  # 6 tokens: the last sampled one never routed
+    (tmp_path / "routes.jsonl").write_text(json.dumps(vllm_response(np.arange(6), 3, routes, 8)) + "\n")
+    proc = cli("analyze", "--routes", tmp_path / "routes.jsonl", "--served", folder, "--out", tmp_path / "out")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "asks to run the folder's own Python code" in lines[0]
+    assert not asked and not (folder / "RAN").exists()
+
+
+class PickledCall:
+    """What an attacker pickles into a pytorch_model.bin: unpickling it calls os.system."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_device_auto_over_a_pickled_checkpoint_runs_none_of_it(tmp_path, cli):
+    """`--device auto` hands the folder to transformers' own loader, which took a pytorch_model.bin (a pickle) to
+    torch.load: weights-only refused the pickled call, but as a traceback. Safetensors only, checked first, as the
+    CPU path reads them: one line, and nothing of the pickle runs."""
+    from safetensors.torch import load_file
+
+    folder = tiny_checkpoint("qwen3_moe", tmp_path / "bin")
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**state, "payload": PickledCall(tmp_path / "RAN")}, folder / "pytorch_model.bin")
+    (tmp_path / "doc.txt").write_text(make_text("cooking", 0))
+    proc = cli("analyze", "--hf", folder, "--device", "auto", "--data", tmp_path / "doc.txt", "--out", tmp_path / "o")
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{folder} holds no .safetensors file" in lines[0]
+    assert not (tmp_path / "RAN").exists() and not (tmp_path / "o").exists()

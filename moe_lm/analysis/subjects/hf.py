@@ -27,6 +27,7 @@ from moe_lm.errors import REMOTE_CODE_OFF, UserError, remote_code_refused
 from moe_lm.files import gib
 from moe_lm.flags import byte_size, torch_device, usable_device
 from moe_lm.interop.hf_layers import HFCheckpoint, UntrainedCheckpoint
+from moe_lm.interop.released_weights import ReleasedWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -141,8 +142,11 @@ def _device_mapped(path: str, config, dtype):
     """(routing, untrained) of a model transformers loads and places across devices (device_map="auto")."""
     import transformers
 
+    # why safetensors only, checked first as on the CPU path: a pytorch_model.bin is a pickle, which transformers
+    # would hand to torch.load (weights-only, so a pickled call is refused, but as a traceback)
+    ReleasedWeights(Path(path), config.to_dict()).check()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
-                                                           device_map="auto")  # fmt: skip
+                                                           device_map="auto", use_safetensors=True)  # fmt: skip
 
     def untrained():
         torch.manual_seed(0)
