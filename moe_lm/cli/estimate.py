@@ -55,6 +55,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="with --trace: DeepSeek's EPLB of the trace, planned on half its documents and measured on "
                     "the other half, written into DIR as SGLang's --init-expert-location file and vLLM's expert "
                     "map")  # fmt: skip
+    ap.add_argument("--force", action="store_true",
+                    help="write --placement even if it holds files estimate did not write: that folder is moved "
+                    "aside to DIR.prev-<time> (nothing is deleted)")  # fmt: skip
 
 
 def layout_of(args, ep_size: int, pp_size: int = 1):
@@ -92,14 +95,57 @@ def run(args: argparse.Namespace) -> None:
                         "is none: give parallel.ep_size=N (with --gpus-per-node or --world)")  # fmt: skip
     if args.placement and not args.trace:
         raise UserError("--placement plans from a routing trace: give --trace TRACE (moe-lm analyze's trace/)")
-    out = OutputFolder(args.placement, "estimate", flag="--placement") if args.placement else None
+    out = OutputFolder(args.placement, "estimate", args.force, flag="--placement") if args.placement else None
+    if out is not None:
+        check_moe_layers(read_trace(args.trace), cfg)
     if args.redundant is None:  # one extra slot per EP rank, for the plan of the trace and the placement alike
         args.redundant = layout.ep_size
+    if args.trace:
+        args.redundant = redundant_slots(args.redundant, cfg, layout)
     print_memory(args.config, cfg, layout.world)
     if cfg.parallel.ep_size > 1:
         print_communication(args, cfg, layout)
     if out is not None:
         write_placement(out, read_trace(args.trace), cfg, layout, args)
+
+
+def redundant_slots(redundant: int, cfg, layout) -> int:
+    """--redundant checked: >= 0 and a multiple of ep_size (every rank holds as many slots), and capped, with a line
+    saying so, where more slots would put two copies of an expert on one rank (moe_lm/planning/placement.py: the
+    rank would hold the same weights twice, and vllm-ascend's loader misreads it). why a cap and not a refusal: the
+    cap is the placement asked for at its fullest, every rank holding every expert it can (of its node, under the
+    hierarchical policy)."""
+    from moe_lm.planning.placement import most_slots, policy
+
+    R, E, G = layout.ep_size, cfg.model.moe.n_routed_experts, cfg.model.moe.n_group
+    if redundant < 0:
+        raise UserError(f"--redundant {redundant}: must be >= 0 (slots beside one for each expert)")
+    if redundant % R:
+        raise UserError(f"--redundant {redundant}: must be a multiple of ep_size ({R}): every rank holds as many slots")
+    nodes = len(set(layout.ep_nodes()))
+    most = most_slots(E, G, nodes, R) - E
+    if redundant > most:
+        pool = " of its node" if policy(G, nodes)[1] > 1 else ""
+        print(f"--redundant {redundant}: at most {most} redundant slots keep every copy of an expert on a rank of its "
+              f"own ({E} experts on {R} EP ranks over {nodes} node(s), every rank holding every expert{pool}); "
+              f"placing {most}")  # fmt: skip
+        return most
+    return redundant
+
+
+def check_moe_layers(trace, cfg) -> None:
+    """Refuse a trace whose MoE layers are not the config's (the decoder's from first_k_dense_replace on, then the
+    MTP modules' n_layers + k): the engines' files give each of the config's layers its row."""
+    m = cfg.model
+    if m.arch != "decoder":
+        raise UserError(f"--placement writes the engines' files of a decoder-only model; model.arch={m.arch} has no "
+                        "such layout: plan without --placement")  # fmt: skip
+    expected = list(range(min(m.first_k_dense_replace, m.n_layers), m.n_layers))
+    expected += [m.n_layers + k for k in range(m.mtp.depth)]
+    if list(trace.layers) != expected:
+        raise UserError(f"the trace {trace.folder} records MoE layers {trace.layers} but the config's MoE layers are "
+                        f"{expected}: plan with the config of the model that recorded it (model.n_layers, "
+                        "model.first_k_dense_replace, model.mtp.depth)")  # fmt: skip
 
 
 def links_and_bytes(args, cfg):
@@ -125,7 +171,7 @@ def write_placement(out, trace, cfg, layout, args) -> None:
 
     redundant = args.redundant
 
-    R = layout.ep_size  # `redundant` is a multiple of R: the plan of the trace checked it
+    R = layout.ep_size  # `redundant` is a multiple of R and within the cap: redundant_slots checked it
     nodes = len(set(layout.ep_nodes()))
     try:
         result = held_out_placement(trace, R, nodes, cfg.model.moe.n_group, redundant)
@@ -154,11 +200,19 @@ def write_placement(out, trace, cfg, layout, args) -> None:
     ratio = a2a["placed"] / a2a["contiguous"] if a2a["contiguous"] > 0 else float("nan")
     print(f"  all-to-all per GPU and step on the held-out tokens, each layer as long as its slowest rank: contiguous "
           f"{a2a['contiguous']:.3g} ms -> placed {a2a['placed']:.3g} ms ({ratio:.2f}x)")  # fmt: skip
-    files = {
-        "placement.json": result,
-        "sglang_expert_location.json": sglang_expert_location(phy2log, list(trace.layers), cfg.model.n_layers),
-        "vllm_expert_map.json": vllm_expert_map(phy2log, R),
-    }
+    # the engines' files hold the decoder's layers: SGLang's map has a row per decoder layer, and vllm-ascend places
+    # an MTP layer itself (eplb_utils.py, `expert_file_to_tensor`)
+    decoder = [i for i, layer in enumerate(trace.layers) if layer < cfg.model.n_layers]
+    try:
+        files = {
+            "placement.json": result,
+            "sglang_expert_location.json": sglang_expert_location(
+                phy2log[decoder], [trace.layers[i] for i in decoder], cfg.model.n_layers
+            ),
+            "vllm_expert_map.json": vllm_expert_map(phy2log[decoder], R),
+        }
+    except ValueError as e:  # why kept: a file an engine misreads is refused, not written (nothing is written)
+        raise UserError(f"--placement {out.path}: {e}") from None
     with out.staged() as folder:
         for name, content in files.items():
             (folder / name).write_text(json.dumps(content) + "\n")

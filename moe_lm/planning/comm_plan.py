@@ -238,7 +238,10 @@ def place_experts(load: np.ndarray, layout: Layout, n_group: int, redundant: int
     if redundant % R:
         raise ConfigError(f"redundant slots ({redundant}) must be a multiple of ep_size ({R}): every GPU holds as many")
     n_nodes = len(set(layout.ep_nodes()))
-    phy2log, _, _ = rebalance_experts(load[None], E + redundant, n_group, n_nodes, R)
+    try:
+        phy2log, _, _ = rebalance_experts(load[None], E + redundant, n_group, n_nodes, R)
+    except ValueError as e:  # more slots than one copy of each expert per rank (placement.most_slots), or fewer
+        raise ConfigError(f"redundant slots ({redundant}): {e}") from None
     per_rank = phy2log[0].reshape(R, -1)
     return Placement(rank_loads(load[None], phy2log, R)[0], [sorted(r.tolist()) for r in per_rank])
 
