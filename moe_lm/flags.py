@@ -64,4 +64,6 @@ def byte_size(value: str) -> int:
     unit = m[2].lower() if m else None
     if not m or unit not in SIZE_UNITS or float(m[1]) <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a size (e.g. 64GiB, 500MB, 1.5TiB)")
-    return int(float(m[1]) * SIZE_UNITS[unit])
+    if (size := int(float(m[1]) * SIZE_UNITS[unit])) < 1:  # why: half a byte rounds to 0, which reads as no limit
+        raise argparse.ArgumentTypeError(f"{value!r} is less than a byte")
+    return size

@@ -33,6 +33,8 @@ def analyze_routing(req: RoutingRequest) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     windows = shared_windows(req)
     subject = load_subject(dataclasses.replace(req.subject, seq_len=windows))
+    if req.layers:  # why before recording: a --layers that is no MoE layer would be refused after every layer ran
+        figure_layers(list(subject.routing.layers), list(req.layers))
     docs, domains, provenance = budgeted_documents(subject, req)
     common = dict(seq_len=subject.seq_len, batch_size=batch_within_memory(req.batch_size, subject))
     shape = routing_shape(subject)

@@ -6,7 +6,8 @@ larger than memory"): a LayerwiseModel (moe_lm/routing/routed_model.py).
 
 Every window's hidden states live in files beside the report (memory-mapped: in memory where it has room), two of
 them taking turns, so that a layer's input is intact until its output is complete. Each finished layer is noted
-with what it chose (`progress.json`, `experts_L*.npy`): the same command resumes from the first unfinished layer.
+with what it chose (`progress.json`, `experts_L*.npy`; the work folder: stream_work.py): the same command resumes
+from the first unfinished layer.
 The next unit of weights is read while this one computes.
 
 The same windows, batches and padding as the in-memory recorder (recording.py), the same transformers modules
@@ -18,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,15 +28,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moe_lm.errors import UserError
+from moe_lm.analysis.stream_work import WorkFolder
+from moe_lm.errors import UserError, shown
 from moe_lm.files import gib
 from moe_lm.interop.hf_layers import HFCheckpoint, experts_deferred, windows_at_once
 from moe_lm.routing.recorder import gate_choices
 from moe_lm.routing.routed_model import LayerSink, Window
 
-PROGRESS = "progress.json"
 LOGITS_BYTES = 64 * 2**20  # the head's logits made at once
-MARK = "moe-lm streamed analysis: work files, removed when the analysis ends"
 
 
 @dataclass
@@ -55,7 +53,10 @@ class StreamedModel:
 
     def __init__(self, checkpoint: HFCheckpoint, budget: int, work: Path, last: int | None = None) -> None:
         self.ck, self.budget, self.work = checkpoint, budget, Path(work)
-        self.last = checkpoint.n_layers - 1 if last is None else min(last, checkpoint.n_layers - 1)
+        if last is not None and last not in checkpoint.moe_layers:  # why now: else refused after every layer ran
+            raise UserError(f"--layers {last}: {checkpoint.folder} has no MoE layer {last} (its MoE layers: "
+                            f"{shown(checkpoint.moe_layers)})")  # fmt: skip
+        self.last = checkpoint.n_layers - 1 if last is None else last
         self.layers = [i for i in checkpoint.moe_layers if i <= self.last]
         cfg = checkpoint.config
         self.n_experts, self.k = checkpoint.n_experts, cfg.num_experts_per_tok
@@ -72,7 +73,7 @@ class StreamedModel:
         plan = Plan.of(self, padded, todo)
         print(plan.said(state, self))
         if done:
-            print(f"resuming the streamed analysis: layers 0..{done[-1]} finished before, kept in {self.work}")
+            print(f"resuming the streamed analysis: layers 0..{done[-1]} finished before, kept in {state.folder}")
         else:
             self._embed(state, padded)
         timing = Timing()
@@ -106,10 +107,14 @@ class StreamedModel:
         return logprob
 
     def _key(self, padded) -> str:
+        """What the analysis computes from, hashed: the checkpoint's files (where they are, and which: a release
+        downloaded again or another model copied over it is other weights), dtype, last layer, seed, and every batch's
+        shape, window lengths and tokens (the same tokens in windows of another length are another analysis)."""
         h = hashlib.sha256()
-        h.update(json.dumps([str(self.ck.folder.resolve()), str(self.ck.dtype), self.last,
+        h.update(json.dumps([str(self.ck.folder.resolve()), _files_identity(self.ck), str(self.ck.dtype), self.last,
                              getattr(self.ck, "seed", None)]).encode())  # fmt: skip
-        for tokens, _ in padded:
+        for tokens, lengths in padded:
+            h.update(json.dumps([list(tokens.shape), lengths]).encode())
             h.update(tokens.numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -176,6 +181,13 @@ class StreamedModel:
                         picked.append((logits.gather(-1, target)[:, 0] - torch.logsumexp(logits, -1)).double().numpy())
                     out.append(np.concatenate(picked))
         return np.concatenate(out)
+
+
+def _files_identity(ck: HFCheckpoint) -> list:
+    """Each file of the checkpoint (through its symlinks, as the hub cache lays them out) by size, modification and
+    change times and inode: what changes when another file is put in its place."""
+    files = sorted({*ck.weights.files.files.values(), ck.folder / "config.json"})
+    return [[f.name, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino] for f in files for s in [f.stat()]]
 
 
 def layer_flops(ck: HFCheckpoint, i: int, padded, experts: bool = True) -> float:
@@ -308,17 +320,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
-def finished_layers(work: Path) -> int:
-    """The layers that streamed analyses in `work` (one folder per model) finished and noted."""
-    done = 0
-    for progress in Path(work).glob(f"*/*/{PROGRESS}"):
-        try:
-            done += len(json.loads(progress.read_text()).get("done", []))
-        except (OSError, ValueError, AttributeError):
-            continue
-    return done
-
-
 def plan_units(ck: HFCheckpoint, last: int, budget: int) -> list[Unit]:
     """The reading plan: per layer its whole weights when they fit half the budget (the other half holds the unit
     read meanwhile), else its own weights and then chunks of its routed experts; a UserError naming the least budget
@@ -414,104 +415,3 @@ def run_experts(weights, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint
             h = h * w[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, h.to(final.dtype))
     return rows
-
-
-class WorkFolder:
-    """The streamed analysis's files: the hidden states (two files taking turns: `in` is the input of the layer
-    being run, `out` its output), the parts a chunked layer keeps between its units, each MoE layer's choices, and
-    `progress.json` (which layers are finished and which hidden file holds their output)."""
-
-    def __init__(self, folder: Path, key: str, padded, dim: int, dtype: torch.dtype) -> None:
-        self.folder, self.key, self.dtype, self.dim = folder, key, dtype, dim
-        self.shapes = [tuple(t.shape) + (dim,) for t, _ in padded]
-        self.offsets = np.cumsum([0] + [int(np.prod(s)) for s in self.shapes]).tolist()
-        elem = torch.tensor([], dtype=dtype).element_size()
-        self.tokens = sum(s[0] * s[1] for s in self.shapes)
-        self.bytes = 6 * self.offsets[-1] * elem  # the hidden states twice (in, out) and a layer's 4 parts
-        progress = self._progress()
-        if progress.get("key") != key:  # another analysis's files (or none): ours to replace
-            if folder.exists():
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True)
-            need, free = self.bytes, shutil.disk_usage(folder).free
-            if need > free:
-                shutil.rmtree(folder)
-                raise UserError(
-                    f"{folder}: the streamed analysis needs {gib(need)} of disk for its hidden states and {gib(free)} "
-                    "is free there: free space, or analyse fewer tokens (--max-tokens)"
-                )
-            (folder / "README").write_text(MARK + "\n")
-            progress = {"key": key, "done": [], "turn": 0}
-            self._write(progress)
-        self.progress = progress
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._inputs: dict[int, list[tuple]] = {}  # batch -> its windows' (experts, weights), in order
-        self._choices: dict[tuple[int, int, int], tuple] = {}  # (layer, batch, first window) -> choices
-
-    def _progress(self) -> dict:
-        try:
-            return json.loads((self.folder / PROGRESS).read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def _write(self, progress: dict) -> None:
-        tmp = self.folder / f"{PROGRESS}.partial"
-        tmp.write_text(json.dumps(progress))
-        os.replace(tmp, self.folder / PROGRESS)
-
-    def done(self) -> list[int]:
-        return list(self.progress["done"])
-
-    def _file(self, name: str) -> torch.Tensor:
-        if name not in self._tensors:
-            path = self.folder / f"{name}.bin"
-            self._tensors[name] = torch.from_file(str(path), shared=True, size=self.offsets[-1], dtype=self.dtype)
-        return self._tensors[name]
-
-    def _view(self, name: str, b: int) -> torch.Tensor:
-        return self._file(name)[self.offsets[b] : self.offsets[b + 1]].view(self.shapes[b])
-
-    def hidden(self, b: int, which: str) -> torch.Tensor:
-        turn = self.progress["turn"] if which == "in" else 1 - self.progress["turn"]
-        return self._view(f"hidden_{turn}", b)
-
-    def part(self, b: int, name: str) -> torch.Tensor:
-        return self._view(f"part_{name}", b)
-
-    def keep_expert_input(self, b: int, rows: slice, t, idx, w) -> None:
-        """The routed experts' input for windows `rows` of batch b, and their choices (kept until the layer ends)."""
-        S = self.shapes[b][1]
-        self.part(b, "t").view(-1, self.dim)[rows.start * S : rows.stop * S] = t
-        self._inputs.setdefault(b, []).append((idx.clone(), w.clone()))
-
-    def expert_input(self, b: int):
-        idx, w = (torch.cat(parts) for parts in zip(*self._inputs[b], strict=True))
-        return self.part(b, "t").view(-1, self.dim), idx, w
-
-    def finish_batch(self, b: int, experts: torch.Tensor | None = None) -> None:
-        """Batch b's layer output from its parts, as the layer adds them (experts_deferred); the experts' sum given,
-        or the one added up chunk by chunk."""
-        e = self.part(b, "e") if experts is None else experts
-        self.hidden(b, "out")[:] = self.part(b, "h") + (self.part(b, "y") + e)
-
-    def keep_choices(self, layer: int, at: tuple[int, int], idx, w, lengths: list[int]) -> None:
-        """The choices (experts by weight, largest first) of the windows of batch at[0] from window at[1] on, without
-        their padding rows."""
-        S = self.shapes[at[0]][1]
-        rows = torch.cat([torch.arange(i * S, i * S + n) for i, n in enumerate(lengths)])
-        self._choices[(layer, *at)] = (idx[rows].numpy(), w[rows].numpy())
-
-    def finish(self, layer: int) -> None:
-        """Layer `layer` is complete: its choices saved, its output made the next layer's input, noted."""
-        keys = sorted(k for k in self._choices if k[0] == layer)  # in window order
-        if keys:
-            np.save(self.folder / f"experts_L{layer}.npy", np.concatenate([self._choices[k][0] for k in keys]))
-            np.save(self.folder / f"weights_L{layer}.npy", np.concatenate([self._choices[k][1] for k in keys]))
-            for k in keys:
-                del self._choices[k]
-        self.progress = {**self.progress, "done": self.progress["done"] + [layer], "turn": 1 - self.progress["turn"]}
-        self._write(self.progress)
-        self._inputs.clear()
-
-    def routing(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.load(self.folder / f"experts_L{layer}.npy"), np.load(self.folder / f"weights_L{layer}.npy")

@@ -51,7 +51,7 @@ def block_size(config: dict, where: Path) -> tuple[int, int] | None:
             "dequantise it to bf16 with its own tools first"
         )
     block = q.get("weight_block_size") or [128, 128]
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise UserError(f"{where / 'config.json'}: weight_block_size {block!r} is not two block sides")
     return block[0], block[1]
 
@@ -100,10 +100,17 @@ class ReleasedWeights:
         return next(self.weights([name], dtype))[1]
 
     def check(self, names: list[str] | None = None) -> None:
-        """Every tensor of `names` (default: all) readable, from the headers alone: a dtype moe-lm reads, an FP8
-        weight's scale present and its grid fitting the weight. A UserError naming the file and the tensor (a long
-        analysis fails before it starts, not hours in)."""
-        for name in self.names() if names is None else names:
+        """Every tensor of `names` readable, from the headers alone: a dtype moe-lm reads, an FP8 weight's scale
+        present and its grid fitting the weight. Without `names` (the whole checkpoint, as a model is opened) also
+        every FP8 block scale finite (the scales are read: 1/16,384 of the weights). A UserError naming the file and
+        the tensor (a long analysis fails before it starts, not hours in)."""
+        if names is None:
+            self.check(self.names())
+            scales = [n + SCALE_SUFFIX for n in self.names() if self.files.dtype(n) in FP8_DTYPES]
+            for scale, values in self.files.tensors(scales):
+                self._finite(scale[: -len(SCALE_SUFFIX)], values)
+            return
+        for name in names:
             kind = self.files.dtype(name)
             if kind not in KNOWN_DTYPES:
                 raise UserError(f"{self.files.files[name]}: tensor {name} is stored as {kind}, which moe-lm does not "
@@ -136,8 +143,19 @@ class ReleasedWeights:
             for ready in [n for n in waiting if waiting[n].dtype != torch.float8_e4m3fn or n in scales]:
                 yield ready, self._as(ready, waiting.pop(ready), scales.pop(ready, None), dtype)
 
+    def _finite(self, name: str, scale: torch.Tensor) -> None:
+        """A UserError naming `name`'s scale when a block scale is NaN or infinite: every value of its block would
+        be, and the routing computed on them would be garbage with no error."""
+        bad = ~torch.isfinite(scale.float())
+        if bad.any():
+            first = [int(i) for i in bad.nonzero()[0]]
+            raise UserError(f"{self.files.files[name + SCALE_SUFFIX]}: {name}{SCALE_SUFFIX} holds {int(bad.sum())} "
+                            f"NaN or infinite block scales (the first at block {first}); the checkpoint is damaged: "
+                            "download or convert it again")  # fmt: skip
+
     def _as(self, name: str, tensor: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if tensor.dtype == torch.float8_e4m3fn:
+            self._finite(name, scale)
             try:
                 tensor = dequantize_fp8(tensor, scale, self.block or (128, 128))
             except ValueError as e:

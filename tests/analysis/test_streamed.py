@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from moe_lm.analysis import streamed
+from moe_lm.analysis import stream_work, streamed
 from moe_lm.analysis.hf_routing import hf_routing
 from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.routing_workflow import batch_within_memory
@@ -44,10 +44,8 @@ def deepseek_fp8(tmp_path_factory):
     return release("deepseek_v3", tmp_path_factory.mktemp("ds") / "release")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def write_corpus(path: Path) -> Path:
     """Three domains of documents of 10..90 words (windows of 64 cut some)."""
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
     words = ["alpha beta gamma delta", "the cat sat on the mat .", "what is the answer to this", "def f ( x ) :"]
     rng = np.random.default_rng(0)
     with path.open("w") as f:
@@ -55,6 +53,11 @@ def corpus(tmp_path_factory):
             text = " ".join(rng.choice(" ".join(words).split(), int(rng.integers(10, 90))))
             f.write(json.dumps({"text": text, "domain": f"d{i % 3}"}) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl")
 
 
 def documents(n: int = 14) -> list[tuple[int, np.ndarray]]:
@@ -325,7 +328,7 @@ def test_another_quantisation_is_named_in_one_line(method, deepseek_fp8, corpus,
 
 
 def test_too_little_disk_for_the_hidden_states_is_one_line(deepseek_fp8, corpus, cli, tmp_path, monkeypatch):
-    monkeypatch.setattr(streamed.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
+    monkeypatch.setattr(stream_work.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
     out = tmp_path / "a"
     err = refused(cli("analyze", "--hf", deepseek_fp8, "--data", corpus, "--out", out, "--max-memory", SMALL),
                   "of disk for its hidden states and 0.0 MiB is free there", "--max-tokens")  # fmt: skip

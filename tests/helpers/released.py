@@ -65,12 +65,13 @@ def release(kind: str, folder: Path, fp8: bool = True, shards: int = 3) -> Path:
     return folder
 
 
-def dequantized_by_blocks(w8: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """An independent dequantisation: each 128 x 128 block in turn (the last ones cut short), its values times its
-    scale, DeepSeek's rule written out."""
+def dequantized_by_blocks(w8: torch.Tensor, scale_inv: torch.Tensor, block: int | tuple = BLOCK) -> torch.Tensor:
+    """An independent dequantisation: each block (128 x 128, or rows x columns) in turn (the last ones cut short),
+    its values times its scale, DeepSeek's rule written out."""
+    r, c = (block, block) if isinstance(block, int) else block
     w = torch.empty(w8.shape)
     for i in range(scale_inv.shape[0]):
         for j in range(scale_inv.shape[1]):
-            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            rows, cols = slice(i * r, (i + 1) * r), slice(j * c, (j + 1) * c)
             w[rows, cols] = w8[rows, cols].float() * scale_inv[i, j].item()
     return w
