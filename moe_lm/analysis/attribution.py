@@ -1,17 +1,42 @@
-"""Where a model's drift comes from: its routing or its weights. For a reference R and another model O of the same
-architecture (another dtype, a quantised copy, another checkpoint), every window runs five times:
+"""Where a model's drift comes from: its weights, the experts it picks, or the gate values it gives them.
 
-    RR   R with its own routes                  OO   O with its own routes
-    OR   O with R's routes (experts and gate weights: only O's weights differ from RR)
-    ORe  O with R's experts and its own gate weights for them (experts-only replay, as RL frameworks replay)
-    RO   R with O's routes (only the routing differs from RR)
+R is the reference (weights w0; in each MoE layer, routes r0 = experts e0 and gate values g0), O another model of
+the same architecture (another dtype, a quantised copy, another checkpoint: w1, r1 = (e1, g1)). f(r, w) is a
+token's log-prob under weights w with routes r forced in every MoE layer (moe_lm/routing/forced.py). Every window
+runs six times, plus once per MoE layer:
 
-and each token's log-prob change splits as a 2 x 2 design: total OO - RR = weights (OR - RR, at R's routes) +
-routing (RO - RR, at R's weights) + interaction (the rest). Replay's residuals say what routing replay leaves:
-|OR - RR| (experts and weights replayed) and |ORe - RR| (experts only). Per MoE layer, O with R's routes in that
-layer alone: OO - O(R@l) is the part of the change that layer's routing carries (with O's weights). Means per token
-with 95 % intervals from resampling whole documents, overall and per domain. Our Transformer only (both models):
-routes are forced through its routers (moe_lm/routing/forced.py).
+    RR = f(r0, w0)            R as it runs                OO = f(r1, w1)           O as it runs
+    OR = f(r0, w1)            O with R's routes           RO = f(r1, w0)           R with O's routes
+    RF = f((e1, gR(e1)), w0)  R with O's experts, its own gate values for them
+    OF = f((e0, gO(e0)), w1)  O with R's experts, its own gate values (the experts-only replay of RL frameworks)
+    OR@l                      O with R's routes in MoE layer l alone
+
+gR(e) is R's router's gate values for the experts e: its unbiased scores at e, normalised and scaled as the model
+does, at the pass's own hidden states. Where a layer picks the same set of experts in both models for a token, RF
+and OF keep the model's own experts there, so that only the tokens whose set differs change what RR and OO compute.
+
+Each token's change OO - RR splits exactly, in either order of the two factors (no further pass):
+
+    reference first: weights OR - RR (at R's routes), routing RO - RR (at R's weights), interaction the rest,
+                     OO - OR - RO + RR
+    other first:     weights OO - RO (at O's routes), routing OO - OR (at O's weights): each holds the interaction
+    Shapley:         the average of the two orders: weights + routing = total, nothing left over
+
+and each routing part splits exactly into flips (the change of experts) and gate values (the rest):
+
+    at R's weights:  flips RF - RR (at R's gate values), gate values RO - RF (at O's experts)
+    at O's weights:  gate values OF - OR (at R's experts), flips OO - OF (at O's gate values)
+    Shapley:         the average of the two.
+
+The gate-value part holds the drift of the gate values of every token, those whose experts did not change too;
+the flips part is the change of experts alone. A token's flips part is not only its own flip: an earlier token's
+reaches it through attention (it is 0, to float32 rounding, for a token with no flip at or before it in its
+window). The parts are signed and cancel over tokens, so each comes with its mean absolute value. What routing
+replay leaves: |OR - RR|
+(experts and gate values replayed) and |OF - RR| (experts only). Per MoE layer, OO - OR@l is the change that layer's
+routing alone carries at O's weights; the layers' parts do not add up to a routing part (layers interact, and the
+weights are O's). Means per token with 95 % intervals from resampling whole documents, overall and per domain (a
+domain's interval rests on its few documents: indicative). Our Transformer only (both models).
 """
 
 from __future__ import annotations
@@ -21,15 +46,51 @@ import torch
 
 from moe_lm.analysis.agreement import document_draws, mean_with_interval
 from moe_lm.analysis.recording import document_windows
+from moe_lm.errors import DataError
 from moe_lm.routing.forced import decoder_routes, forced_routes
 from moe_lm.routing.torch_routing import window_logprobs
 
-PARTS = ("total", "weights", "routing", "interaction")
+# part: (later pass, earlier pass); per token the part is later - earlier (the module's docstring)
+DIFFERENCES = {
+    "total": ("OO", "RR"),
+    "weights": ("OR", "RR"),
+    "routing": ("RO", "RR"),
+    "flips": ("RF", "RR"),
+    "gate_values": ("RO", "RF"),
+    "weights_at_other_routes": ("OO", "RO"),
+    "routing_at_other_weights": ("OO", "OR"),
+    "flips_at_other_weights": ("OO", "OF"),
+    "gate_values_at_other_weights": ("OF", "OR"),
+}
+SHAPLEY = {  # the average of the two orders
+    "shapley_weights": ("weights", "weights_at_other_routes"),
+    "shapley_routing": ("routing", "routing_at_other_weights"),
+    "shapley_flips": ("flips", "flips_at_other_weights"),
+    "shapley_gate_values": ("gate_values", "gate_values_at_other_weights"),
+}
+PARTS = (*DIFFERENCES, "interaction", *SHAPLEY)
+
+
+def flipped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[T] whether each token's set of experts differs between a and b [T, K] (their order aside)."""
+    return (a.sort(-1).values != b.sort(-1).values).any(-1)
+
+
+def their_experts(theirs: dict, own: dict) -> dict:
+    """Routes to force: `theirs`' experts where a token's set differs from `own`, `own`'s elsewhere (the same set:
+    the model's own order, so that the pass computes exactly what the model does there); the gate values are the
+    forced model's own (forced_routes(..., weights=False))."""
+    out = {}
+    for layer, (idx, w) in own.items():
+        take = flipped(theirs[layer][0], idx)[:, None]
+        out[layer] = (torch.where(take, theirs[layer][0], idx), w)
+    return out
 
 
 @torch.no_grad()
 def window_passes(ref, other, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """The log-probs [S] of one window under each pass of the module's docstring (NaN first), by layer for O(R@l)."""
+    """The log-probs [S] of one window under each pass of the module's docstring (NaN first), by layer for OR@l;
+    `elsewhere`: 1 for the tokens whose set of experts differs in some layer."""
     t = torch.as_tensor(tokens, dtype=torch.long)[None]
 
     def lp(model) -> np.ndarray:
@@ -37,24 +98,28 @@ def window_passes(ref, other, tokens: np.ndarray) -> dict[str, np.ndarray]:
 
     with decoder_routes(ref) as recorded:
         out = {"RR": lp(ref)}
-    ref_routes = dict(recorded.last)
+    r0 = dict(recorded.last)
     with decoder_routes(other) as recorded:
         out["OO"] = lp(other)
-    other_routes = dict(recorded.last)
-    with forced_routes(other, ref_routes):
-        out["OR"] = lp(other)
-    with forced_routes(other, ref_routes, weights=False):
-        out["ORe"] = lp(other)
-    with forced_routes(ref, other_routes):
-        out["RO"] = lp(ref)
-    for layer, route in ref_routes.items():
+    r1 = dict(recorded.last)
+    for name, model, routes, weights in (("OR", other, r0, True), ("RO", ref, r1, True),
+                                         ("RF", ref, their_experts(r1, r0), False),
+                                         ("OF", other, their_experts(r0, r1), False)):  # fmt: skip
+        with forced_routes(model, routes, weights=weights):
+            out[name] = lp(model)
+    for layer, route in r0.items():
         with forced_routes(other, {layer: route}):
             out[f"OR@{layer}"] = lp(other)
-    # tokens whose set of experts differs in some layer (O's own routes against R's)
-    differs = [(a[0].sort(-1).values != b[0].sort(-1).values).any(-1) for a, b in
-               ((ref_routes[layer], other_routes[layer]) for layer in ref_routes)]  # fmt: skip
-    out["elsewhere"] = torch.stack(differs).any(0).double().numpy()
+    out["elsewhere"] = torch.stack([flipped(r0[i][0], r1[i][0]) for i in r0]).any(0).double().numpy()
     return out
+
+
+def token_parts(lp: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per token: every part of the module's docstring, from the passes' log-probs."""
+    parts = {name: lp[later] - lp[earlier] for name, (later, earlier) in DIFFERENCES.items()}
+    parts["interaction"] = parts["total"] - parts["weights"] - parts["routing"]
+    parts |= {name: (parts[a] + parts[b]) / 2 for name, (a, b) in SHAPLEY.items()}
+    return parts
 
 
 def drift_attribution(ref, other, docs, domains: list[str], seq_len: int, n_boot: int = 1000, seed: int = 0) -> dict:
@@ -73,40 +138,46 @@ def drift_attribution(ref, other, docs, domains: list[str], seq_len: int, n_boot
         domain.append(np.full(len(w.tokens) - 1, w.domain))
     lp = {name: np.concatenate(v) for name, v in rows.items()}
     doc_a, domain_a = np.concatenate(doc), np.concatenate(domain)
-    parts = token_parts(lp)
-    layers = [int(name[3:]) for name in lp if name.startswith("OR@")]
     draws = document_draws(doc_a, n_boot, seed)
-
-    def summary(rows_mask: np.ndarray) -> dict:
-        # the draws resample every document; those without rows in the mask add nothing to its sums
-        d = doc_a[rows_mask]
-        out = {part: mean_with_interval(values[rows_mask], d, draws) for part, values in parts.items()}
-        out["routing_by_layer"] = {str(layer): mean_with_interval((lp["OO"] - lp[f"OR@{layer}"])[rows_mask], d, draws)
-                                   for layer in layers}  # fmt: skip
-        out["tokens"] = int(rows_mask.sum())
-        return out
-
     everything = np.ones(len(doc_a), bool)
     return {
-        "all": summary(everything),
-        "by_domain": {name: summary(domain_a == i) for i, name in enumerate(domains) if (domain_a == i).any()},
+        "all": summary(lp, doc_a, everything, draws),
+        "by_domain": {
+            name: summary(lp, doc_a, domain_a == i, draws) for i, name in enumerate(domains) if (domain_a == i).any()
+        },  # fmt: skip
         "windows": seq_len,
     }
 
 
-def token_parts(lp: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per token: the 2 x 2 split of the log-prob change and replay's residuals (absolute)."""
-    total, weights, routing = lp["OO"] - lp["RR"], lp["OR"] - lp["RR"], lp["RO"] - lp["RR"]
-    return {
-        "total": total,
-        "weights": weights,
-        "routing": routing,
-        "interaction": total - weights - routing,
-        "abs_total": np.abs(total),
-        "abs_after_replay": np.abs(weights),
-        "abs_after_experts_only_replay": np.abs(lp["ORe"] - lp["RR"]),
-        "routed_elsewhere": lp["elsewhere"],
+def summary(lp: dict[str, np.ndarray], doc: np.ndarray, rows: np.ndarray, draws: np.ndarray) -> dict:
+    """Every part's mean over the tokens `rows` with its 95 % interval over documents, and its mean absolute value
+    (signed parts cancel over tokens); what replay leaves; each layer's routing; how many tokens and documents."""
+    # the draws resample every document; those without rows in the mask add nothing to its sums
+    d, parts = doc[rows], token_parts(lp)
+    elsewhere = lp["elsewhere"][rows] > 0
+
+    def both(values: np.ndarray) -> dict:
+        absolute = mean_with_interval(np.abs(values), d, draws)
+        return mean_with_interval(values, d, draws) | {"mean_abs": absolute["mean"],
+                                                       "abs_interval": absolute["interval"]}  # fmt: skip
+
+    out = {part: both(values[rows]) for part, values in parts.items()}
+    out |= {
+        "abs_total": mean_with_interval(np.abs(parts["total"][rows]), d, draws),
+        "abs_after_replay": mean_with_interval(np.abs(parts["weights"][rows]), d, draws),
+        "abs_after_experts_only_replay": mean_with_interval(np.abs(lp["OF"] - lp["RR"])[rows], d, draws),
+        "routed_elsewhere": mean_with_interval(elsewhere.astype(float), d, draws),
+        # what a token whose experts changed loses by the change, at R's weights and gate values (null: none did)
+        "flips_where_routed_elsewhere": mean_with_interval(parts["flips"][rows][elsewhere], d[elsewhere], draws)
+        if elsewhere.any()
+        else {"mean": float("nan"), "interval": [float("nan")] * 2},
+        "routing_by_layer": {
+            name[3:]: mean_with_interval((lp["OO"] - lp[name])[rows], d, draws) for name in lp if name.startswith("OR@")
+        },  # fmt: skip
+        "tokens": int(rows.sum()),
+        "documents": int(len(np.unique(d))),
     }
+    return out
 
 
 def trace_documents(trace) -> list[tuple[int, np.ndarray]]:
@@ -119,7 +190,8 @@ def trace_documents(trace) -> list[tuple[int, np.ndarray]]:
 
 
 def same_architecture(ref, other, label: str) -> None:
-    """A ValueError naming the first parameter whose name or shape differs: routes force only into the same model."""
+    """A ValueError naming the first parameter whose name or shape differs: routes force only into the same model;
+    a DataError naming the weights that are not finite (NaN or inf): every pass would be NaN."""
     mine, theirs = ref.state_dict(), other.state_dict()
     for name in sorted(set(mine) | set(theirs)):
         a, b = mine.get(name), theirs.get(name)
@@ -127,14 +199,20 @@ def same_architecture(ref, other, label: str) -> None:
             shown = lambda t: "absent" if t is None else tuple(t.shape)  # noqa: E731
             raise ValueError(f"{label}: {name} is {shown(b)}, the run's is {shown(a)}: not the run's architecture, "
                              "so its routes cannot be forced into it")  # fmt: skip
+    bad = [name for name, t in theirs.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        raise DataError(f"{label}: weights that are not numbers (NaN or inf) in {', '.join(bad[:3])}"
+                        f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}: its drift cannot be split; give a "
+                        "file whose weights are finite (export or download it again)")  # fmt: skip
 
 
 def attribute_models(run, trace, others: dict, out, n_boot: int = 1000) -> dict:
     """`drift_attribution` of the run (RUN, TAG) against each other model (label -> a function of the run's
     ModelConfig that builds it: a GGUF file's weights dequantised, another checkpoint, a transformers folder
-    imported) on the trace's own documents and windows; writes attribution.json and attribution.md into `out`."""
-    import json
-
+    imported) on the trace's own documents and windows; writes attribution.json (strict JSON: a mean without
+    tokens is null) and attribution.md into `out`."""
+    from moe_lm.analysis.attribution_report import attribution_table
+    from moe_lm.analysis.report_files import strict_json
     from moe_lm.checkpoint.format import load_model
 
     cfg, ref, _ = load_model(*run)
@@ -145,28 +223,6 @@ def attribute_models(run, trace, others: dict, out, n_boot: int = 1000) -> dict:
         same_architecture(ref, other, label)
         print(f"drift of {label} split into weights and routing (routes forced, {len(docs)} documents)")
         results[label] = drift_attribution(ref, other, docs, trace.domains, seq_len, n_boot)
-    (out / "attribution.json").write_text(json.dumps(results, indent=1))
+    (out / "attribution.json").write_text(strict_json(results))
     (out / "attribution.md").write_text(attribution_table(results))
     return results
-
-
-def attribution_table(results: dict) -> str:
-    """One row per compared model: the mean log-prob change per token and its parts (95 % intervals over
-    documents), what replay leaves, and each MoE layer's routing share."""
-    head = ("| model | tokens routed elsewhere in some layer | total change | weights | routing | interaction | mean "
-            "abs change | left by replaying experts and weights | left by replaying experts only | routing, by MoE "
-            "layer |")  # fmt: skip
-    rows = [head, "|" + "---|" * 10]
-
-    def cell(m: dict) -> str:
-        lo, hi = m["interval"]
-        return f"{m['mean']:+.4f} ({lo:+.4f}, {hi:+.4f})"
-
-    for kind, r in results.items():
-        a = r["all"]
-        layers = "; ".join(f"L{layer} {m['mean']:+.4f}" for layer, m in a["routing_by_layer"].items())
-        lo, hi = a["routed_elsewhere"]["interval"]
-        cells = [f"{100 * a['routed_elsewhere']['mean']:.2f} % ({100 * lo:.2f}-{100 * hi:.2f})"]
-        cells += [cell(a[p]) for p in (*PARTS, "abs_total", "abs_after_replay", "abs_after_experts_only_replay")]
-        rows.append(f"| {kind} | " + " | ".join(cells) + f" | {layers} |")
-    return "\n".join(rows) + "\n"

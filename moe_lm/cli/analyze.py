@@ -32,7 +32,6 @@ spread equally over the domains. The same as `python launch/analyze_routing.py`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import sys
 from collections.abc import Sequence
@@ -74,9 +73,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--attribute", action="store_true",
                     help="with --run: split the log-prob change of each --quantise type and each compared model of "
-                    "the run's architecture (a checkpoint, a transformers folder, a GGUF file) into weights, routing "
-                    "and their interaction (its weights in the run's architecture, the run's routes forced; "
-                    "attribution.md)")  # fmt: skip
+                    "the run's architecture (a checkpoint, a transformers folder, a GGUF file) into weights and "
+                    "routing (flips and gate values), in both orders and their average (its weights in the run's "
+                    "architecture, the routes forced; attribution.md)")  # fmt: skip
     ap.add_argument("--attribute-dtype", nargs="+", default=[], choices=ATTRIBUTE_DTYPES, metavar="DTYPE",
                     help=f"with --run: also split the drift of the run itself computed in DTYPE "
                     f"({', '.join(ATTRIBUTE_DTYPES)}) against float32 (implies --attribute)")  # fmt: skip
@@ -115,9 +114,13 @@ def run(args: argparse.Namespace) -> None:
     check_subject(args, kinds)
     require("matplotlib", "analysis", "moe-lm analyze (its figures)")
     from moe_lm.analysis.routing_workflow import analyze_routing
+    from moe_lm.analysis.stream_work import kept_for_resume, stream_work
 
     args.stream_work = str(stream_work(out.path))
-    with out.staged() as folder, kept_for_resume(Path(args.stream_work)):
+    # why the work folder outside the staging folder: what is kept of a failed analysis is said last, in one line
+    with kept_for_resume(Path(args.stream_work)), out.staged() as folder:
+        # why before the export: a split with nothing to split is refused before the long analysis, not after it
+        others = attributed_models(args, folder) if args.attribute else {}
         compare = tuple(compared_request(spec, args, kinds) for spec in args.compare)
         compare += quantised_subjects(args, folder / "quantised")
         request = from_flags(
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
         )  # fmt: skip
         result = analyze_routing(request)
         if args.attribute:
-            attribute(args, folder)
+            attribute(args, others, folder)
         if args.wandb:
             log_to_wandb(request.subject, folder, result)
         shutil.rmtree(folder / "quantised", ignore_errors=True)  # moe-lm's own files, in its staging folder
@@ -136,59 +139,42 @@ def run(args: argparse.Namespace) -> None:
     print(f"wrote metrics.json, metrics.csv{tables}, routing.html and {figures} figures to {out.path}")
 
 
-def stream_work(out: Path) -> Path:
-    """Where a streamed analysis into `out` keeps its hidden states and finished layers (resumable): beside it, a
-    folder of moe-lm's own (its README says so); anything else of that name is refused."""
-    from moe_lm.analysis.streamed import MARK
-    from moe_lm.files import read_small
+def attributed_models(args: argparse.Namespace, folder: Path) -> dict:
+    """--attribute: label -> a builder of each model whose drift splits (each quantised file, the run in each
+    --attribute-dtype, each compared model whose weights run in the run's architecture); those that cannot are
+    named and left out, and a UserError when none is left."""
+    from moe_lm.checkpoint.format import checkpoint_folder, parse_run
+    from moe_lm.config import load_config
 
-    work = out.parent / f".{out.name}.stream"
-    ours = work.is_dir() and not work.is_symlink() and any(
-        read_small(p) == MARK + "\n" for p in work.rglob("README")
-    )  # fmt: skip
-    if (work.exists() or work.is_symlink()) and not ours and not (work.is_dir() and not any(work.iterdir())):
-        raise UserError(f"{work} is not moe-lm's (a streamed analysis into {out} keeps its work there); move it away")
-    return work
-
-
-@contextlib.contextmanager
-def kept_for_resume(work: Path):
-    """The streamed analysis's work folder: removed when the analysis ends, kept (and said) when it does not, so
-    that the same command resumes from its finished layers."""
-    from moe_lm.analysis.streamed import finished_layers
-
-    try:
-        yield
-    except BaseException:
-        if finished_layers(work):
-            print(f"note: the finished layers of the streamed analysis are kept in {work}: the same command resumes "
-                  "from them (delete the folder to start over)", file=sys.stderr)  # fmt: skip
+    # why: GGUF weights read back only into MLA runs (moe_lm/interop/gguf_weights.py)
+    attention = load_config(checkpoint_folder(*parse_run(args.run)) / "config.yaml").model.attention
+    quantised = {kind: str(quantised_file(folder / "quantised", kind)) for kind in args.quantise}  # not written yet
+    others = {f"{args.run} in {dtype}": in_dtype(args.run, dtype) for dtype in args.attribute_dtype}
+    for label, spec in (quantised | {spec: spec for spec in args.compare}).items():
+        gguf = label in quantised or is_gguf_file(spec)
+        build = weights_in_architecture(spec, gguf)
+        if gguf and attention != "mla":
+            print(f"--attribute: {label} is not split (a GGUF file's weights are read back into MLA runs only; "
+                  f"{args.run} is {attention})")  # fmt: skip
+        elif build is None:
+            print(f"--attribute: {spec} is not split (its weights do not run in the run's architecture: a moe-lm "
+                  "checkpoint, a DeepseekV3 transformers folder or a GGUF file of the run's shape do)")  # fmt: skip
         else:
-            shutil.rmtree(work, ignore_errors=True)
-        raise
-    shutil.rmtree(work, ignore_errors=True)
+            others[label] = build
+    if not others:
+        raise UserError(f"--attribute: no compared model runs in the architecture of {args.run}; give --quantise TYPE "
+                        "(MLA runs), --attribute-dtype DTYPE or --compare CHECKPOINT|HF_FOLDER|GGUF of the run's "
+                        "shape, or drop --attribute")  # fmt: skip
+    return others
 
 
-def attribute(args: argparse.Namespace, folder: Path) -> None:
-    """--attribute: the drift of each quantised file and each compared model whose weights run in the run's
-    architecture, split into weights and routing on the trace's documents."""
+def attribute(args: argparse.Namespace, others: dict, folder: Path) -> None:
+    """--attribute: the drift of each model of `attributed_models` split into weights and routing on the trace's
+    documents."""
     from moe_lm.analysis.attribution import attribute_models
     from moe_lm.analysis.trace import Trace
     from moe_lm.checkpoint.format import parse_run
 
-    others = {kind: weights_in_architecture(str(quantised_file(folder / "quantised", kind))) for kind in args.quantise}
-    for dtype in args.attribute_dtype:  # the run itself, its weights and arithmetic in another dtype
-        others[f"{args.run} in {dtype}"] = in_dtype(args.run, dtype)
-    for spec in args.compare:
-        build = weights_in_architecture(spec)
-        if build is None:
-            print(f"--attribute: {spec} is not split (its weights do not run in the run's architecture: a moe-lm "
-                  "checkpoint, a DeepseekV3 transformers folder or a GGUF file of the run's shape do)")  # fmt: skip
-        else:
-            others[spec] = build
-    if not others:
-        raise UserError("--attribute: no compared model runs in the run's architecture; give --quantise TYPE or "
-                        "--compare CHECKPOINT|HF_FOLDER|GGUF of the run's shape")  # fmt: skip
     try:
         attribute_models(parse_run(args.run), Trace(folder / "trace"), others, folder)
     except ValueError as e:
@@ -205,22 +191,31 @@ def in_dtype(run: str, dtype: str):
     return lambda cfg: load_model(*parse_run(run))[1].to(getattr(torch, dtype))
 
 
-def weights_in_architecture(spec: str):
+def is_gguf_file(spec: str) -> bool:
+    from moe_lm.interop.gguf_header import is_gguf
+
+    return Path(spec).is_file() and is_gguf(Path(spec))
+
+
+def weights_in_architecture(spec: str, gguf: bool = False):
     """A function of the run's ModelConfig that builds `spec`'s weights as our Transformer (a GGUF file dequantised,
-    a moe-lm checkpoint, a DeepseekV3 transformers folder imported), or None for anything else."""
+    also one still to be written with `gguf`; a moe-lm checkpoint; a DeepseekV3 transformers folder imported), or
+    None for anything else."""
     from moe_lm.analysis.subjects.hf import hf_config
     from moe_lm.checkpoint.format import load_model, parse_run
-    from moe_lm.interop.gguf_header import is_gguf
     from moe_lm.interop.gguf_weights import model_from_gguf
     from moe_lm.interop.hf import import_hf
+    from moe_lm.interop.hf_layers import HFCheckpoint
 
     path = Path(spec)
-    if path.is_file() and is_gguf(path):
+    if gguf or is_gguf_file(spec):
         return lambda cfg: model_from_gguf(path, cfg)
     if (parse_run(spec).run / "checkpoints").is_dir():
         return lambda cfg: load_model(*parse_run(spec))[1]
     if (path / "config.json").is_file() and hf_config(spec).model_type == "deepseek_v3":
-        return lambda cfg: import_hf(path)
+        # why moe-lm's reader, not from_pretrained: the weights the comparison ran (an FP8 release dequantised by
+        # DeepSeek's rule in float32; transformers' CPU path rounds it to bf16 and misreads ragged blocks)
+        return lambda cfg: import_hf(path, HFCheckpoint(path, hf_config(spec)).model())
     return None
 
 

@@ -301,15 +301,17 @@ def _no_init_weights():
     return no_init_weights()
 
 
-def import_hf(path: str | Path) -> Transformer:
+def import_hf(path: str | Path, hf_model=None) -> Transformer:
     """Load a `transformers` DeepseekV3 / Glm4Moe checkpoint into our Transformer (fp32), with the MTP modules its
-    weights hold (DeepSeek's layout: layers past num_hidden_layers)."""
+    weights hold (DeepSeek's layout: layers past num_hidden_layers); `hf_model`: the folder's model as another reader
+    built it (default: transformers' `from_pretrained`)."""
     tf = _transformers()
     path = Path(path)
     hf_cfg = hf_config(path)
     mtp_layers = read_mtp_layers(path, hf_cfg.num_hidden_layers, getattr(hf_cfg, "num_nextn_predict_layers", 0) or 0)
     cfg = from_hf_config(hf_cfg, mtp_depth=len(mtp_layers))
-    hf_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+    if hf_model is None:
+        hf_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     hf_state = hf_model.state_dict()
     model = Transformer(cfg)
     ours = model.state_dict()
