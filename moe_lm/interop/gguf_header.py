@@ -15,13 +15,13 @@ The layout (GGUF versions 2 and 3, as ggml/src/gguf.cpp reads them, little-endia
 from __future__ import annotations
 
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from moe_lm import files
 from moe_lm.errors import UserError
 
 MAGIC = b"GGUF"
@@ -129,20 +129,17 @@ class _Bytes:
 
 
 def open_regular(path: Path) -> int:
-    """A read-only descriptor of `path` if it is a regular file; never blocks on a FIFO or a device (O_NONBLOCK,
-    then fstat), and a UserError naming what it is otherwise."""
+    """A read-only descriptor of `path` if it is a regular file (files.open_regular: never waits on a FIFO), and a
+    UserError naming what it is otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with files.open_regular(path) as f:
+            return os.dup(f.fileno())
     except FileNotFoundError:
         raise UserError(f"{path}: no such GGUF file") from None
+    except files.NotRegular as e:
+        raise UserError(f"{path} is {e}, not a GGUF file") from None
     except OSError as e:
         raise UserError(f"{path}: cannot be read ({e.strerror})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise UserError(f"{path} is {what}, not a GGUF file")
-    return fd
 
 
 def is_gguf(path: str | Path) -> bool:

@@ -1,24 +1,34 @@
 """Megatron-Core's router trace (`--moe-routing-trace-path DIR`), read with the token ids the trainer fed it.
 
-What Megatron writes (megatron/core/transformer/moe/router_trace.py, read at 059f0f5c; docs/analytics.md, "Routes
-from serving engines"): `router_trace_rank{r}.jsonl`, one line per router call, {"step", "stage": "pre_dispatch",
-"block": "decoder" | "mtp", "layer", "rank", "num_tokens", "topk", "top_indices" [num_tokens][topk]}. What it does
-not say, and how it is read here:
+What Megatron writes (megatron/core/transformer/moe/router_trace.py, read in Megatron-Core 0.19 (tag core_v0.19.0,
+5be96267; the file is the same at d98e8a64) and at 059f0f5c; docs/analytics.md, "Routes from serving engines"):
+`router_trace_rank{r}.jsonl`, one line per router call, {"step", "stage": "pre_dispatch", "block": "decoder" |
+"mtp", "layer", "rank", "num_tokens", "topk", "top_indices" [num_tokens][topk]}. What it does not say, and how it is
+read here:
 
 - **No token ids.** The rows are the router's input in Megatron's [sequence, batch] order (row = position x batch +
   sample). The token ids come from the trainer: `tokens_rank{r}.npy` beside each rank's file, the micro-batches'
-  `tokens` [micro-batches, batch, sequence] in the order they ran (docs/analytics.md shows the two lines that save
-  them from a training loop).
+  `tokens` [micro-batches, batch, sequence] of exactly the traced steps, in the order they ran (docs/analytics.md
+  shows the two lines that save them from a training loop).
 - **Layer numbering.** `layer` is the index in the model chunk's `decoder.layers` (dense layers count): with
   pipeline stages it restarts at 0 on each stage, so a file's layers must be the served model's MoE layers (one
   stage holding them all), or it is refused.
 - **Order.** The hook turns the router's boolean routing map into ids with `nonzero()`: each token's experts in
   ascending id order, not in rank order. A Megatron record is unranked; metrics of the first choice say so.
-- **Repeats.** Every micro-batch appends its records to the step, and activation recompute appends the same
-  records again: within a step and layer, a record equal to an earlier one is its recompute and read once; the
-  records left, in order, are the step's micro-batches.
+- **Repeats.** Training steps are the trainer's iterations (`advance_step(iteration)` in training.py's train_step).
+  Every micro-batch appends its records to the step, and activation recompute (`--recompute-granularity full`, or
+  selective with "moe": moe_layer.py checkpoints the layer, router included) runs the layer's forward again in the
+  micro-batch's backward, so the hook records it again. In `forward_backward_no_pipelining`
+  (pipeline_parallel/schedules.py) each micro-batch's backward follows its own forward, before the next
+  micro-batch's: a layer's records of a step are micro-batch 0, its repeats, micro-batch 1, its repeats, ... The
+  number of repeats is told by count, never by content (two micro-batches can route alike: the same batch twice, a
+  collapsed router): a layer's records over the trace are the tokens file's micro-batches times its records per
+  micro-batch (1, or 2 with recompute; per layer: block recompute covers some layers only).
+- **Inference.** Megatron's inference engine traces each forward pass of its dynamic batch (prefill chunks and
+  decode tokens of several requests packed, records of every size, layer ids from `layer_number` through
+  `record_indices`): no token ids or positions say whose rows they are, so such a trace is refused, named.
 - **Ranks.** Data-parallel ranks route their own tokens (each with its tokens file); tensor-parallel ranks
-  without sequence parallelism record the same rows (read once). A file whose rows are a slice of the batch
+  without sequence parallelism write the same file (read once). A file whose rows are a slice of the batch
   (sequence or context parallelism) is refused: its tokens would lack their context.
 """
 
@@ -26,17 +36,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
 from moe_lm.errors import DataError
-from moe_lm.interop.route_records import Record, Sequence
+from moe_lm.files import read_small
+from moe_lm.interop.route_records import (
+    Record,
+    Sequence,
+    capped_lines,
+    int_array,
+    integer,
+    json_value,
+    npy_array,
+    open_regular,
+)
 
 TRACE_GLOB = "router_trace_rank*.jsonl"
 MTP = "multi-token-prediction layers' routes"
 RECOMPUTED = "routes repeated by activation recompute"
-UNUSED = "micro-batches of the tokens files after the traced steps"
+FILLER = -1  # the layers a trace does not name, once its routes are put on the decoder-layer axis
+
+Steps = dict[int, dict[int, list[np.ndarray]]]  # step -> decoder layer -> its records' [num_tokens, topk], in order
 
 
 def is_megatron_trace(path: Path) -> bool:
@@ -44,14 +67,8 @@ def is_megatron_trace(path: Path) -> bool:
     a writer) whose first bytes are a record as the tracer's json.dumps orders its keys (step first)."""
     if path.is_dir():
         return any(path.glob(TRACE_GLOB))
-    if not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(256)
-    except OSError:
-        return False
-    return head.startswith(b'{"step": ') and b'"layer": ' in head
+    head = read_small(path, 256, head=True)
+    return head is not None and head.startswith('{"step": ') and '"layer": ' in head
 
 
 def read_megatron_trace(path: Path) -> Record:
@@ -61,37 +78,77 @@ def read_megatron_trace(path: Path) -> Record:
     layers: list[int] | None = None
     seen: set[bytes] = set()
     for file in files:
-        tokens = _tokens(file)
         steps = _steps(file, skipped)
+        _training_trace(file, steps)
         mine = sorted({layer for step in steps.values() for layer in step})
         if layers is not None and mine != layers:
             raise DataError(f"{file}: traces layers {mine}, {files[0].name} traces {layers}: ranks of other pipeline "
                             "stages (give one stage's ranks, the one holding every MoE layer)")  # fmt: skip
         layers = mine
-        used = 0
-        for step, by_layer in steps.items():
-            counts = {layer: len(records) for layer, records in by_layer.items()}
-            if len(set(counts.values())) > 1 or set(by_layer) != set(layers):
-                raise DataError(f"{file}, step {step}: layers recorded unequal numbers of micro-batches {counts}: the "
-                                "file was cut short, or ranks of several stages wrote into it")  # fmt: skip
-            for m in range(next(iter(counts.values()))):
-                if used == len(tokens):
-                    raise DataError(f"{_tokens_file(file)}: {len(tokens)} micro-batches, but {file.name} traces "
-                                    f"more (step {step} needs one more): save every micro-batch the traced steps "
-                                    "ran")  # fmt: skip
-                batch = tokens[used]
-                routes = [by_layer[layer][m] for layer in layers]
-                for s in _micro_batch(batch, routes, f"{file}, step {step}, micro-batch {m}"):
-                    key = s.tokens.tobytes() + s.routes.tobytes()
-                    if key not in seen:  # tensor-parallel ranks route the same rows
-                        seen.add(key)
-                        sequences.append(s)
-                used += 1
-        if used < len(tokens):
-            skipped[UNUSED] = skipped.get(UNUSED, 0) + (len(tokens) - used) * tokens[0].size
+        tokens = _tokens(file)
+        mine_sequences = _sequences(file, steps, layers, tokens, skipped)
+        digest = _digest(mine_sequences)
+        if digest not in seen:  # tensor-parallel ranks write the same file; anything else is read whole
+            seen.add(digest)
+            sequences += mine_sequences
     if not sequences:
         raise DataError(f"{path}: no decoder layer's routes in it (Megatron writes them with --moe-routing-trace-path)")
-    return Record("megatron router trace", sequences, skipped, layers=layers, ranked=False)
+    return Record("megatron router trace", sequences, skipped, layers=layers, ranked=False, filler=FILLER)
+
+
+def _sequences(file: Path, steps: Steps, layers: list[int], tokens: np.ndarray, skipped: dict) -> list[Sequence]:
+    """The file's samples in the order they ran: each step's micro-batches, each the first of its records per
+    layer (the rest are recompute's repeats), paired with the tokens file's micro-batches in turn."""
+    factors = _records_per_micro_batch(file, steps, layers, len(tokens))
+    out, used = [], 0
+    for step, by_layer in steps.items():
+        for m in range(_micro_batches(file, step, by_layer, factors)):
+            routes = [by_layer[layer][m * factors[layer]] for layer in layers]
+            out += _micro_batch(tokens[used], routes, layers, f"{file}, step {step}, micro-batch {m}")
+            used += 1
+    repeated = max(factors.values()) - 1
+    if repeated:
+        skipped[RECOMPUTED] = skipped.get(RECOMPUTED, 0) + repeated * tokens.size
+    return out
+
+
+def _records_per_micro_batch(file: Path, steps: Steps, layers: list[int], micro_batches: int) -> dict[int, int]:
+    """Each layer's records per micro-batch: its records over the trace / the tokens file's micro-batches."""
+    factors = {}
+    for layer in layers:
+        records = sum(len(by_layer.get(layer, [])) for by_layer in steps.values())
+        if records < micro_batches or records % micro_batches:
+            raise DataError(
+                f"{file}: layer {layer} has {records} records over its {len(steps)} steps, the tokens file "
+                f"{micro_batches} micro-batches: not a whole number of records per micro-batch (1, or 2 with "
+                "activation recompute): save the micro-batches of exactly the traced steps, and trace steps without "
+                "evaluation"
+            )
+        factors[layer] = records // micro_batches
+    return factors
+
+
+def _micro_batches(file: Path, step: int, by_layer: dict[int, list], factors: dict[int, int]) -> int:
+    """The step's micro-batches: every layer's records / its records per micro-batch, the same for all layers."""
+    counts = {layer: len(by_layer.get(layer, [])) for layer in factors}
+    n = {layer: c // factors[layer] for layer, c in counts.items()}
+    if any(c % factors[layer] for layer, c in counts.items()) or len(set(n.values())) != 1:
+        raise DataError(f"{file}, step {step}: layers recorded {counts} records, records per micro-batch "
+                        f"{factors}: not the same micro-batches in every layer (the file was cut short, or ranks of "
+                        "several stages wrote into it)")  # fmt: skip
+    return next(iter(n.values()))
+
+
+def _training_trace(file: Path, steps: Steps) -> None:
+    """A DataError for a trace of Megatron's inference engine: its records are forward passes of every size."""
+    sizes = {len(ids) for by_layer in steps.values() for records in by_layer.values() for ids in records}
+    if len(sizes) > 1:
+        raise DataError(
+            f"{file}: records of {len(sizes)} sizes ({min(sizes)} to {max(sizes)} tokens): Megatron's inference trace "
+            "(each forward pass of its dynamic engine, several requests' prefill chunks and decode tokens packed, "
+            "with neither their ids nor their positions), or micro-batches of other shapes; moe-lm reads training "
+            "traces, with the trainer's tokens file"
+        )
 
 
 def _tokens_file(trace: Path) -> Path:
@@ -101,62 +158,59 @@ def _tokens_file(trace: Path) -> Path:
 def _tokens(trace: Path) -> np.ndarray:
     """[micro-batches, batch, sequence]: the token ids the trainer fed the rank, from its tokens file."""
     path = _tokens_file(trace)
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"{trace}: Megatron's trace holds no token ids; save the rank's micro-batches' tokens "
                         f"[micro-batches, batch, sequence] as {path.name} beside it (docs/analytics.md)")  # fmt: skip
-    try:
-        tokens = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise DataError(f"{path}: not a .npy file ({e})") from None
-    if tokens.ndim != 3 or not np.issubdtype(tokens.dtype, np.integer) or tokens.size == 0 or tokens.min() < 0:
+    with open_regular(path) as f:
+        tokens = npy_array(f, os.fstat(f.fileno()).st_size, "the tokens file", str(path))
+    if tokens.ndim != 3 or tokens.size == 0 or tokens.min() < 0:
         raise DataError(f"{path}: {tokens.dtype} {tokens.shape}, not token ids [micro-batches, batch, sequence]")
     return tokens.astype(np.int64)
 
 
-def _steps(file: Path, skipped: dict) -> dict[int, dict[int, list[np.ndarray]]]:
-    """step -> decoder layer -> its records' [num_tokens, topk] in file order, recompute's repeats dropped."""
-    steps: dict[int, dict[int, list[np.ndarray]]] = {}
-    seen: set[tuple[int, int, bytes]] = set()  # (step, layer, digest of the rows): a set, not a scan of the records
-    with open(file, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def _steps(file: Path, skipped: dict) -> Steps:
+    """step -> decoder layer -> its records' [num_tokens, topk] in file order (recompute's repeats included)."""
+    steps: Steps = {}
+    with open_regular(file) as f:
+        for n, line in capped_lines(f, file):
             where = f"{file}, line {n}"
-            try:
-                rec = json.loads(line)
-                step, layer, rows = int(rec["step"]), int(rec["layer"]), rec["top_indices"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{where}: not a router trace record (step, layer, top_indices): {e}") from None
+            rec = json_value(line, where)
+            if not isinstance(rec, dict) or not {"step", "layer", "top_indices"} <= rec.keys():
+                raise DataError(f"{where}: not a router trace record (step, layer, top_indices)")
+            step, layer = integer(rec["step"], "step", where), integer(rec["layer"], "layer", where)
             if rec.get("block", "decoder") != "decoder":
-                skipped[MTP] = skipped.get(MTP, 0) + int(rec.get("num_tokens", 0))
+                skipped[MTP] = skipped.get(MTP, 0) + integer(rec.get("num_tokens", 0), "num_tokens", where)
                 continue
-            try:
-                ids = np.asarray(rows, dtype=np.int64)
-            except (ValueError, TypeError):
-                ids = np.empty(0)
-            if ids.ndim != 2 or len(ids) != rec.get("num_tokens", len(ids)):
-                raise DataError(f"{where}: top_indices is not {rec.get('num_tokens')} rows of top-k expert ids: cut "
-                                "short")  # fmt: skip
-            key = (step, layer, hashlib.blake2b(ids.tobytes() + str(ids.shape).encode(), digest_size=16).digest())
-            if key in seen:
-                skipped[RECOMPUTED] = skipped.get(RECOMPUTED, 0) + len(ids)
-                continue
-            seen.add(key)
+            ids = int_array(rec["top_indices"], "top_indices", where, 2)
+            if len(ids) != integer(rec.get("num_tokens", len(ids)), "num_tokens", where):
+                raise DataError(f"{where}: top_indices holds {len(ids)} rows, num_tokens says {rec['num_tokens']}: "
+                                "cut short")  # fmt: skip
             steps.setdefault(step, {}).setdefault(layer, []).append(ids)
     return steps
 
 
-def _micro_batch(batch: np.ndarray, routes: list[np.ndarray], where: str) -> list[Sequence]:
+def _micro_batch(batch: np.ndarray, routes: list[np.ndarray], layers: list[int], where: str) -> list[Sequence]:
     """The micro-batch's samples, each [sequence] with its routes [sequence, traced layers, k]: the router's rows are
     [sequence, batch] (row = position x batch + sample)."""
     b, s = batch.shape
-    for ids in routes:
+    for layer, ids in zip(layers, routes, strict=True):
         if len(ids) != b * s:
             raise DataError(f"{where}: {len(ids)} routed rows, the micro-batch of its tokens file holds {b} x {s} "
                             "tokens: another micro-batch's, or a slice (sequence or context parallelism: record "
                             "without it)")  # fmt: skip
+        if ids.shape[1] != routes[0].shape[1]:
+            raise DataError(f"{where}: layer {layer} routes top-{ids.shape[1]}, layer {layers[0]} top-"
+                            f"{routes[0].shape[1]}: one model routes every layer to as many experts")  # fmt: skip
     stacked = np.stack([ids.reshape(s, b, -1) for ids in routes], axis=2)  # [s, b, layers, k]
     return [Sequence(batch[i], stacked[:, i]) for i in range(b)]
+
+
+def _digest(sequences: list[Sequence]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for s in sequences:
+        h.update(s.tokens.tobytes())
+        h.update(s.routes.tobytes())
+    return h.digest()
 
 
 # ---- writer: a moe-lm trace's windows as Megatron traces them (tests, conversions) --------------------------------
@@ -166,16 +220,17 @@ def megatron_trace(folder: Path, batches: list[tuple[np.ndarray, dict[int, np.nd
                    recompute: bool = False, per_step: int = 2) -> None:  # fmt: skip
     """Write `batches` (each the micro-batch's tokens [b, s] and per decoder layer its experts [b, s, k]) as rank
     `rank`'s router trace and tokens file: `per_step` micro-batches a step, each layer's ids ascending, rows in
-    [sequence, batch] order, a recompute record after each when `recompute`."""
+    [sequence, batch] order; with `recompute`, each micro-batch's layers traced again after its forward, last layer
+    first (full recompute in its backward, as forward_backward_no_pipelining runs it)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"router_trace_rank{rank}.jsonl", "w") as f:
         for i, (_, experts) in enumerate(batches):
+            lines = []
             for layer, ids in experts.items():
                 rows = np.sort(ids, axis=-1).transpose(1, 0, 2).reshape(-1, ids.shape[-1])
                 rec = {"step": i // per_step, "stage": "pre_dispatch", "block": "decoder", "layer": layer,
                        "rank": rank, "num_tokens": len(rows), "topk": rows.shape[1],
                        "top_indices": rows.tolist()}  # fmt: skip
-                f.write(json.dumps(rec) + "\n")
-                if recompute:
-                    f.write(json.dumps(rec) + "\n")
+                lines.append(json.dumps(rec) + "\n")
+            f.writelines(lines + (lines[::-1] if recompute else []))
     np.save(folder / f"tokens_rank{rank}.npy", np.stack([t for t, _ in batches]))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moe_lm.errors import UserError, shown
+from moe_lm.files import NotRegular, open_regular
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -121,7 +121,7 @@ class SafetensorsFolder:
 
     def _read_header(self, file: Path) -> dict[str, dict]:
         try:
-            with _regular(file) as f:
+            with open_regular(file) as f:
                 size = os.fstat(f.fileno()).st_size
                 (n,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
                 if size < 8 or n > min(size - 8, MAX_HEADER):
@@ -140,24 +140,6 @@ class SafetensorsFolder:
             raise UserError(f"{file} is not a readable safetensors file ({size - 8 - n - end:,} bytes after the "
                             f"tensors its header lists); {self.fix}")  # fmt: skip
         return header
-
-
-class NotRegular(OSError):
-    """A path that is no regular file (its message says what it is)."""
-
-
-def _regular(file: Path):
-    """`file` open for reading when it is a regular file (through a symlink too), else NotRegular saying what it
-    is. why O_NONBLOCK and fstat, not open(): opening a FIFO waits for a writer and /dev/zero never ends; a shard
-    put in place as either is refused at once."""
-    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
-                 (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
-        raise NotRegular(next((what for test, what in kinds if test(mode)), "not a regular file"))
-    return os.fdopen(fd, "rb")
 
 
 def _sizes(value, n: int | None = None) -> bool:

@@ -15,13 +15,18 @@ read back agrees with the run on every token and layer.
 from __future__ import annotations
 
 import base64
+import io
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from moe_lm.analysis.subjects.recorded import served_model
+from moe_lm.analysis.trace import Trace
+from moe_lm.interop.engine_routes import sglang_response, vllm_response
 from moe_lm.testing import trace_as_engine_record
 
 
@@ -52,15 +57,76 @@ def replicas(served) -> np.ndarray:
     return np.array([order] * served.n_layers)
 
 
+def recount(record: Path, engine: str, served) -> dict[int, np.ndarray]:
+    """Each MoE layer's expert loads counted from the raw files alone, as the engines' docs describe them: vLLM's
+    base64 .npy and SGLang's base64 int32 (null or absent routes skipped), the rank-0 dump's prefills mapped by its
+    own map (rank 1 is its tensor-parallel copy), Megatron's rank-0 decoder records halved (recompute traces each
+    micro-batch twice)."""
+    counts = {layer: np.zeros(served.n_experts, dtype=np.int64) for layer in served.layers}
+    rows = []  # [tokens, layers, columns] per sequence, in the engines' layer axis
+    if engine == "vllm":
+        for line in record.read_text().splitlines():
+            for choice in json.loads(line)["choices"]:
+                if choice["routed_experts"] is not None:
+                    rows.append(np.load(io.BytesIO(base64.b64decode(choice["routed_experts"]))))
+    elif engine == "sglang":
+        for line in record.read_text().splitlines():
+            if "routed_experts" in (meta := json.loads(line)["meta_info"]):
+                flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+                rows.append(flat.reshape(-1, served.n_layers, served.k))
+    elif engine == "dump":
+        dump = torch.load(next(record.glob("*_0.pt")), weights_only=True)
+        slots = dump["last_physical_to_logical_map"].numpy()
+        for rec in dump["records"]:
+            if rec["extend_seq_lens"] is not None:
+                topk = rec["topk_ids_of_layer"].numpy()[:, :, : served.k]
+                rows.append(np.take_along_axis(slots[:, None], topk.clip(0), axis=2).transpose(1, 0, 2))
+    for r in rows:
+        for layer in served.layers:
+            counts[layer] += np.bincount(r[:, layer].ravel().astype(np.int64), minlength=served.n_experts)
+    if engine == "megatron":
+        for line in (record / "router_trace_rank0.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            counts[rec["layer"]] += np.bincount(np.ravel(rec["top_indices"]), minlength=served.n_experts)
+        counts = {layer: c // 2 for layer, c in counts.items()}
+    return counts
+
+
+def loads_are_the_recount(out: Path, record: Path, engine: str, served) -> None:
+    """metrics.json's load and the trace's experts, per MoE layer, equal `recount` of the raw files."""
+    metrics = json.loads((out / "metrics.json").read_text())
+    trace = Trace(out / "trace")
+    for layer, expected in recount(record, engine, served).items():
+        assert metrics["layers"][str(layer)]["load"] == expected.tolist(), layer
+        traced = np.bincount(np.asarray(trace.experts(layer)).ravel().astype(np.int64), minlength=served.n_experts)
+        assert traced.tolist() == expected.tolist(), layer
+
+
+def with_extras(record: Path, engine: str, run_trace) -> None:
+    """What the engines write beside the run's sequences: an aborted request's response (vLLM: routed_experts
+    null; SGLang: no routed_experts, finish_reason abort), a tensor-parallel rank's copy of the dump."""
+    tokens = np.asarray(Trace(run_trace).token[:8], dtype=np.int64)
+    if engine == "dump":
+        (dump,) = record.glob("*_0.pt")
+        shutil.copy(dump, dump.with_name(dump.name.replace("_0.pt", "_1.pt")))
+        return
+    aborted = vllm_response(tokens, 4, None, 8) if engine == "vllm" else sglang_response(tokens, 4, None)
+    with open(record, "a") as f:
+        f.write(json.dumps(aborted) + "\n")
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "dump"])
 def test_a_trace_written_as_an_engine_writes_it_reads_back_as_the_run_routed_it(engine, run_trace, served, tiny_run,
                                                                                 cli, tmp_path):  # fmt: skip
+    """... and each expert's load in metrics.json and in the trace is a recount of the raw files."""
     record = tmp_path / ("dumps" if engine == "dump" else f"{engine}.jsonl")
     n = trace_as_engine_record(run_trace, record, engine, served.n_layers, replicas(served))
+    with_extras(record, engine, run_trace)
     out = tmp_path / "out"
     proc = cli("analyze", "--routes", record, "--served", tiny_run, "--compare", tiny_run, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{n:,} sequences" in proc.stdout and "no untrained baseline N1" in proc.stdout
+    loads_are_the_recount(out, record, engine, served)
     metrics = json.loads((out / "metrics.json").read_text())
     c = metrics["comparisons"][str(tiny_run)]
     assert c["tokens_differing_in_any_layer"]["mean"] == 0.0
@@ -201,6 +267,7 @@ def test_megatron_router_trace_with_the_trainers_tokens_reads_back_as_the_run_ro
     assert all(lm["repetition"]["same_first"] is None and lm["repetition"]["topk_overlap"] > 0
                for lm in metrics["layers"].values())  # fmt: skip
     assert "not known (unranked experts)" in (out / "routing.html").read_text()
+    loads_are_the_recount(out, folder, "megatron", served)
 
 
 def _megatron_lines(folder, edit) -> None:
@@ -224,7 +291,10 @@ def _cut(records):
     "damage, needles",
     [
         (lambda f: (f / "tokens_rank0.npy").unlink(), ["holds no token ids", "tokens_rank0.npy beside it"]),
-        (lambda f: np.save(f / "tokens_rank0.npy", np.load(f / "tokens_rank0.npy")[:-1]), ["needs one more"]),
+        (
+            lambda f: np.save(f / "tokens_rank0.npy", np.load(f / "tokens_rank0.npy")[:-1]),
+            ["not a whole number of records per micro-batch", "exactly the traced steps"],
+        ),
         (
             lambda f: np.save(
                 f / "tokens_rank0.npy",
@@ -241,3 +311,17 @@ def test_a_megatron_trace_that_does_not_fit_is_one_line(damage, needles, run_tra
     trace_as_engine_record(run_trace, folder, "megatron", served.n_layers)
     damage(folder)
     refused(cli("analyze", "--routes", folder, "--served", tiny_run, "--out", tmp_path / "out"), *needles)
+
+
+def test_a_record_is_compared_on_the_windows_it_was_recorded_on(run_trace, served, tiny_run, cli, tmp_path):
+    """A record's routes (each sequence whole) against the run cut into windows of 16 tokens: the flips were only the
+    cut context. Windows shorter than the sequences now cut each to its first window, said in one line."""
+    record = tmp_path / "vllm.jsonl"
+    trace_as_engine_record(run_trace, record, "vllm", served.n_layers)
+    out = tmp_path / "out"
+    proc = cli("analyze", "--routes", record, "--served", tiny_run, "--compare", tiny_run, "--seq-len", "16", "--out",
+               out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads((out / "metrics.json").read_text())["comparisons"][str(tiny_run)]
+    assert c["tokens_differing_in_any_layer"]["mean"] == 0.0
+    assert "each read to its first 16 tokens" in proc.stdout
