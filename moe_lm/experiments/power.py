@@ -128,8 +128,9 @@ def power_table(name: str, folder: Path) -> str:
                 continue
             p = seeds_needed(c["deltas"], c["expect"], c["margin"])
             needed = str(p.seeds) if p.seeds else f"none up to {MOST_SEEDS} (best {p.best_seeds})"
+            design = f"{len(c['deltas'])} x {r.get('steps', '?')}"
             lines.append(
-                f"| {c['name']} | {where} ({kind}) | {len(c['deltas'])} x {r.get('steps', '?')} | {p.mean:+.4f} | {p.sd:.4f} | "
+                f"| {c['name']} | {where} ({kind}) | {design} | {p.mean:+.4f} | {p.sd:.4f} | "
                 f"{needed} | {p.p_supported:.2f} | {p.p_contradicted:.2f} |"
             )
     return "\n".join(lines) + "\n"

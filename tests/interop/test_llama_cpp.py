@@ -168,8 +168,7 @@ def test_ctrl_c_while_llama_cpp_decodes_is_raised_not_dropped(exported):
     with GGUFModel(folder / "f32.gguf", n_ctx=128) as m:
         for _ in range(5):
             sent = threading.Event()
-            sender = threading.Thread(target=lambda: (time.sleep(0.05), os.kill(os.getpid(), signal.SIGINT),
-                                                      sent.set()))  # fmt: skip
+            sender = threading.Thread(target=_ctrl_c_after, args=(0.05, sent))
             after = 0
             with pytest.raises(KeyboardInterrupt):
                 sender.start()
@@ -196,6 +195,12 @@ def test_ctrl_c_during_quantisation_stops_it_and_its_process(exported, tmp_path)
         quantize(folder / "f32.gguf", tmp_path / "q4.gguf", "q4_K_M")
     sender.join()
     assert [c for c in me.children() if c.status() != psutil.STATUS_ZOMBIE] == []  # killed (reaped later)
+
+
+def _ctrl_c_after(seconds: float, sent: threading.Event) -> None:
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGINT)
+    sent.set()
 
 
 def _wait_for(condition, timeout: float = 60.0):
