@@ -1,7 +1,8 @@
 """Routed experts: stacked SwiGLU weights and the expert path that runs them.
 
-Shape legend: T = tokens, D = model dim, I = expert width, E = (local) experts, K = experts per token,
-M = rows of x, N = token-slots (N = T*K on one device; whatever arrived on this rank under expert parallelism).
+Shape legend: T = tokens, D = model dim, I = expert width, E = (local) experts, K = slots per row (experts per
+token), M = rows of x (T on one device; the rows that arrived on this rank under expert parallelism), N = the
+token-slots computed (every one of the M * K on one device; under expert parallelism those of this rank's experts).
 
 Weights are stacked in HF's layout, gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I], so that
 expert parallelism shards dim 0 and the HF export is a rename.
@@ -23,8 +24,11 @@ from moe_lm.ops.grouped import grouped_experts
 from moe_lm.ops.megablocks import load_megablocks, megablocks_experts
 
 
-def loop_experts(x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> torch.Tensor:
+def loop_experts(x_MD, expert_MK, w_MK, gate_up_EFD, down_EDI, slot_N=None) -> torch.Tensor:
     """Reference path: for each expert, its slots' rows, its MLP, weighted index_add back."""
+    K = expert_MK.shape[1]
+    slot_N = torch.arange(expert_MK.numel(), device=x_MD.device) if slot_N is None else slot_N
+    rows_N, expert_N, w_N = slot_N // K, expert_MK.flatten()[slot_N], w_MK.flatten()[slot_N]
     y_MD = torch.zeros_like(x_MD)
     for e, (gate_up, down) in enumerate(zip(gate_up_EFD.unbind(0), down_EDI.unbind(0), strict=True)):
         (sel,) = torch.where(expert_N == e)
@@ -36,7 +40,9 @@ def loop_experts(x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> torch.Te
     return y_MD
 
 
-# One signature: (x [M, D], rows [N], expert [N], w [N], gate_up [E, 2I, D], down [E, D, I]) -> y [M, D].
+# One signature: (x [M, D], expert [M, K], w [M, K], gate_up [E, 2I, D], down [E, D, I], slot_N [N] or None)
+# -> y [M, D], y[m] = sum over the computed slots (m, k) of w[m, k] * Expert_{expert[m, k]}(x[m]); slot_N holds the
+# computed slots' flat ids m * K + k (None: every slot).
 EXPERT_PATHS = {"loop": loop_experts, "grouped": grouped_experts, "megablocks": megablocks_experts}
 
 
@@ -61,15 +67,12 @@ class Experts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's K experts: x [T, D], idx/weight [T, K] -> [T, D]."""
-        T, K = idx_TK.shape
-        rows_N = torch.arange(T, device=x_TD.device).repeat_interleave(K)
-        return self.forward_slots(x_TD, rows_N, idx_TK.flatten(), weight_TK.flatten())
+        return self.path(x_TD, idx_TK, weight_TK, self.gate_up_proj, self.down_proj)
 
     def forward_slots(
-        self, x_MD: torch.Tensor, rows_N: torch.Tensor, expert_N: torch.Tensor, w_N: torch.Tensor
+        self, x_MD: torch.Tensor, expert_MK: torch.Tensor, w_MK: torch.Tensor, slot_N: torch.Tensor
     ) -> torch.Tensor:
-        """y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]) for N token-slots: x [M, D] -> y [M, D].
-
-        The general entry point: an expert-parallel dispatcher calls it on the rows it received.
-        """
-        return self.path(x_MD, rows_N, expert_N, w_N, self.gate_up_proj, self.down_proj)
+        """y[m] = sum over the slots slot_N (flat ids m * K + k) of w[m, k] * Expert_{expert[m, k]}(x[m]): x [M, D]
+        -> y [M, D]. What an expert-parallel dispatcher calls on the rows it received: each row's slots on this
+        rank's experts (its other slots name other ranks' experts, and are left out)."""
+        return self.path(x_MD, expert_MK, w_MK, self.gate_up_proj, self.down_proj, slot_N)

@@ -4,10 +4,12 @@
     segment_mlp.py   the CPU segments: the compiled kernel, or per-expert PyTorch matmuls where it cannot run
     cpu_kernels.py   builds and loads csrc/ (the segment kernel and the router's top-k kernel)
     megablocks.py    the "megablocks" expert path: MegaBlocks' dropless kernels (CUDA, optional extra)
+    slot_rows.py     token rows into a buffer of slots and back, by gathers only (no atomics: deterministic)
 
-Every expert path has one signature, `fn(x [M, D], rows [N], expert [N], w [N], gate_up [E, 2I, D],
-down [E, D, I]) -> y [M, D]` with y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]); `moe_lm.model.experts`
-picks one at construction.
+Every expert path has one signature, `fn(x [M, D], expert [M, K], w [M, K], gate_up [E, 2I, D], down [E, D, I],
+slot_N [N] or None) -> y [M, D]` with y[m] = sum over the computed slots (m, k) of w[m, k] *
+Expert_{expert[m, k]}(x[m]) (slot_N: their flat ids m * K + k; None: every slot); `moe_lm.model.experts` picks one
+at construction.
 """
 
 from __future__ import annotations

@@ -64,13 +64,9 @@ def load_megablocks() -> SimpleNamespace:
     return SimpleNamespace(ops=mb_ops, gmm=gg_ops.gmm)
 
 
-def megablocks_experts(x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> torch.Tensor:
-    """The expert path: y[rows[n]] += w[n] * Expert_{expert[n]}(x[rows[n]]) through MegaBlocks' kernels.
-
-    why one kernel row per slot: the slots may come from an expert-parallel dispatcher, whose received rows carry
-    a varying number of local slots, while MegaBlocks' kernels take a fixed K per row; the rows are gathered once
-    here and the results summed back per row (one more [N, D] gather and scatter-add than K rows per token).
-    """
+def megablocks_experts(x_MD, expert_MK, w_MK, gate_up_EFD, down_EDI, slot_N=None) -> torch.Tensor:
+    """The expert path: y[m] = sum_k w[m, k] * Expert_{expert[m, k]}(x[m]) through MegaBlocks' kernels, over the
+    slots slot_N (None: every slot)."""
     if not x_MD.is_cuda:
         raise RuntimeError(
             f"experts_impl='megablocks' runs on CUDA tensors, got {x_MD.device}: move the model to the GPU, "
@@ -82,11 +78,19 @@ def megablocks_experts(x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> to
             f"{x_MD.dtype} and weights {gate_up_EFD.dtype}: train with parallel.dtype=bf16 (the GPU "
             "default), or use experts_impl='grouped'"
         )
-    return slots_through(load_megablocks(), x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI)
+    return slots_through(load_megablocks(), x_MD, expert_MK, w_MK, gate_up_EFD, down_EDI, slot_N)
 
 
-def slots_through(backend, x_MD, rows_N, expert_N, w_N, gate_up_EFD, down_EDI) -> torch.Tensor:
-    """`megablocks_experts` on a given backend (MegaBlocks' ops, or stand-ins in the tests), one row per slot."""
+def slots_through(backend, x_MD, expert_MK, w_MK, gate_up_EFD, down_EDI, slot_N=None) -> torch.Tensor:
+    """`megablocks_experts` on a given backend (MegaBlocks' ops, or stand-ins in the tests). Every slot: K rows a
+    token, MegaBlocks' own form. Some slots (expert parallelism: a received row's slots on this rank's experts vary
+    in number, while MegaBlocks' kernels take a fixed K per row): one kernel row per slot, gathered once and summed
+    back per row."""
+    if slot_N is None:
+        return dmoe(backend, x_MD, expert_MK, w_MK, gate_up_EFD, down_EDI)
+    K = expert_MK.shape[1]
+    rows_N = slot_N // K
+    expert_N, w_N = expert_MK.flatten().index_select(0, slot_N), w_MK.flatten().index_select(0, slot_N)
     y_ND = dmoe(backend, x_MD.index_select(0, rows_N), expert_N[:, None], w_N[:, None], gate_up_EFD, down_EDI)
     return x_MD.new_zeros(x_MD.shape).index_add(0, rows_N, y_ND)
 

@@ -38,6 +38,25 @@ def test_grouped_mm_backward_stays_finite_after_the_allocator_recycles_nan_memor
         assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in experts.parameters())
 
 
+def test_grouped_experts_give_bitwise_equal_gradients_twice():
+    """The rows move by gathers only (moe_lm/ops/slot_rows.py): two identical steps give the same bits. With
+    index_add's atomics (the path before) the bf16 sums depended on the order threads landed in."""
+    torch.manual_seed(0)
+    E, T, D, I, K = 16, 4096, 256, 128, 4
+    experts = Experts(E, D, I, "grouped").cuda().bfloat16()
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(T, K, device="cuda", requires_grad=True)
+    grads = []
+    for _ in range(2):
+        x.grad = w.grad = None
+        experts.zero_grad(set_to_none=True)
+        experts(x, idx, w).float().square().sum().backward()
+        grads.append([x.grad.clone(), w.grad.clone(), *(p.grad.clone() for p in experts.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_routing_and_grouped_experts_never_synchronise_with_the_host():
     model = Transformer(replace_moe(tiny_model_cfg(), experts_impl="grouped")).cuda().bfloat16().train()
     tokens = torch.randint(0, 97, (2, 32), device="cuda")

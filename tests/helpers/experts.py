@@ -30,3 +30,17 @@ def run(experts, impl, x, idx, w, grad):
     y = experts(x, idx, w)
     y.backward(grad)
     return [y.detach(), x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+def slot_table(rows: list[int], expert: list[int], w: torch.Tensor, M: int):
+    """Slots given one by one (row, expert, weight) as the expert paths take them: (expert [M, K] with -1 where a
+    row has fewer slots, w [M, K], the slots' flat ids m * K + k), K the most slots of a row."""
+    K = max(rows.count(r) for r in set(rows))
+    expert_MK = torch.full((M, K), -1, dtype=torch.int64)
+    w_MK = w.new_zeros(M, K)
+    slot_N, used = [], [0] * M
+    for r, e, wn in zip(rows, expert, w, strict=True):
+        expert_MK[r, used[r]], w_MK[r, used[r]] = e, wn
+        slot_N.append(r * K + used[r])
+        used[r] += 1
+    return expert_MK, w_MK, torch.tensor(slot_N)

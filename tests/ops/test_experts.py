@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from moe_lm.model import Experts
+from moe_lm.model.experts import loop_experts
 from moe_lm.ops import cpu_kernels as ck
 from moe_lm.ops.cpu_kernels import load_cpu_kernels
 from moe_lm.ops.grouped import grouped_mm
-from moe_lm.ops.segment_mlp import SegmentMLP, SegmentMLPKernel
-from tests.helpers.experts import routed_batch, run, with_impl
+from moe_lm.ops.segment_mlp import SegmentMLPKernel
+from tests.helpers.experts import routed_batch, run, slot_table, with_impl
 
 
 @pytest.mark.parametrize("E, K", [(4, 1), (8, 2), (16, 5)])
@@ -50,7 +51,7 @@ def test_slots_entry_point(impl):
     rows = torch.tensor([0, 0, 2, 5, 5, 5, 3])
     expert = torch.tensor([1, 3, 0, 0, 2, 3, 3])
     w = torch.rand(7, dtype=torch.float64)
-    y = experts.forward_slots(x, rows, expert, w)
+    y = experts.forward_slots(x, *slot_table(rows.tolist(), expert.tolist(), w, 6))
     ref = torch.zeros_like(x)
     for r, e, wn in zip(rows.tolist(), expert.tolist(), w, strict=True):
         g, u = (x[r] @ experts.gate_up_proj[e].T).chunk(2, -1)
@@ -58,30 +59,37 @@ def test_slots_entry_point(impl):
     torch.testing.assert_close(y, ref)
 
 
-def test_grouped_mm_kernel_matches_cpu_kernel():
-    """The CUDA route (torch._grouped_mm, groups padded to 16-byte starts) checked on CPU against SegmentMLP."""
+@pytest.mark.parametrize("every_slot", [True, False])
+def test_grouped_mm_equals_loop(every_slot):
+    """The CUDA route (torch._grouped_mm, groups padded to 16-byte starts, rows moved by gathers only) checked on CPU
+    against the loop reference, outputs and every gradient: every slot of each token (one device), and some slots of
+    some rows with idle experts and rows with no slot (what an expert-parallel dispatcher hands over)."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm not in this torch build")
-    E, D, I = 4, 16, 8
-    counts = torch.tensor([5, 0, 7, 4])  # fp32 aligns groups to 4 rows: experts 0 and 2 get padding rows
-    x = torch.randn(20, D, requires_grad=True)  # rows 16.. are never routed
-    token = torch.randperm(20)[:16]
-    w = torch.rand(16, requires_grad=True)
+    torch.manual_seed(0)
+    E, D, I, M, K = 4, 16, 8, 20, 3  # fp32 aligns groups to 4 rows: most experts get padding rows
+    expert = torch.stack([torch.randperm(E)[:K] for _ in range(M)])
+    slot_N = None
+    if not every_slot:  # rows 16.. have no slot, expert 1 none at all
+        slot_N = torch.tensor([n for n in range(16 * K) if expert.flatten()[n] != 1 and n % 5 != 2])
+        expert = expert.flatten().index_fill(0, torch.tensor([n for n in range(M * K) if n not in slot_N]), -1)
+        expert = expert.view(M, K)
+    x = torch.randn(M, D, requires_grad=True)
+    w = torch.rand(M, K, requires_grad=True)
     gu = torch.randn(E, 2 * I, D, requires_grad=True)
     dn = torch.randn(E, D, I, requires_grad=True)
-    grad = torch.randn(20, D)
+    grad = torch.randn(M, D)
     outs = []
-    for fn in (
-        lambda: grouped_mm(x, token, counts, w, gu, dn),
-        lambda: SegmentMLP.apply(x, token, counts, w, gu, dn),
-    ):
+    for fn in (grouped_mm, loop_experts):
         for t in (x, w, gu, dn):
             t.grad = None
-        y = fn()
+        y = fn(x, expert, w, gu, dn, slot_N)
         y.backward(grad)
         outs.append([y.detach(), x.grad, w.grad, gu.grad, dn.grad])
-    for a, b in zip(*outs, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for name, a, b in zip(["y", "dx", "dw", "d_gate_up", "d_down"], *outs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+    if not every_slot:
+        assert gu.grad[1].abs().sum() == 0 and x.grad[16:].abs().sum() == 0 and w.grad[expert < 0].abs().sum() == 0
 
 
 def test_no_token_dropped_at_extreme_imbalance():
@@ -167,15 +175,14 @@ def test_kernel_both_schedules_with_idle_and_skewed_experts(threads):
 
 
 def test_kernel_row_repeated_within_an_expert():
-    """forward_slots may hand one row to one expert twice (expert parallelism); the scatter-add must sum both."""
+    """forward_slots may hand one row to one expert twice; the kernel's scatter-add must sum both."""
     kernel()
     experts = Experts(3, 16, 8)
     x = torch.randn(4, 16)
-    rows, expert = torch.tensor([1, 1, 2, 1, 0]), torch.tensor([2, 2, 2, 0, 0])
-    w = torch.rand(5)
+    slots = slot_table([1, 1, 2, 1, 0], [2, 2, 2, 0, 0], torch.rand(5), 4)
     ref = Experts(3, 16, 8, "loop")
     ref.load_state_dict(experts.state_dict())
-    torch.testing.assert_close(experts.forward_slots(x, rows, expert, w), ref.forward_slots(x, rows, expert, w))
+    torch.testing.assert_close(experts.forward_slots(x, *slots), ref.forward_slots(x, *slots))
 
 
 def test_kernel_rejects_bad_slots():

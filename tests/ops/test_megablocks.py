@@ -17,7 +17,7 @@ from moe_lm.config import load_config
 from moe_lm.model import Experts, Transformer
 from moe_lm.model import experts as experts_module
 from moe_lm.ops import megablocks as mb
-from tests.helpers.experts import routed_batch, run
+from tests.helpers.experts import routed_batch, run, slot_table
 
 
 class StandInOps:
@@ -125,8 +125,9 @@ def test_slots_entry_point_equals_loop():
     rows = torch.tensor([0, 0, 1, 3, 3, 3, 4, 7, 9, 9])  # rows 2, 5, 6, 8 have no local slot
     expert = torch.tensor([0, 2, 1, 0, 1, 3, 2, 2, 3, 0])
     w = torch.rand(10, dtype=torch.float64)
-    ref = experts.forward_slots(x, rows, expert, w)
-    got = mb.slots_through(STAND_IN, x, rows, expert, w, experts.gate_up_proj, experts.down_proj)
+    expert_MK, w_MK, slot_N = slot_table(rows.tolist(), expert.tolist(), w, 10)
+    ref = experts.forward_slots(x, expert_MK, w_MK, slot_N)
+    got = mb.slots_through(STAND_IN, x, expert_MK, w_MK, experts.gate_up_proj, experts.down_proj, slot_N)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
