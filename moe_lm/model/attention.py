@@ -9,14 +9,17 @@ permutation applied to both.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_lm.config import ModelConfig, RopeScalingConfig
 from moe_lm.model.layers import RMSNorm
+from moe_lm.model.sdpa_backend import mla_choice
 
 # why fixed: DeepSeek-V3 and HF build the latent norms with the RMSNorm default eps, not the model's norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -100,10 +103,13 @@ class ScaledDotProductAttention(nn.Module):
     no weights, because it is where the attention matrix arises: a forward hook on it sees q, k, v, the mask and the
     scale (the attention probe, moe_lm/experiments/attention_probe.py) without the model knowing."""
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
-        )
+    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float, enable_gqa: bool = False,
+                backend: SDPBackend | None = None) -> torch.Tensor:  # fmt: skip
+        """`backend`: the one kernel to run (None: PyTorch's choice)."""
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+            )
 
 
 class MLA(nn.Module):
@@ -147,7 +153,11 @@ class MLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
         else:
             q = self.q_proj(x_BSD)
-        q_nope, q_rot = q.view(B, S, H, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
+        # why in place: the rotary columns rotated into the projection's own output, one buffer, where a
+        # concatenation of rope and nope parts copied every query column on every call
+        q = q.view(B, S, H, self.nope + self.rope)
+        q[..., self.nope :] = apply_rope(q[..., self.nope :].transpose(1, 2), cos, sin).transpose(1, 2)
+        q = q.transpose(1, 2)  # [B, H, S, nope + rope]
         latent, k_rot = self.kv_a_proj_with_mqa(x_BSD).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, S, C]
         # why one rotary key for all heads: it is what lets MLA cache only (latent, k_rot) per token.
@@ -157,16 +167,21 @@ class MLA(nn.Module):
         L = latent.shape[1]
         kv = self.kv_b_proj(latent).view(B, L, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat((q_nope, apply_rope(q_rot, cos, sin)), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(B, H, L, self.rope)), dim=-1)
-        # why the padding: the fused SDPA kernels (flash on CPU, FlashAttention/cuDNN on GPU) need one head dim for
-        # q, k and v; with MLA's v_head_dim != qk_nope + qk_rope PyTorch falls back to its unfused maths (bmm,
-        # softmax, masking: 1.5x slower at the tiny preset's shapes). Zero columns change no dot product (the scale
-        # is explicit) and give zero output columns, sliced off: the same result, fused. Not for one decoded token
-        # (S = 1): there neither path wins at every cache length (docs/benchmarks.md), and decoding stays as it was.
-        width = max(self.nope + self.rope, self.v_dim) if S > 1 else 0
-        q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
-        out = self.sdpa(q, k, v, mask, self.scale)[..., : self.v_dim]
+        k = q.new_empty(B, H, L, self.nope + self.rope)  # each head's key: its own nope part, the shared rotary key
+        k[..., : self.nope] = k_nope
+        k[..., self.nope :] = k_rot
+        qk = self.nope + self.rope
+        if mask is None:  # a whole causal sequence: the kernel chosen for these head dims (sdpa_backend.py)
+            choice = mla_choice(q.device.type, q.dtype, qk, self.v_dim)
+            backend, width = choice.backend, qk if choice.pad_v else 0
+        else:
+            # why the padding: with an explicit mask PyTorch chooses; its fused kernels need one head dim for q, k
+            # and v. Not for one decoded token (S = 1): there neither path wins at every cache length
+            # (docs/benchmarks.md), and decoding stays as it was.
+            backend, width = None, max(qk, self.v_dim) if S > 1 else 0
+        # zero columns change no dot product (the scale is explicit) and give zero output columns, sliced off
+        v = F.pad(v, (0, width - self.v_dim)) if width > self.v_dim else v
+        out = self.sdpa(q, k, v, mask, self.scale, backend=backend)[..., : self.v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
 

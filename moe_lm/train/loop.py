@@ -38,7 +38,8 @@ from moe_lm.model import (
     train_flops_per_token,
     uses_layer_seeds,
 )
-from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers
+from moe_lm.model.sdpa_backend import mla_choice
+from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers, use_bf16
 from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.parallel.pipeline import Pipeline, StepTally, build_pipeline, check_cut
@@ -176,6 +177,10 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
     model = apply_expert_parallel(model, cfg.parallel.ep_size, pp)  # every rank: the same model
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
     model = apply_compile(model, cfg.performance.compile)
+    if cfg.model.attention == "mla":  # which fused kernel runs attention here, and whether v is padded for it
+        qk, v = cfg.model.mla.qk_nope_head_dim + cfg.model.mla.qk_rope_head_dim, cfg.model.mla.v_head_dim
+        dtype = torch.bfloat16 if use_bf16(cfg.parallel, dev) else torch.float32
+        tracker.info(f"attention: {mla_choice(dev.type, dtype, qk, v).describe(qk, v)}")
     schedule = cfg.parallel.pp_schedule
     pipeline = None
     if pp > 1:

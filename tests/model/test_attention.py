@@ -72,3 +72,43 @@ def test_mla_takes_the_fused_attention_kernel_with_the_same_result():
     written_out = scores.softmax(-1) @ v
     expected = attn.o_proj(written_out.transpose(1, 2).reshape(B, S, -1))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_attention_kernel_is_chosen_from_what_each_takes_and_no_query_column_is_copied():
+    """On the CPU only FlashAttention is fused, and it needs one head dim: v padded to the query's width, which
+    equal head dims never need. The rotary query columns are rotated in the projection's own output: no
+    concatenation of rope and nope parts (it copied every query column of every layer)."""
+    from torch.nn.attention import SDPBackend
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_lm.model.attention import MLA, rope_cos_sin
+    from moe_lm.model.sdpa_backend import Choice, mla_choice
+
+    assert mla_choice("cpu", torch.float32, 192, 128) == Choice(SDPBackend.FLASH_ATTENTION, True)
+    assert mla_choice("cpu", torch.float32, 128, 128) == Choice(SDPBackend.FLASH_ATTENTION, False)
+    assert mla_choice("cpu", torch.float32, 128, 192) == Choice(SDPBackend.MATH, False)  # v wider: no fused kernel
+    assert mla_choice("cpu", torch.float32, 192, 128).describe(192, 128) == (
+        "FlashAttention (q/k heads 192, v padded from 128 to 192)"
+    )
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cfg = tiny_model_cfg()
+    attn = MLA(cfg)
+    S = 10
+    x = torch.randn(2, S, cfg.dim, requires_grad=True)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, attn.rope, 2).float() / attn.rope))
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(S), torch.float32)
+    with Ops() as ops:
+        out = attn(x, cos, sin, None)
+    assert ops.names.count("cat") == 2  # apply_rope's rotate-half, of the query's and the key's rotary columns only
+    assert ops.names.count("constant_pad_nd") == 1  # v, for the fused kernel
+    out.sum().backward()  # the in-place rotation keeps autograd's graph whole
+    assert torch.isfinite(x.grad).all() and all(p.grad is not None for p in attn.parameters())

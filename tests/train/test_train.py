@@ -64,7 +64,11 @@ def test_mtp_training_logs_every_depth_and_resumes_exactly(tiny_data, tmp_path, 
     cfg = tiny_train_cfg(tiny_data, tmp_path / "straight", max_steps=8, ckpt_interval=100, eval_interval=4)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=MTPConfig(depth=2, late_start=0.5)))
     train(cfg)
-    assert "| mtp1 " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| mtp1 " in out
+    mla = cfg.model.mla  # the run's log says which fused kernel runs its attention (on the CPU: padded flash)
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    assert f"attention: FlashAttention (q/k heads {qk}, v padded from {mla.v_head_dim} to {qk})" in out
     interrupted = with_train(cfg, out_dir=str(tmp_path / "resumed"), stop_at=4)
     train(interrupted)
     train(with_train(interrupted, stop_at=0))
