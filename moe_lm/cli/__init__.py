@@ -29,7 +29,6 @@ from moe_lm.output_folder import OutputFolder
 quiet_deepspeed()  # why at the front door: transformers imports deepspeed too, when it is installed
 
 USAGE = 2  # exit code of a user error, as argparse uses for bad arguments
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 PIPE_CLOSED = 128 + signal.SIGPIPE  # what a shell reports of a tool whose reader went away (`... | head`)
 
 
@@ -60,53 +59,65 @@ def run(main: Callable[[], None]) -> None:
     if "--debug" in sys.argv:
         sys.argv.remove("--debug")
         os.environ["MOE_LM_DEBUG"] = "1"
+    received: list[int] = []
     try:
-        with _signals_raise():
+        with _signals_raise(received):
             try:
                 main()
             finally:
                 sys.stdout.flush()  # why here: a reader that went away (`| head`) is then met in the handlers below
-    except (KeyboardInterrupt, Terminated) as e:
-        if debugging():
-            raise
-        # why one line: an output folder is written whole or not at all (moe_lm/output_folder.py), so there is
-        # nothing to report; training handles its first Ctrl-C or SIGTERM itself (a checkpoint, then 128 + signal)
-        if isinstance(e, Terminated):
-            print(f"terminated ({e})", file=sys.stderr)
-            sys.exit(128 + e.signum)
-        print("interrupted (Ctrl-C)", file=sys.stderr)
-        sys.exit(INTERRUPTED)
-    except BrokenPipeError:
-        if not _stdout_is_a_pipe():
-            raise
-        # why stdout onto /dev/null: the interpreter flushes it once more at exit, which would print a second error
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(PIPE_CLOSED)
-    except user_errors() as e:
-        if debugging():
-            raise
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e  # why: KeyError's str() adds quotes
-        print(f"error: {message} (--debug shows the traceback)", file=sys.stderr)
-        sys.exit(USAGE)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        # why the signal first, whatever was raised: a library can turn the exception a signal raised inside it
+        # into one of its own (torch's tensor conversion into "ValueError: could not determine the shape"), and
+        # the command would end in a traceback, or in an error that is not what happened
+        signum = received[0] if received else _signal_of(e)
+        if signum is not None and not debugging():
+            # why one line: an output folder is written whole or not at all (moe_lm/output_folder.py), so there is
+            # nothing to report; training handles its first Ctrl-C or SIGTERM itself (a checkpoint, then 128 + signal)
+            print("interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(128 + signum)
+        if isinstance(e, BrokenPipeError) and _stdout_is_a_pipe():
+            # why stdout onto /dev/null: the interpreter flushes it once more at exit, which would print a second error
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(PIPE_CLOSED)
+        if isinstance(e, user_errors()) and not debugging():
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e  # why: KeyError's str() adds quotes
+            print(f"error: {message} (--debug shows the traceback)", file=sys.stderr)
+            sys.exit(USAGE)
+        raise
+
+
+def _signal_of(e: BaseException) -> int | None:
+    if isinstance(e, Terminated):
+        return e.signum
+    return signal.SIGINT if isinstance(e, KeyboardInterrupt) else None
 
 
 @contextlib.contextmanager
-def _signals_raise():
-    """SIGTERM and SIGHUP raise Terminated in the command while it runs (the handlers before are put back after:
-    commands also run inside other programs, the test suite's workers among them). Only where nothing else handles
-    them already and only in the main thread (Python delivers signals there)."""
+def _signals_raise(received: list[int]):
+    """SIGTERM and SIGHUP raise Terminated in the command while it runs, Ctrl-C KeyboardInterrupt as Python's own
+    handler does, and each is noted in `received` (the handlers before are put back after: commands also run
+    inside other programs, the test suite's workers among them). Only where nothing else handles them already and
+    only in the main thread (Python delivers signals there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def raise_terminated(signum, frame):
+    def raise_for(signum, frame):
+        received.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Terminated(signum)
 
     before = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            before[sig] = signal.signal(sig, raise_terminated)
+    for sig, unhandled in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_DFL),
+                           (signal.SIGINT, signal.default_int_handler)):  # fmt: skip
+        if signal.getsignal(sig) is unhandled:
+            before[sig] = signal.signal(sig, raise_for)
     try:
         yield
     finally:

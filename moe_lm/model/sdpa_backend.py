@@ -13,7 +13,6 @@ Equal head dims never pad. Only the causal forward of whole sequences chooses (m
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -38,9 +37,21 @@ class Choice(NamedTuple):
         return f"{NAMES[self.backend]} (q/k heads {qk}, {padded})" if qk != v else f"{NAMES[self.backend]} ({qk})"
 
 
-@functools.cache
+_CHOSEN: dict[tuple, Choice] = {}
+
+
 def mla_choice(device_type: str, dtype: torch.dtype, qk: int, v: int) -> Choice:
-    """The kernel MLA's causal attention runs with on this kind of device, in this dtype, at these head dims."""
+    """The kernel MLA's causal attention runs with on this kind of device, in this dtype, at these head dims.
+    why a dict, not functools.cache: torch.compile traces through a cache's wrapper (it would trace the trial runs
+    into the graph); a dict it reads, and the training loop fills it before the first compiled step."""
+    key = (device_type, dtype, qk, v)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _choose(*key)
+    return _CHOSEN[key]
+
+
+@torch.compiler.disable  # why: the trials run eagerly, should a compiled forward be the first to ask
+def _choose(device_type: str, dtype: torch.dtype, qk: int, v: int) -> Choice:
     for backend, pad in ORDER.get(device_type, [(SDPBackend.MATH, False)]):
         pad = pad and v < qk
         if _runs(backend, device_type, dtype, qk, qk if pad else v):

@@ -4,13 +4,27 @@ brings the libraries' lines back."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from moe_lm.config import dump_config
 from tests.helpers.runs import tiny_train_cfg, with_train
 
 # what moe-lm itself prints during a run (tracker, loop, train command)
-OURS = ("moe-lm: ", "[", "saved checkpoint", "final validation loss", "unigram entropy", "warning: ", "note: ")
+OURS = (
+    "moe-lm: ",
+    "[",
+    "saved checkpoint",
+    "final validation loss",
+    "unigram entropy",
+    "warning: ",
+    "note: ",
+    "attention: ",
+    "torch.compile: ",
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +72,29 @@ def test_output_into_a_pipe_whose_reader_is_gone_ends_quietly(process, argv):
     stderr, 128 + SIGPIPE."""
     proc = process.moe_lm_into_closed_pipe(*argv)
     assert proc.returncode == 141 and proc.stderr == "", (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    "sig, said", [(signal.SIGTERM, "terminated (SIGTERM)"), (signal.SIGINT, "interrupted (Ctrl-C)")]
+)
+def test_a_signal_a_library_turned_into_its_own_error_ends_the_command_as_that_signal(capsys, sig, said):
+    """SIGTERM during `analyze --quantise` under load ended in a traceback, `ValueError: could not determine the
+    shape of object type 'torch.storage.UntypedStorage'`: raised inside torch's tensor conversion, the signal's
+    exception came out as torch's own. A signal the command received decides how it ends, whatever was raised."""
+    import threading
+
+    from moe_lm.cli import run
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Python handles signals in the main thread only")
+
+    def work():
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(10)
+        except BaseException:
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+    with pytest.raises(SystemExit) as ended:
+        run(work)
+    assert ended.value.code == 128 + sig and capsys.readouterr().err == said + "\n"
