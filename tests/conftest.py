@@ -19,6 +19,7 @@ import io
 import os
 import random
 import shutil
+import tempfile
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -50,7 +51,17 @@ def pytest_collection_modifyitems(items):
                     item.add_marker(mark)
 
 
+CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "WANDB_CACHE_DIR")
+
+
 def pytest_configure(config):
+    # why here, before collection: the user caches libraries write into (HF datasets' locks and caches, wandb's
+    # service logs) go to a folder of this process's, for the tests and the processes they start, so that a test
+    # never writes into the user's ~/.cache; `datasets` reads its variables when it is imported. Torch's extension
+    # builds stay shared: moe-lm's own folder, built once under its flock (tests/ops plant their faults elsewhere).
+    caches = Path(tempfile.mkdtemp(prefix="moe_lm_test_caches_"))
+    config._moe_lm_caches = caches
+    os.environ.update({name: str(caches / name.lower()) for name in CACHE_VARIABLES})
     # why one thread per worker under pytest-xdist: two workers on two cores each running torch's default pool
     # (one thread per core) oversubscribe the machine, and OpenMP's spinning threads then slow both down
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -171,3 +182,7 @@ def launcher():
 def ranks():
     """`ranks(fn, world, *args, nodes=1)`: fn(*args) on `world` ranks forked over gloo (tests/helpers/ranks.py)."""
     return run_ranks
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_moe_lm_caches", ""), ignore_errors=True)
