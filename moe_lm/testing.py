@@ -134,7 +134,7 @@ def max_abs_gap(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def trace_as_engine_record(trace_dir, path, engine: str, n_layers: int, phys_to_log=None) -> int:
-    """A moe-lm trace's windows written as an engine writes its record (moe_lm/interop/engine_routes.py): `engine`
+    """A moe-lm trace's windows written as an engine writes its record (moe_lm/interop/routes/): `engine`
     "vllm" or "sglang" (JSON lines of responses: each window a request, half prompt, half completion, and one more
     sampled token that has no route), "dump" (an SGLang per-token dump into the folder `path`: each window a
     prefill, its ids physical slots of `phys_to_log` [n_layers, slots], the first slot of each logical expert), or
@@ -147,8 +147,11 @@ def trace_as_engine_record(trace_dir, path, engine: str, n_layers: int, phys_to_
     import numpy as np
     import torch
 
-    from moe_lm.analysis.trace import Trace
-    from moe_lm.interop.engine_routes import engine_routes, sglang_dump, sglang_response, vllm_response
+    from moe_lm.interop.routes.record import engine_routes
+    from moe_lm.interop.routes.sglang import sglang_response
+    from moe_lm.interop.routes.sglang_dumps import sglang_dump
+    from moe_lm.interop.routes.vllm import vllm_response
+    from moe_lm.routing.trace import Trace
 
     trace = Trace(trace_dir)
     experts = {layer: np.asarray(trace.experts(layer), dtype=np.int64) for layer in trace.layers}
@@ -157,7 +160,7 @@ def trace_as_engine_record(trace_dir, path, engine: str, n_layers: int, phys_to_
     cuts = np.flatnonzero(np.diff(window)) + 1
     rows = np.split(np.arange(trace.n), cuts)
     if engine == "megatron":
-        from moe_lm.interop.megatron_routes import megatron_trace
+        from moe_lm.interop.routes.megatron import megatron_trace
 
         full = [r for r in rows if len(r) == trace.meta["windows"]]
         pairs = [np.stack(full[i : i + 2]) for i in range(0, len(full) - 1, 2)]  # [2, s] rows each

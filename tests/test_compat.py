@@ -12,7 +12,6 @@ import torch
 
 from moe_lm import compat
 from moe_lm.analysis.recording import record_trace
-from moe_lm.analysis.trace import Trace
 from moe_lm.checkpoint.format import COMPLETE, damage
 from moe_lm.checkpoint.save_resume import _set_rng_state
 from moe_lm.data.prepare import load_split
@@ -20,6 +19,7 @@ from moe_lm.errors import DataError
 from moe_lm.model import Transformer
 from moe_lm.output_folder import made_by
 from moe_lm.routing.torch_routing import transformer_routing
+from moe_lm.routing.trace import Trace
 from moe_lm.testing import tiny_model_cfg
 from tests.data.test_data_faults import copy_prepared
 

@@ -19,30 +19,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moe_lm.analysis.hf_routing import reroute, topk_without
 from moe_lm.analysis.recording import document_windows
-from moe_lm.model import Routing
-from moe_lm.model.router import gate_weights, limit_to_groups
-from moe_lm.routing.torch_routing import TorchRouting
+from moe_lm.routing.routed_model import Reroutable
 
 
 @contextlib.contextmanager
-def route_around(routers: dict[int, torch.nn.Module], layer: int, experts: Iterable[int]):
-    """Within the block, MoE layer `layer` never routes a token to `experts` (its router ours or an HF gate)."""
-    router = routers[layer]
+def route_around(routing: Reroutable, layer: int, experts: Iterable[int]):
+    """Within the block, MoE layer `layer` of `routing` never routes a token to `experts` (its routers' own rule with
+    them dropped: `routing.reroute`, moe_lm/routing/around.py)."""
+    router = routing.routers[layer]
     gone = sorted(set(experts))
 
-    def hook(module, inputs, routing):
-        if not isinstance(routing, Routing):  # a transformers gate: (logits, weights, indices)
-            w, idx = reroute(module, routing[0], gone)
-            return routing[0], w.to(routing[1].dtype), idx
-        cfg = module.cfg
-        choice = routing.scores + module.e_score_correction_bias
-        kept = limit_to_groups(choice, cfg.n_group, cfg.topk_group) > float("-inf") if cfg.n_group > 1 else None
-        idx = topk_without(choice, kept, gone, cfg.num_experts_per_tok)
-        return Routing(
-            routing.scores, idx, gate_weights(routing.scores, idx, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        )
+    def hook(module, inputs, out):
+        return routing.reroute(module, out, gone)
 
     handle = router.register_forward_hook(hook, prepend=True)  # why first: other hooks (a recorder) see the result
     try:
@@ -95,7 +84,7 @@ def delta_by_domain(base, ablated, domain, n_domains: int, n_boot: int = 1000, s
 
 
 def ablation_study(
-    routing: TorchRouting,
+    routing: Reroutable,
     docs: list[tuple[int, np.ndarray]],
     domains: list[str],
     targets: list[tuple[int, list[int]]],
@@ -112,14 +101,14 @@ def ablation_study(
     E = routing.n_experts
     rows = []
     for layer, experts in targets:
-        with route_around(routing.routers, layer, experts):
+        with route_around(routing, layer, experts):
             losses = document_losses(routing.forward, docs, seq_len)
             effect = delta_by_domain(base, losses, domain, len(domains), n_boot, seed)
         others = [e for e in range(E) if e not in experts]
         control_sets = [sorted(rng.choice(others, len(experts), replace=False).tolist()) for _ in range(controls)]
         control_effects = []
         for chosen in control_sets:
-            with route_around(routing.routers, layer, chosen):
+            with route_around(routing, layer, chosen):
                 losses = document_losses(routing.forward, docs, seq_len)
             control_effects.append(delta_by_domain(base, losses, domain, len(domains), n_boot, seed))
         rows.append(

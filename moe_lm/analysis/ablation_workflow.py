@@ -19,6 +19,7 @@ from moe_lm.analysis.report_files import strict_json
 from moe_lm.analysis.requests import AblationRequest
 from moe_lm.analysis.subjects import kind_of, load_subject
 from moe_lm.errors import UserError
+from moe_lm.routing.routed_model import DocumentIds
 from moe_lm.routing.torch_routing import TorchRouting
 
 Target = tuple[int, list[int]]  # (MoE layer, experts routed around together)
@@ -38,8 +39,8 @@ def ablate_experts(req: AblationRequest) -> dict:
     docs, samples = budget_document_count(docs, len(domains), req.max_documents)
     print(f"{len(docs)} documents of {len(domains)} domains (--max-documents {req.max_documents}, equal shares):")
     print_sample_lines(samples, domains, unit="documents")
-    routing, seq_len = subject.routing, subject.seq_len
-    if not isinstance(routing, TorchRouting):  # a checkpoint larger than memory, streamed: nothing to route around
+    routing, seq_len = subject.routing.reroutable(), subject.seq_len
+    if routing is None:  # a checkpoint larger than memory, streamed: nothing to route around
         raise UserError(f"{req.subject.label}: ablation runs the model whole, and it is streamed here (larger than "
                         "the memory given); give a --max-memory it fits in")  # fmt: skip
     check_targets(list(req.targets), routing.layers, routing.n_experts)
@@ -60,7 +61,7 @@ def check_targets(targets: list[Target], layers: list[int], n_experts: int) -> N
         raise UserError(f"targets {bad}: MoE layers are {layers}, experts 0..{n_experts - 1}")
 
 
-def specialised_targets(routing: TorchRouting, docs, domains, seq_len: int, out: Path) -> list[Target]:
+def specialised_targets(routing: TorchRouting, docs: DocumentIds, domains, seq_len: int, out: Path) -> list[Target]:
     """In every MoE layer, the expert with the highest relative load on each domain (duplicates merged)."""
     trace = record_trace(routing, docs, out / "trace", domains, seq_len, progress=False)
     targets = []

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_lm.analysis.trace import Trace
 from moe_lm.errors import DataError
+from moe_lm.routing.trace import Trace
 
 TIE = 1e-4  # a decision whose margin is below this is a near tie: any rounding can flip it
 N_BOOT = 500

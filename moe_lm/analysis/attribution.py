@@ -181,7 +181,7 @@ def summary(lp: dict[str, np.ndarray], doc: np.ndarray, rows: np.ndarray, draws:
 
 
 def trace_documents(trace) -> list[tuple[int, np.ndarray]]:
-    """(domain, token ids) of every document of a trace (moe_lm.analysis.trace.Trace), as it was recorded."""
+    """(domain, token ids) of every document of a trace (moe_lm.routing.trace.Trace), as it was recorded."""
     doc = np.asarray(trace.doc)
     starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
     ends = np.r_[starts[1:], len(doc)]

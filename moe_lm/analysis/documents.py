@@ -1,6 +1,6 @@
 """The documents an analysis reads: the user's sources (`--data`: files, folders, parquet, hf:NAME, with their text
-and domain fields) tokenized by the subject's own tokenizer, a moe-lm run's validation split with its domains, or an
-engine's record's own sequences."""
+and domain fields) tokenized by the subject's own tokenizer, or the documents the subject brings (`Subject.documents`:
+a moe-lm run's validation split with its domains, an engine's record's own sequences)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import numpy as np
 
 from moe_lm.analysis.subjects import Subject
 from moe_lm.data.documents import ReadReport, check_domain_field
-from moe_lm.data.prepare import load_split
 from moe_lm.data.sources import iter_source
 from moe_lm.data.tokenizer import Tokenizer
 from moe_lm.errors import UserError
@@ -20,8 +19,8 @@ from moe_lm.errors import UserError
 
 @dataclass(frozen=True)
 class Documents:
-    """Which documents: `data` sources as in data.sources (empty: a run's validation split), the column (or .jsonl
-    key) with the text, and the one naming the domain (absent: the source's name)."""
+    """Which documents: `data` sources as in data.sources (empty: the documents the subject brings), the column (or
+    .jsonl key) with the text, and the one naming the domain (absent: the source's name)."""
 
     data: tuple[str, ...] = ()
     text_field: str = "text"
@@ -64,11 +63,7 @@ def document_stream(
         stream = user_documents(list(documents.data), subject.tok, domains, documents.text_field,
                                 documents.domain_field, max_tokens_per_domain)  # fmt: skip
         return stream, domains, ", ".join(documents.data)
-    if subject.documents is not None:  # an engine's record: the sequences it routed
-        docs, names = subject.documents
-        return iter(docs), list(names), f"{subject.provenance.get('routes', 'the record')} (its own sequences)"
-    if subject.cfg is None:  # the command line refuses it first: a kind without documents needs --data
+    if subject.documents is None:  # the command line refuses it first: a kind without documents needs --data
         raise UserError("this subject has no documents of its own: give --data")
-    shard = load_split(subject.cfg.data.out_dir, "val")
-    stream = ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
-    return stream, list(shard.domains), f"{subject.cfg.data.out_dir} (validation split)"
+    stream, domains = subject.documents.read()
+    return stream, domains, subject.documents.what

@@ -1,6 +1,7 @@
-"""Recording: documents cut into windows, batched, routed by a `RoutedModel` (moe_lm/routing/routed_model.py) and
-streamed into a trace (trace.py) as they come. What was chosen is read from the model (its routers' outputs, or
-llama.cpp's graph), never recomputed from logits: under biased, group-limited routing only the router knows.
+"""Recording: documents cut into windows and batched, routed by a `RoutedModel` (moe_lm/routing/routed_model.py)
+that writes what it chose into a trace (moe_lm/routing/trace.py) as it goes, batch after batch or layer by layer, as
+it runs. What was chosen is read from the model (its routers' outputs, or llama.cpp's graph), never recomputed from
+logits: under biased, group-limited routing only the router knows.
 """
 
 from __future__ import annotations
@@ -12,20 +13,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from moe_lm.analysis.trace import Trace, TraceWriter
-from moe_lm.routing.routed_model import LayerwiseModel, RoutedModel, Window
-
-Documents = Iterable[tuple[int, np.ndarray]]  # (domain index, token ids) per document
+from moe_lm.routing.routed_model import DocumentIds, RoutedModel, Window
+from moe_lm.routing.trace import Trace, TraceWriter
 
 
-def document_windows(docs: Documents, seq_len: int) -> Iterator[Window]:
+def document_windows(docs: DocumentIds, seq_len: int) -> Iterator[Window]:
     """Cut each (domain, tokens) document into windows of at most seq_len tokens (context restarts per window)."""
     for d, (domain, tokens) in enumerate(docs):
         for start in range(0, len(tokens), seq_len):
             yield Window(d, domain, start, np.asarray(tokens[start : start + seq_len]))
 
 
-def budgeted_windows(docs: Documents, seq_len: int, max_tokens: int | None) -> Iterator[Window]:
+def budgeted_windows(docs: DocumentIds, seq_len: int, max_tokens: int | None) -> Iterator[Window]:
     """`document_windows`, stopping at `max_tokens` tokens in all (the last window cut to fit; None: no limit)."""
     given = 0
     for window in document_windows(docs, seq_len):
@@ -52,18 +51,9 @@ def window_batches(windows: Iterable[Window], batch_size: int) -> Iterator[list[
         yield batch
 
 
-MAX_BATCH_LOGIT_BYTES = 1 << 30  # a forward pass's float32 logits, the largest thing a recording batch holds
-
-
-def bounded_batch(batch_size: int, seq_len: int, vocab_size: int) -> int:
-    """`batch_size` windows per forward pass, fewer where their logits alone would pass MAX_BATCH_LOGIT_BYTES (a
-    129 k vocabulary: two 1,024-token windows)."""
-    return max(1, min(batch_size, MAX_BATCH_LOGIT_BYTES // (seq_len * max(vocab_size, 1) * 4)))
-
-
 def record_trace(
-    model: RoutedModel | LayerwiseModel,
-    docs: Documents,
+    model: RoutedModel,
+    docs: DocumentIds,
     out: str | Path,
     domains: list[str],
     seq_len: int,
@@ -76,37 +66,15 @@ def record_trace(
     to `out`, with the optional columns the model gives. `progress`: a progress bar (a string labels it), counting the
     tokens given when `docs` is a list."""
     writer = TraceWriter(Path(out), model.layers, model.n_experts, model.k, domains, provenance or {}, model.gives)
-    ranked = {"ranked": getattr(model, "ranked", True)}  # False: experts as sets (routed_model.py)
     t0 = time.perf_counter()
-    if isinstance(model, LayerwiseModel):  # one layer over every window: the windows first, each layer's rows after
-        batches = list(window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size))
-        logprob = model.route_layers(batches, writer)
-        writer.append_tokens(*_columns([w for batch in batches for w in batch]), logprob)
-        seconds = time.perf_counter() - t0
-        return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9),
-                             "windows": seq_len, "streamed": getattr(model, "timing", {}), **ranked})  # fmt: skip
-    bar = _progress_bar(docs, max_tokens, progress)
-    with model:
-        for batch in window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size):
-            writer.append(*_columns(batch), model.route_batch(batch))
-            bar.update(sum(len(w.tokens) for w in batch))
-    bar.close()
+    batches = window_batches(budgeted_windows(docs, seq_len, max_tokens), batch_size)
+    added = model.record_into(batches, writer, lambda: _progress_bar(docs, max_tokens, progress))
     seconds = time.perf_counter() - t0
     return writer.close({"record_seconds": seconds, "tokens_per_s": writer.n / max(seconds, 1e-9), "windows": seq_len,
-                         **ranked})  # fmt: skip
+                         **added, "ranked": model.ranked})  # fmt: skip
 
 
-def _columns(windows: list[Window]) -> tuple[np.ndarray, ...]:
-    """The token columns of windows in order: token ids, document, position, domain."""
-    return (
-        np.concatenate([w.tokens for w in windows]),
-        np.concatenate([np.full(len(w.tokens), w.doc) for w in windows]),
-        np.concatenate([np.arange(w.start, w.start + len(w.tokens)) for w in windows]),
-        np.concatenate([np.full(len(w.tokens), w.domain) for w in windows]),
-    )
-
-
-def _progress_bar(docs: Documents, max_tokens: int | None, progress: bool | str) -> tqdm:
+def _progress_bar(docs: DocumentIds, max_tokens: int | None, progress: bool | str) -> tqdm:
     """A token-counting bar (disabled when `progress` is False); its total is known only when `docs` is a list."""
     total = sum(len(tokens) for _, tokens in docs) if isinstance(docs, list) else None
     if max_tokens is not None:

@@ -18,9 +18,9 @@ import numpy as np
 from moe_lm.analysis import metrics
 from moe_lm.analysis.agreement import agreement
 from moe_lm.analysis.report_files import write_report
-from moe_lm.analysis.trace import Trace
 from moe_lm.data.tokenizer import Tokenizer
 from moe_lm.errors import ConfigError
+from moe_lm.routing.trace import Trace
 
 MAX_DEFAULT_FIGURE_LAYERS = 8
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from moe_lm.analysis import plots
 from moe_lm.analysis.html import routing_page
+from moe_lm.analysis.subjects import described
 from moe_lm.data.tokenizer import Tokenizer
 
 
@@ -231,7 +232,7 @@ def comparisons_markdown(result: dict) -> str:
         lo, hi = (100 * x for x in any_layer["interval"])
         gap = (f"{cost['mean_abs']:.2e} / {cost['p99_abs']:.2e} / {cost['max_abs']:.2e}" if cost.get("tokens")
                else "not recorded")  # fmt: skip
-        what = _what_it_is(c.get("provenance") or {})
+        what = described(c.get("provenance") or {})
         lines.append(
             f"| {label} | {100 * any_layer['mean']:.2f} ({lo:.2f}-{hi:.2f}) | {per_layer} | {near} | {gap} | {what} |"
         )
@@ -240,14 +241,6 @@ def comparisons_markdown(result: dict) -> str:
 
 def _near_ties(n: int | None) -> str:
     return "near ties not known (no decision margins recorded)" if n is None else f"{n:,} near ties"
-
-
-def _what_it_is(provenance: dict) -> str:
-    if "gguf" in provenance:
-        return f"GGUF in llama.cpp ({provenance.get('kv_cache', '?')} KV cache): {provenance.get('tensors', '?')}"
-    if "hf" in provenance:
-        return f"transformers {provenance.get('model_type', '')}"
-    return f"checkpoint {provenance.get('tag') or 'latest'}" if "run" in provenance else ""
 
 
 def preferred_tables(preferred: dict[int, list[list[dict]]], tok: Tokenizer, min_count: int) -> str:

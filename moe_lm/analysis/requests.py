@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lm.analysis.documents import Documents
-from moe_lm.analysis.subjects import SubjectRequest
+from moe_lm.analysis.subjects import RunSubject, SubjectRequest
 
 CHART_TOKENS = (".", ",", "the", "(", "def", "\n", "what")  # tokens whose routing across layers is charted
 
@@ -31,7 +31,7 @@ class RoutingRequest:
 
     subject: SubjectRequest
     out: Path  # the report folder: trace*/, figures/, routing.html, metrics.json, metrics.csv
-    documents: Documents = Documents()  # default: a run's validation split (the other kinds need data)
+    documents: Documents = Documents()  # default: the documents the subject brings (a run's validation split)
     max_tokens: int = 200_000
     batch_size: int = 16  # windows per forward pass (fewer where their logits would not fit: recording.py)
     # other subjects (a checkpoint of the same run, the run's GGUF export, an HF original) routing the same token
@@ -41,7 +41,22 @@ class RoutingRequest:
     min_count: int = 20  # minimum occurrences for vocabulary specialisation (at least 2)
     init_baseline: bool = True  # the untrained model's trace (baseline N1)
     layers: tuple[int, ...] | None = None  # MoE layers to draw (None: all up to 8, else first, middle, last)
-    wandb: bool = False  # also log the figures to the run's own wandb run
+    wandb: bool = False  # also log the figures to the run's own wandb run (a subject that is a moe-lm run's)
+    # where a subject streamed from disk keeps its work, so that the same analysis resumes it (moe-lm analyze:
+    # `.<out>.stream/` beside the report, moe_lm/analysis/stream_work.py); None: a temporary folder
+    work: Path | None = None
+
+
+@dataclass(frozen=True)
+class AttributionRequest:
+    """`moe-lm analyze --attribute`: where the log-prob change of each other model from the run comes from (weights,
+    routing: flips and gate values), on the documents and windows of the run's trace in `out`."""
+
+    run: RunSubject
+    out: Path  # the report folder holding trace/; attribution.json and attribution.md are written there
+    others: tuple[SubjectRequest, ...] = ()  # each split where its weights run in the run's architecture
+    dtypes: tuple[str, ...] = ()  # the run itself computed in each of these dtypes, against float32
+    n_boot: int = 1000  # bootstrap resamples of documents
 
 
 @dataclass(frozen=True)

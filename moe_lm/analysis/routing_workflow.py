@@ -1,7 +1,7 @@
 """The routing analysis, from checked flags to the report: the documents under the token budget, the traces (the
 subject, its untrained baseline N1, the compared subjects on the same token ids in the same windows), the report's
-numbers and files and the console summary. `moe-lm analyze` (moe_lm/cli/analyze.py) parses the flags and calls
-`analyze_routing`.
+numbers and files, the console summary and, when asked, the run's wandb run. `moe-lm analyze` (moe_lm/cli/analyze.py)
+parses the flags and calls `analyze_routing`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import numpy as np
 
 from moe_lm.analysis.budget import budget_documents, print_sample_lines
 from moe_lm.analysis.documents import document_stream
-from moe_lm.analysis.recording import MAX_BATCH_LOGIT_BYTES, bounded_batch, record_trace
+from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.report import ReportRequest, build_report, figure_layers
 from moe_lm.analysis.requests import RoutingRequest
-from moe_lm.analysis.subjects import Subject, SubjectRequest, load_subject, windows_of
-from moe_lm.analysis.trace import Trace
+from moe_lm.analysis.subjects import Subject, SubjectRequest, TrainingRun, kind_of, load_subject, window_length_of
+from moe_lm.analysis.wandb_log import log_to_wandb
 from moe_lm.errors import ConfigError, DataError, UserError
-from moe_lm.routing.routed_model import LayerwiseModel
-
-Docs = list[tuple[int, np.ndarray]]  # (domain index, token ids) per document
+from moe_lm.routing.routed_model import MAX_BATCH_LOGIT_BYTES, DocumentIds
+from moe_lm.routing.trace import Trace
 
 
 def analyze_routing(req: RoutingRequest) -> dict:
@@ -31,8 +30,8 @@ def analyze_routing(req: RoutingRequest) -> dict:
     metrics."""
     out = Path(req.out)
     out.mkdir(parents=True, exist_ok=True)
-    windows = shared_windows(req)
-    subject = load_subject(dataclasses.replace(req.subject, seq_len=windows))
+    length = shared_window_length(req)
+    subject = load_subject(for_analysis(req.subject, req, length))
     if req.layers:  # why before recording: a --layers that is no MoE layer would be refused after every layer ran
         figure_layers(list(subject.routing.layers), list(req.layers))
     docs, domains, provenance = budgeted_documents(subject, req)
@@ -46,7 +45,7 @@ def analyze_routing(req: RoutingRequest) -> dict:
         print(f"no untrained baseline N1: {subject.no_untrained}")
     compared = tuple(
         record_compared(
-            dataclasses.replace(other, seq_len=subject.seq_len),
+            for_analysis(other, req, subject.seq_len),
             subject,
             shape,
             docs,
@@ -66,32 +65,39 @@ def analyze_routing(req: RoutingRequest) -> dict:
                            layers_to_draw=drawn)  # fmt: skip
     result = build_report(report, out)
     print_summary(result)
+    if req.wandb:
+        log_to_wandb(subject.run, out, result)
     return result
 
 
-def shared_windows(req: RoutingRequest) -> int:
+def for_analysis(what: SubjectRequest, req: RoutingRequest, length: int) -> SubjectRequest:
+    """A subject's request as this analysis runs it: cut into windows of `length` tokens, with the analysis's work
+    folder and the last MoE layer it draws (`SubjectKind.for_analysis`: what a subject streamed from disk uses)."""
+    last = max(req.layers) if req.layers else None
+    return kind_of(what).for_analysis(dataclasses.replace(what, seq_len=length), req.work, last)
+
+
+def shared_window_length(req: RoutingRequest) -> int:
     """The window length every subject is cut into: --seq-len or the subject's own (a run's train.seq_len), capped
     by the context of the subject and of every compared subject, so that all of them route the same tokens with the
     same context (windows of other lengths give other routing: a run trained at 2,048 tokens against its own f32
     GGUF at 1,024 flipped 5.9 % of tokens). A cap is said in one line."""
-    wanted, _ = windows_of(req.subject)
-    windows, why = wanted, ""
+    wanted, _ = window_length_of(req.subject)
+    length, why = wanted, ""
     for what in (req.subject, *req.compare):
-        _, context = windows_of(what)
-        if context is not None and context < windows:
-            windows, why = context, f"{what.label}'s context is {context:,} tokens"
-    if windows < wanted:
-        print(f"windows of {windows:,} tokens for every subject, not {wanted:,}: {why}")
-    return windows
+        _, context = window_length_of(what)
+        if context is not None and context < length:
+            length, why = context, f"{what.label}'s context is {context:,} tokens"
+    if length < wanted:
+        print(f"windows of {length:,} tokens for every subject, not {wanted:,}: {why}")
+    return length
 
 
 def batch_within_memory(batch_size: int, subject: Subject) -> int:
-    """--batch-size, or fewer windows where a forward pass's logits would pass trace.MAX_BATCH_LOGIT_BYTES (said). A
-    streamed subject computes its log-probs a few windows at a time, so its batches stay whole: a routed expert's
-    product has a batch's rows that chose it (DeepSeek-V3: 512 of 16 windows, 64 of the 2 the logits would allow)."""
-    if isinstance(subject.routing, LayerwiseModel):
-        return batch_size
-    bounded = bounded_batch(batch_size, subject.seq_len, subject.vocab_size)
+    """--batch-size, or fewer windows where the subject's routing would hold more than MAX_BATCH_LOGIT_BYTES of
+    logits at once (said; `RoutedModel.windows_per_pass`: a model run whole cuts its batches, one streamed from disk
+    makes its log-probs a few windows at a time and keeps them)."""
+    bounded = subject.routing.windows_per_pass(batch_size, subject.seq_len, subject.vocab_size)
     if bounded < batch_size:
         print(
             f"--batch-size {batch_size}: {bounded} windows per forward pass (the logits of {subject.seq_len:,} "
@@ -100,7 +106,7 @@ def batch_within_memory(batch_size: int, subject: Subject) -> int:
     return bounded
 
 
-def budgeted_documents(subject: Subject, req: RoutingRequest) -> tuple[Docs, list[str], dict]:
+def budgeted_documents(subject: Subject, req: RoutingRequest) -> tuple[DocumentIds, list[str], dict]:
     """The documents to analyse under --max-tokens (spread equally over the domains, reported on the console),
     the domain names, and the traces' provenance (where the documents came from and what each domain gave)."""
     max_tokens = req.max_tokens
@@ -125,7 +131,7 @@ def budgeted_documents(subject: Subject, req: RoutingRequest) -> tuple[Docs, lis
 
 
 def record_trained(
-    subject: Subject, docs: Docs, domains: list[str], provenance: dict, out: Path, common: dict
+    subject: Subject, docs: DocumentIds, domains: list[str], provenance: dict, out: Path, common: dict
 ) -> Trace:
     """The trained model's trace into out/trace; the model is let go afterwards (`common`: seq_len, batch_size)."""
     trace = record_trace(
@@ -138,7 +144,7 @@ def record_trained(
 
 
 def record_untrained(
-    subject: Subject, docs: Docs, domains: list[str], provenance: dict, out: Path, common: dict
+    subject: Subject, docs: DocumentIds, domains: list[str], provenance: dict, out: Path, common: dict
 ) -> Trace:
     """Baseline N1: the same tokens through the untrained model, into out/trace_init."""
     return record_trace(
@@ -147,7 +153,7 @@ def record_untrained(
     )  # fmt: skip
 
 
-def first_other_token(subject: Subject, other: Subject, docs: Docs) -> tuple[int, bytes, bytes] | None:
+def first_other_token(subject: Subject, other: Subject, docs: DocumentIds) -> tuple[int, bytes, bytes] | None:
     """The first id the documents use that stands for other bytes to `other` than to `subject` (with both), or None.
     why every id used and not a probe sentence: two vocabularies that swap two pieces cut a probe into the same ids
     unless it holds one of them, yet mean other words wherever the documents do."""
@@ -168,7 +174,7 @@ def record_compared(
     what: SubjectRequest,
     subject: Subject,
     shape: tuple,
-    docs: Docs,
+    docs: DocumentIds,
     domains: list[str],
     provenance: dict,
     out: Path,
@@ -196,7 +202,7 @@ def record_compared(
             f"compared subject {label}: MoE layers {layers} of {E} experts (top-{K}), the subject's {shape[0]} of "
             f"{shape[1]} (top-{shape[2]}): not the same architecture"
         )
-    if other.seq_len != subject.seq_len:  # shared_windows keeps it from happening; never compare other windows
+    if other.seq_len != subject.seq_len:  # shared_window_length keeps it from happening: never compare other windows
         raise UserError(f"compared subject {label} takes windows of at most {other.seq_len:,} tokens, the subject was "
                         f"cut into {subject.seq_len:,}: give --seq-len {other.seq_len}")  # fmt: skip
     trace = record_trace(
@@ -206,9 +212,9 @@ def record_compared(
     return label, trace
 
 
-def training_metrics(run: Path | None) -> list[dict] | None:
+def training_metrics(run: TrainingRun | None) -> list[dict] | None:
     """The rows of a moe-lm run's metrics.jsonl (for the load-over-training figure); None without one."""
-    metrics_file = run / "metrics.jsonl" if run else None
+    metrics_file = run.folder / "metrics.jsonl" if run else None
     if not (metrics_file and metrics_file.is_file()):
         return None
     return [json.loads(line) for line in metrics_file.read_text().splitlines()]

@@ -152,7 +152,7 @@ def analysis(folder: Path, data: Path, out: Path, args: argparse.Namespace, max_
 
 
 def same_experts(a: Path, b: Path) -> bool:
-    from moe_lm.analysis.trace import Trace
+    from moe_lm.routing.trace import Trace
 
     x, y = Trace(a), Trace(b)
     return x.layers == y.layers and all(np.array_equal(x.experts(layer), y.experts(layer)) for layer in x.layers)

@@ -51,12 +51,12 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--max-documents must be at least 1, got {args.max_documents}")
     out = output_folder(args, "ablate")  # why first: a bad --out should fail before any model is loaded
     kinds = reroutable_kinds()
-    check_subject(args, kinds)
+    settings = check_subject(args, kinds)
     require("matplotlib", "analysis", "moe-lm ablate (its figures)")
     from moe_lm.analysis.ablation_workflow import ablate_experts
 
     with out.staged() as folder:
-        ablate_experts(from_flags(AblationRequest, args, subject=subject_request(args, kinds), out=folder,
+        ablate_experts(from_flags(AblationRequest, args, subject=subject_request(args, kinds, settings), out=folder,
                                   documents=documents_request(args), targets=tuple(args.targets or ())))  # fmt: skip
     print(f"wrote ablation.json, ablation.md and ablation.png to {out.path}")
 

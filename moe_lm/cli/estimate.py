@@ -15,10 +15,10 @@ bubble; compare it with a measured peak (peak_mem_gib in every train row on CUDA
 (moe_lm/planning/comm_plan.py): the dispatcher's bytes per GPU and step, within the node and across nodes,
 expected under uniform routing with and without the group limit (and for a recorded routing trace), the time they
 take at the given bandwidths, the compute time at the given MFU, and their ratio: how much of the all-to-all must
-hide behind compute. With --placement (moe_lm/planning/placement.py): DeepSeek's EPLB of the trace's expert loads,
-planned on half of each domain's documents and measured on the other half, per domain too (vLLM's balancedness
-over ranks, Megatron-Core's overload factor, the ranks' coefficient of variation, against experts laid out
-contiguously), written as SGLang's --init-expert-location file and vLLM's expert map. The same as
+hide behind compute. With --placement (moe_lm/planning/placement_workflow.py): DeepSeek's EPLB of the trace's
+expert loads, planned on half of each domain's documents and measured on the other half, per domain too (vLLM's
+balancedness over ranks, Megatron-Core's overload factor, the ranks' coefficient of variation, against experts laid
+out contiguously), written as SGLang's --init-expert-location file and vLLM's expert map. The same as
 `python launch/estimate_memory.py`.
 """
 
@@ -28,8 +28,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-
-import numpy as np
 
 from moe_lm.cli import main_of
 from moe_lm.cli.options import add_config, load
@@ -158,70 +156,50 @@ def links_and_bytes(args, cfg):
 
 
 def write_placement(out, trace, cfg, layout, args) -> None:
-    """EPLB from the trace (planned on half of each domain's documents, measured on the others), its statistics and
-    the all-to-all time it gives printed and written with the engines' placement files into `out`."""
-    from moe_lm.planning.comm_plan import slowest_rank_step
-    from moe_lm.planning.placement import (
-        held_out_placement,
-        held_out_rows,
-        identity_placement,
-        sglang_expert_location,
-        vllm_expert_map,
-    )
+    """EPLB from the trace (planned on half of each domain's documents, measured on the others; moe_lm/planning/
+    placement_workflow.py), its statistics and the all-to-all time it gives printed, and the engines' placement
+    files written into `out`."""
+    from moe_lm.planning.placement_workflow import engine_files, plan_placement
 
-    redundant = args.redundant
-
-    R = layout.ep_size  # `redundant` is a multiple of R and within the cap: redundant_slots checked it
-    nodes = len(set(layout.ep_nodes()))
-    try:
-        result = held_out_placement(trace, R, nodes, cfg.model.moe.n_group, redundant)
-    except ValueError as e:
-        raise UserError(f"--trace {trace.folder}: {e}") from None
-    phy2log = np.array(result["phy2log"])
-    print(f"placement (DeepSeek's EPLB, {trace.n_experts} experts + {redundant} redundant slots on {R} EP ranks over "
-          f"{nodes} node(s), {cfg.model.moe.n_group} group(s)): planned on half of each domain's documents, measured "
-          "on the other half; contiguous -> placed")  # fmt: skip
-    print(f"  {'tokens':24s} {'balancedness':>16s} {'overload mean':>16s} {'overload max':>16s} {'rank CV':>16s}")
-    rows = [("planned on", result["planned_on"]), ("held out", result["held_out"])]
-    rows += [(f"  held out, {d}", r) for d, r in result["held_out_by_domain"].items()]
-    for name, r in rows:
-        cells = [f"{r['contiguous'][key]:.3f} -> {r['placed'][key]:.3f}" for key in
-                 ("balancedness", "overload_factor_mean", "overload_factor_max", "rank_cv")]  # fmt: skip
-        print(f"  {name:24s} " + " ".join(f"{c:>16s}" for c in cells))
-    held = held_out_rows(np.asarray(trace.doc), np.asarray(trace.domain))
     links, out_elem, elem = links_and_bytes(args, cfg)
-    try:
-        a2a = {name: 1e3 * slowest_rank_step(trace, held, p, cfg, layout, links, out_elem, elem)
-               for name, p in (("contiguous", identity_placement(len(trace.layers), trace.n_experts)),
-                               ("placed", phy2log))}  # fmt: skip
-    except DataError as e:
+    try:  # `args.redundant` is a multiple of ep_size and within the cap: redundant_slots checked it
+        placement = plan_placement(trace, cfg, layout, links, args.redundant, out_elem, elem)
+    except (ValueError, DataError) as e:
         raise UserError(f"--trace {trace.folder}: {e}") from None
-    result["all_to_all_ms_per_step"] = {**a2a, "intra_gbs": links.intra_gbs, "inter_gbs": links.inter_gbs}
-    ratio = a2a["placed"] / a2a["contiguous"] if a2a["contiguous"] > 0 else float("nan")
-    print(f"  all-to-all per GPU and step on the held-out tokens, each layer as long as its slowest rank: contiguous "
-          f"{a2a['contiguous']:.3g} ms -> placed {a2a['placed']:.3g} ms ({ratio:.2f}x)")  # fmt: skip
-    # the engines' files hold the decoder's layers: SGLang's map has a row per decoder layer, and vllm-ascend places
-    # an MTP layer itself (eplb_utils.py, `expert_file_to_tensor`)
-    decoder = [i for i, layer in enumerate(trace.layers) if layer < cfg.model.n_layers]
     try:
-        files = {
-            "placement.json": result,
-            "sglang_expert_location.json": sglang_expert_location(
-                phy2log[decoder], [trace.layers[i] for i in decoder], cfg.model.n_layers
-            ),
-            "vllm_expert_map.json": vllm_expert_map(phy2log[decoder], R),
-        }
+        files = engine_files(placement, trace, cfg.model.n_layers, layout.ep_size)
     except ValueError as e:  # why kept: a file an engine misreads is refused, not written (nothing is written)
         raise UserError(f"--placement {out.path}: {e}") from None
+    print_placement(placement, trace, cfg, layout)
     with out.staged() as folder:
         for name, content in files.items():
             (folder / name).write_text(json.dumps(content) + "\n")
     print(f"wrote {', '.join(files)} to {out.path}")
 
 
+def print_placement(placement: dict, trace, cfg, layout) -> None:
+    """The placement's statistics, contiguous -> placed, planned on, held out and per held-out domain, and the
+    all-to-all it gives."""
+    nodes = len(set(layout.ep_nodes()))
+    print(f"placement (DeepSeek's EPLB, {trace.n_experts} experts + {placement['redundant']} redundant slots on "
+          f"{layout.ep_size} EP ranks over {nodes} node(s), {cfg.model.moe.n_group} group(s)): planned on half of each "
+          "domain's documents, measured on the other half; contiguous -> placed")  # fmt: skip
+    print(f"  {'tokens':24s} {'balancedness':>16s} {'overload mean':>16s} {'overload max':>16s} {'rank CV':>16s}")
+    rows = [("planned on", placement["planned_on"]), ("held out", placement["held_out"])]
+    rows += [(f"  held out, {d}", r) for d, r in placement["held_out_by_domain"].items()]
+    for name, r in rows:
+        cells = [f"{r['contiguous'][key]:.3f} -> {r['placed'][key]:.3f}" for key in
+                 ("balancedness", "overload_factor_mean", "overload_factor_max", "rank_cv")]  # fmt: skip
+        print(f"  {name:24s} " + " ".join(f"{c:>16s}" for c in cells))
+    a2a = placement["all_to_all_ms_per_step"]
+    ratio = a2a["placed"] / a2a["contiguous"] if a2a["contiguous"] > 0 else float("nan")
+    print(f"  all-to-all per GPU and step on the held-out tokens, each layer as long as its slowest rank: contiguous "
+          f"{a2a['contiguous']:.3g} ms -> placed {a2a['placed']:.3g} ms ({ratio:.2f}x)")  # fmt: skip
+
+
 def read_trace(folder: str):
     """The routing trace at `folder` (moe-lm analyze's trace/), or a UserError naming what is wrong with it."""
-    from moe_lm.analysis.trace import Trace
+    from moe_lm.routing.trace import Trace
 
     try:
         trace = Trace(folder)

@@ -1,10 +1,11 @@
-"""One arm of an experiment: its runs in seed order with their per-document arrays (final_eval.npz), and the
-metrics a comparison reads off them, for all documents or a resampled set."""
+"""One arm of an experiment: its runs in seed order with their per-document arrays (final_eval.npz) and step rows
+(metrics.jsonl), and the metrics a comparison reads off them, for all documents or a resampled set."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from moe_lm.experiments.curves import rows
 from moe_lm.experiments.final_eval import ARRAYS
 from moe_lm.experiments.measures import METRICS
 from moe_lm.experiments.runner import Run
@@ -22,3 +23,7 @@ class ArmData:
         a = self.arrays[s]
         docs = np.arange(len(a["nll"])) if docs is None else docs
         return METRICS[name].read(a, self.runs[s].result, docs)
+
+    def step_rows(self, s: int, kind: str) -> list[dict]:
+        """The `kind` rows ("train", "eval") of run `s`'s metrics.jsonl."""
+        return rows(self.runs[s].folder, kind)

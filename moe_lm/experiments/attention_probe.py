@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from moe_lm.data.batches import eval_windows
+from moe_lm.data.prepare import load_split
 from moe_lm.model.attention import ScaledDotProductAttention
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -130,3 +132,11 @@ def synthetic_erank(n: int, d: int, scales: list[float], seed: int = 0, trials: 
         for kind in out:
             out[kind].append(sum(er[kind]) / trials)
     return out
+
+
+def probe_windows(cfg, n: int) -> torch.Tensor:
+    """n fixed validation windows [n, seq_len + 1], taken round-robin over the domains."""
+    sets = list(eval_windows(load_split(cfg.data.out_dir, "val"), cfg.train.seq_len, n).values())
+    full = [w for w in sets if w.shape[1] == cfg.train.seq_len + 1]
+    picked = [s[i] for i in range(n) for s in full if i < len(s)][:n]
+    return torch.stack(picked)

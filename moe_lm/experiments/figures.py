@@ -1,6 +1,7 @@
 """An experiment's figures: validation loss over training on the scored labels (against tokens, FLOPs and measured
-training time), the per-domain deltas of the loss comparisons, the delta by distance from a prefix boundary, and with
-routing measured, MaxVio_batch over steps and the relative expert load per domain (DeepSeek-V3's Fig. 9)."""
+training time), the per-domain deltas of the loss comparisons, the delta by distance from a prefix boundary, and the
+figures of the measures it asks for (measures.py: with routing, MaxVio_batch over steps and the relative expert load
+per domain, DeepSeek-V3's Fig. 9)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.experiments.arm_data import ArmData
-from moe_lm.experiments.curves import eval_curve, rows, scored_loss_key
+from moe_lm.experiments.curves import eval_curve, scored_loss_key
+from moe_lm.experiments.measures import MEASURES
 from moe_lm.experiments.spec import Experiment
 from moe_lm.model import train_flops_per_token
 
@@ -26,9 +28,8 @@ def draw(exp: Experiment, by_arm: dict[str, ArmData], comparisons: list[dict], d
         written.append(_draw_deltas(loss_cmp, domains, folder / "deltas.png"))
     if exp.score_from > 1 and loss_cmp:
         written.append(_draw_delta_by_distance(exp, by_arm, loss_cmp, folder / "delta_by_distance.png"))
-    if "routing" in exp.measures:
-        written.append(_draw_maxvio(by_arm, folder / "maxvio_batch.png"))
-        written.append(_draw_relative_load(by_arm, domains, folder / "relative_load.png"))
+    for name in exp.measures:
+        written += MEASURES[name].figures(by_arm, domains, folder)
     return [str(path) for path in written]
 
 
@@ -117,60 +118,3 @@ def _draw_delta_by_distance(exp: Experiment, by_arm: dict[str, ArmData], loss_cm
     fig.legend(loc="outside lower center", fontsize="small")
     save(fig, path)
     return path
-
-
-def _draw_maxvio(by_arm: dict[str, ArmData], path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    from moe_lm.analysis.plots import save
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, data in by_arm.items():
-        curves = []
-        for r in data.runs:
-            train = rows(r.folder, "train")
-            curves.append([np.mean([v for k, v in row.items() if k.startswith("maxvio/")]) for row in train])
-        n = min(len(c) for c in curves)
-        steps = [row["step"] for row in rows(data.runs[0].folder, "train")][:n]
-        ax.plot(steps, np.mean([c[:n] for c in curves], 0), label=arm)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MaxVio_batch (mean over MoE layers and seeds)")
-    ax.set_yscale("log")
-    ax.legend()
-    save(fig, path)
-    return path
-
-
-def _draw_relative_load(by_arm: dict[str, ArmData], domains: list[str], path: Path) -> Path:
-    """Per arm (rows) and MoE layer (columns): each domain's load on each expert relative to a uniform share
-    (token-slots / (the domain's token-slots / experts)), summed over seeds, on the whole validation split."""
-    import matplotlib.pyplot as plt
-
-    from moe_lm.analysis.plots import save
-
-    loads = {arm: relative_load(data) for arm, data in by_arm.items()}
-    n_layers = max(v.shape[0] for v in loads.values())
-    fig, axes = plt.subplots(len(loads), n_layers, figsize=(3.2 * n_layers + 1, 1.6 * len(loads) + 1), squeeze=False)
-    top = max(float(v.max()) for v in loads.values())
-    for row, (arm, load) in enumerate(loads.items()):
-        for j in range(n_layers):
-            image = axes[row, j].imshow(load[j], vmin=0, vmax=top, cmap="viridis", aspect="auto")
-            axes[row, j].set_yticks(range(len(domains)), domains if j == 0 else [""] * len(domains), fontsize=7)
-            axes[row, j].set_title(f"{arm}, MoE layer {j + 1}", fontsize=8)
-            axes[row, j].set_xlabel("expert", fontsize=7)
-    fig.colorbar(image, ax=axes, label="load / uniform share")
-    save(fig, path)
-    return path
-
-
-def relative_load(data: ArmData) -> np.ndarray:
-    """[MoE layer, domain, expert]: the domain's token-slots on the expert over its uniform share (1 = balanced)."""
-    counts = sum(_by_domain(a["expert_counts"], a["domain"]) for a in data.arrays)
-    return counts / (counts.sum(-1, keepdims=True) / counts.shape[-1])
-
-
-def _by_domain(expert_counts: np.ndarray, domain: np.ndarray) -> np.ndarray:
-    """[documents, layers, experts] -> [layers, domains, experts]."""
-    out = np.zeros((expert_counts.shape[1], int(domain.max()) + 1, expert_counts.shape[2]))
-    np.add.at(out, (slice(None), domain), expert_counts.transpose(1, 0, 2))
-    return out

@@ -1,14 +1,17 @@
 """What an experiment can measure, each in one registry:
 
+    MEASURES  what the final evaluation records beyond the loss (`measures: [...]`): how it is recorded (its
+              Recording, recording.py, started on each run's final evaluation), how a final_eval.json shows that it
+              holds it (a run evaluated without it is evaluated again), its lines in the report and its figures
     METRICS   what a comparison may name (`metric: ...`): how it is read off a run's final evaluation (its
               per-document arrays, final_eval.npz, and its result, final_eval.json), its unit, whether it has
               per-document values (then its interval also resamples documents), and the measure that records it
-    MEASURES  what the final evaluation records beyond the loss (`measures: [...]`), and how a final_eval.json shows
-              that it holds it (a run evaluated without it is evaluated again)
     PROBES    experiments that measure another experiment's runs (`probe: rank`): the function that does it
 
-A new metric is one `register_metric` (its measure registered first); spec.py checks a definition against these,
-arm_data.py reads metrics through them, the runner asks MEASURES whether a run is evaluated, the report prints units.
+A new measure is one `register_measure` here (its recording, its report lines and figures with it); a new metric is
+one `register_metric` (its measure registered first). spec.py checks a definition against these, final_eval.py runs
+the measures a definition names, the runner asks MEASURES whether a run is evaluated, arm_data.py reads metrics
+through them, the report prints their lines, units and figures.
 """
 
 from __future__ import annotations
@@ -16,17 +19,32 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from moe_lm.experiments import routing_measure
+from moe_lm.experiments.attention_probe import erank_by_layer, probe_windows
+from moe_lm.experiments.recording import Evaluation, Recording, of_the_model
+from moe_lm.experiments.routing_measure import domain_jsd_of_documents
+from moe_lm.model import initial_model
 from moe_lm.routing import stats
+
+RANK_WINDOWS = 32  # validation windows the attention-rank measure reads (as the rank experiment's probe)
+
+
+def no_figures(by_arm: dict, domains: list[str], folder: Path) -> list[Path]:
+    return []
 
 
 @dataclass(frozen=True)
 class Measure:
     name: str
-    recorded: Callable[[dict], bool]  # whether a final_eval.json holds it
     about: str
+    start: Callable[[Evaluation], Recording]  # made before a run's final evaluation runs its first batch
+    recorded: Callable[[dict], bool]  # whether a final_eval.json holds it
+    report: Callable[[dict], list[str]]  # its lines in report.md, from each arm's runs (arm -> ArmData)
+    figures: Callable[[dict, list[str], Path], list[Path]] = no_figures  # (arm -> ArmData, domains, folder) -> files
 
 
 @dataclass(frozen=True)
@@ -63,11 +81,36 @@ def probe_function(name: str) -> Callable:
     return getattr(importlib.import_module(module), function)
 
 
-def domain_jsd_of_documents(counts_NE: np.ndarray, doc_domain: np.ndarray, n_domains: int) -> float:
-    """The mean pairwise domain JSD (bits) from per-document expert counts [N docs, E] and each document's domain."""
-    per_domain = np.zeros((n_domains, counts_NE.shape[1]))
-    np.add.at(per_domain, doc_domain, counts_NE)
-    return stats.mean_domain_jsd(per_domain)
+# ---- attention_rank: the effective rank of the attention matrices, trained and at initialisation --------------------
+
+
+def attention_rank(evaluation: Evaluation) -> dict:
+    """Every layer's attention erank on RANK_WINDOWS validation windows, read the way the run's objective reads them
+    (an MLM's masked inputs), trained and at initialisation."""
+    model, objective = evaluation.model, evaluation.objective
+    probe, untrained = probe_windows(evaluation.cfg, RANK_WINDOWS), initial_model(evaluation.cfg).eval()
+    return {"attention_rank": {
+        "windows": len(probe),
+        "erank": erank_by_layer(model, probe, forward=lambda chunk: objective.run(model, chunk)),
+        "erank_init": erank_by_layer(untrained, probe, forward=lambda chunk: objective.run(untrained, chunk)),
+    }}  # fmt: skip
+
+
+def attention_rank_lines(by_arm: dict) -> list[str]:
+    n_windows = next(iter(by_arm.values())).runs[0].result["attention_rank"]["windows"]
+    lines = ["", f"Effective rank of the attention matrices (mean over heads and {n_windows} validation windows, "
+             "read as in training; mean over seeds), by layer:", "", "| arm | trained | at initialisation |",
+             "|---|---|---|"]  # fmt: skip
+    for arm, data in by_arm.items():
+        cells = [
+            ", ".join(f"{v:.1f}" for v in np.mean([r.result["attention_rank"][key] for r in data.runs], 0))
+            for key in ("erank", "erank_init")
+        ]
+        lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+# ---- metrics ---------------------------------------------------------------------------------------------------------
 
 
 def _loss(a: dict, result: dict, docs: np.ndarray) -> float:
@@ -96,13 +139,13 @@ def _erank(a: dict, result: dict, docs: np.ndarray) -> float:
 
 
 register_measure(Measure(
-    "routing",
-    lambda result: bool(result.get("routing")) and all("domain_jsd_init" in v for v in result["routing"].values()),
-    "token-slots per MoE layer and expert per document; MaxVio_global, domain JSD with its N1 and N2 baselines",
+    "routing", "token-slots per MoE layer and expert per document; MaxVio_global, domain JSD with its N1 and N2 "
+    "baselines", routing_measure.RoutingRecording, routing_measure.recorded, routing_measure.routing_lines,
+    routing_measure.routing_figures,
 ))  # fmt: skip
 register_measure(Measure(
-    "attention_rank", lambda result: "attention_rank" in result,
-    "the effective rank of every layer's attention matrices on fixed validation windows, trained and at init",
+    "attention_rank", "the effective rank of every layer's attention matrices on fixed validation windows, trained "
+    "and at init", of_the_model(attention_rank), lambda result: "attention_rank" in result, attention_rank_lines,
 ))  # fmt: skip
 register_metric(Metric("loss", "nats/token", _loss, True, None, "the validation loss on the scored labels"))
 register_metric(Metric("maxvio_global", "", _maxvio, True, "routing", "MaxVio over the whole split, mean over layers"))

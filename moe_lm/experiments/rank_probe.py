@@ -24,11 +24,11 @@ from moe_lm.experiments.attention_probe import (
     attention_logits,
     attention_matrices,
     capture_attention,
+    probe_windows,
     rank_metrics,
     relative_residual,
     synthetic_erank,
 )
-from moe_lm.experiments.final_eval import probe_windows
 from moe_lm.experiments.report import closing_sections, command, common_inputs, compare
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Experiment

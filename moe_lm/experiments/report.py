@@ -16,7 +16,7 @@ from moe_lm.experiments import power, stats
 from moe_lm.experiments.arm_data import ArmData
 from moe_lm.experiments.curves import train_seconds, train_validation_gap
 from moe_lm.experiments.figures import draw
-from moe_lm.experiments.measures import METRICS
+from moe_lm.experiments.measures import MEASURES, METRICS
 from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import Comparison, Experiment
 from moe_lm.model import count_params, decode_flops_per_token, train_flops_per_token
@@ -228,44 +228,11 @@ def _result_lines(exp: Experiment, results: dict, by_arm: dict[str, ArmData]) ->
     lines = ["", "## Results (validation loss, nats/token; mean ± sd over seeds)", ""]
     lines += ["| arm | loss | " + " | ".join(doms) + " |", "|---|---|" + "---|" * len(doms)]
     for arm, data in by_arm.items():
-        cells = [_mean_sd([r.result["loss"] for r in data.runs])]
-        cells += [_mean_sd([r.result.get(f"loss/{d}", np.nan) for r in data.runs]) for d in doms]
+        cells = [stats.mean_sd([r.result["loss"] for r in data.runs])]
+        cells += [stats.mean_sd([r.result.get(f"loss/{d}", np.nan) for r in data.runs]) for d in doms]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    if "routing" in exp.measures:
-        lines += _routing_lines(by_arm)
-    if "attention_rank" in exp.measures:
-        lines += _attention_rank_lines(by_arm)
-    return lines
-
-
-def _routing_lines(by_arm: dict[str, ArmData]) -> list[str]:
-    lines = ["", "| arm | MaxVio_global (floor) | domain JSD, bits | at init (N1) | token-shuffled (N2) | JSD - N2 |"]
-    lines.append("|---|---|---|---|---|---|")
-    for arm, data in by_arm.items():
-        per = [list(r.result["routing"].values()) for r in data.runs]
-        mv = [np.mean([v["maxvio_global"] for v in p]) for p in per]
-        floor = np.mean([v["maxvio_floor"] for v in per[0]])
-        jsd = [np.mean([v["domain_jsd"] for v in p]) for p in per]
-        sh = [np.mean([v["domain_jsd_shuffled"] for v in p]) for p in per]
-        n1 = [np.mean([v["domain_jsd_init"] for v in p]) for p in per]
-        lines.append(
-            f"| {arm} | {_mean_sd(mv)} ({floor:.3f}) | {_mean_sd(jsd)} | {_mean_sd(n1)} | {_mean_sd(sh)} | "
-            f"{_mean_sd(np.subtract(jsd, sh))} |"
-        )
-    return lines
-
-
-def _attention_rank_lines(by_arm: dict[str, ArmData]) -> list[str]:
-    n_windows = next(iter(by_arm.values())).runs[0].result["attention_rank"]["windows"]
-    lines = ["", f"Effective rank of the attention matrices (mean over heads and {n_windows} validation windows, "
-             "read as in training; mean over seeds), by layer:", "", "| arm | trained | at initialisation |",
-             "|---|---|---|"]  # fmt: skip
-    for arm, data in by_arm.items():
-        cells = [
-            ", ".join(f"{v:.1f}" for v in np.mean([r.result["attention_rank"][key] for r in data.runs], 0))
-            for key in ("erank", "erank_init")
-        ]
-        lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
+    for name in exp.measures:
+        lines += MEASURES[name].report(by_arm)
     return lines
 
 
@@ -281,7 +248,7 @@ def _training_lines(results: dict) -> list[str]:
     for row in results["arms"]:
         t = row["training"]
         secs = f"{row['train_seconds']:.0f}" if row["train_seconds"] else "-"
-        cells = [_mean_sd([r[k] for r in t]) for k in ("train_loss", "validation_loss", "gap")]
+        cells = [stats.mean_sd([r[k] for r in t]) for k in ("train_loss", "validation_loss", "gap")]
         lines.append(
             f"| {row['arm']} | {secs} | {np.mean([r['tokens_per_s'] for r in t]):,.0f} | " + " | ".join(cells) + " |"
         )
@@ -346,10 +313,3 @@ def closing_sections(exp: Experiment, figures: list[str]) -> list[str]:
     if exp.notes:
         lines += ["", "## Notes", "", exp.notes.strip()]
     return lines
-
-
-def _mean_sd(values) -> str:
-    v = np.asarray(values, dtype=float)
-    if len(v) < 2:
-        return f"{v.mean():.4f}"
-    return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}"

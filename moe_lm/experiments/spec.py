@@ -9,8 +9,9 @@
         seeds: 3              seeds 0 .. n-1 (--seeds); the seed fixes initialisation and data order, so arms are
                               paired by seed
         score_from: 1         evaluation scores the tokens from this window position on (128: the prefix-LM targets)
-        measures: [routing]   beyond the loss: routing (MaxVio_global, domain JSD and its token-shuffled
-                              baseline), attention_rank (effective rank of the attention matrices: metric erank)
+        measures: [routing]   beyond the loss, the measures registered in measures.py: routing (MaxVio_global,
+                              domain JSD and its token-shuffled baseline), attention_rank (effective rank of the
+                              attention matrices: metric erank)
         arms:                 name -> overrides
         extended_arms:        more arms, run with --extended
         comparisons:          each: delta = metric(a) - metric(b) per seed, and the prediction to test

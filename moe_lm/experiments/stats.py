@@ -165,3 +165,11 @@ def verdict(deltas: list[float], low: float, high: float, expect: str, margin: f
     if expect == "equivalent":
         return "inconclusive", f"the interval reaches past the margin ({resolution})"
     return "inconclusive", f"the interval includes the threshold ({resolution})"
+
+
+def mean_sd(values) -> str:
+    """ "mean ± sd" of per-seed values (the sample sd), as a report's cell; the mean alone for one seed."""
+    v = np.asarray(values, dtype=float)
+    if len(v) < 2:
+        return f"{v.mean():.4f}"
+    return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}"

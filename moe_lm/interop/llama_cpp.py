@@ -41,7 +41,7 @@ from moe_lm.interop.gguf_header import GGUFHeader, read_gguf_header
 from moe_lm.interop.gguf_header import tensor_types as header_tensor_types
 from moe_lm.interop.held_signals import held_signals
 from moe_lm.interop.llama_process import probe, quantize_in_child
-from moe_lm.routing.routed_model import Routed, Window
+from moe_lm.routing.routed_model import BatchRouted, Routed, Window
 from moe_lm.routing.stats import decision_margins
 
 EXTRA = "llama"  # pip install -e '.[llama]': llama-cpp-python, built from source
@@ -122,10 +122,10 @@ def moe_problems(header: GGUFHeader) -> list[str]:
     return problems
 
 
-class GGUFModel:
+class GGUFModel(BatchRouted):
     """A GGUF MoE model loaded in llama.cpp (CPU), with its tokenizer (`tok`): a RoutedModel
-    (moe_lm/routing/routed_model.py). `route(tokens)` runs one sequence, `route_batch(windows)` several (what the
-    recorder calls). `close()` frees it (the tokenizer with it)."""
+    (moe_lm/routing/routed_model.py) recorded a batch at a time. `route(tokens)` runs one sequence,
+    `route_batch(windows)` several (what its recording calls). `close()` frees it (the tokenizer with it)."""
 
     gives = frozenset({"weights", "margins", "logprob"})
 

@@ -33,6 +33,7 @@ import numpy as np
 from moe_lm.errors import ConfigError, DataError
 from moe_lm.parallel.traffic import KINDS, combine_row_bytes, dispatch_row_bytes, pair_kind
 from moe_lm.planning.placement import identity_placement, rank_loads, rebalance_experts
+from moe_lm.routing.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ def layer_passes(cfg) -> float:
     return moe_layers * (2 + (cfg.performance.activation_checkpointing != "none"))
 
 
-def slowest_rank_step(trace, rows: np.ndarray, phy2log: np.ndarray, cfg, layout: Layout, links: Links,
+def slowest_rank_step(trace: Trace, rows: np.ndarray, phy2log: np.ndarray, cfg, layout: Layout, links: Links,
                       dispatch_elem: int, combine_elem: int) -> float:  # fmt: skip
     """Seconds of a training step's all-to-all for the trace's tokens `rows` (a mask), dealt to the EP ranks by
     sequence and scaled to a step's tokens per GPU, experts placed by `phy2log` [MoE layers, slots] (the identity:
@@ -348,8 +349,8 @@ class TraceLoad:
     redundant: int
 
 
-def trace_plan(trace, cfg, layout: Layout, redundant: int, dispatch_elem: int, combine_elem: int):
-    """(StepTraffic, TraceLoad) for the tokens of a recorded routing trace (moe_lm.analysis.trace.Trace)."""
+def trace_plan(trace: Trace, cfg, layout: Layout, redundant: int, dispatch_elem: int, combine_elem: int):
+    """(StepTraffic, TraceLoad) for the tokens of a recorded routing trace."""
     moe, nodes = cfg.model.moe, layout.ep_nodes()
     E, R = moe.n_routed_experts, layout.ep_size
     if (trace.n_experts, trace.k) != (E, moe.num_experts_per_tok):

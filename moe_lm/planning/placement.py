@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_lm.routing.trace import Trace
+
 
 def balanced_packing(weight: np.ndarray, num_packs: int, labels: np.ndarray | None = None):
     """(pack of each item, its rank within the pack), both [X, n]: every pack gets n / num_packs items. `labels`
@@ -246,7 +248,7 @@ def vllm_expert_map(phy2log: np.ndarray, num_ranks: int) -> dict:
 # ---- planned on some documents, measured on others -------------------------------------------------------------
 
 
-def expert_counts(trace, rows: np.ndarray) -> np.ndarray:
+def expert_counts(trace: Trace, rows: np.ndarray) -> np.ndarray:
     """[MoE layers, experts]: token-slots per expert among the trace's `rows` (a boolean mask over its tokens)."""
     return np.stack([np.bincount(np.asarray(trace.experts(layer))[rows].ravel(), minlength=trace.n_experts)
                      for layer in trace.layers]).astype(np.float64)  # fmt: skip
@@ -263,8 +265,8 @@ def held_out_rows(doc: np.ndarray, domain: np.ndarray) -> np.ndarray:
     return np.repeat(nth % 2 == 1, np.diff(np.r_[starts, len(doc)]))
 
 
-def held_out_placement(trace, ranks: int, nodes: int, groups: int, redundant: int) -> dict:
-    """EPLB planned on half the documents of each domain of a routing trace (moe_lm.analysis.trace.Trace) and
+def held_out_placement(trace: Trace, ranks: int, nodes: int, groups: int, redundant: int) -> dict:
+    """EPLB planned on half the documents of each domain of a routing trace and
     measured on the other half (`held_out_rows`), against experts laid out contiguously (expert e on rank
     e // (experts / ranks), what engines do without a placement); the same per domain of the held-out documents.
     Returns phy2log, logcnt and the statistics."""

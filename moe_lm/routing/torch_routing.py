@@ -13,18 +13,21 @@ from torch import nn
 
 from moe_lm.config import ConfigError
 from moe_lm.model import Transformer
+from moe_lm.routing.around import Rerouter, around_ours
 from moe_lm.routing.recorder import RoutingRecorder
-from moe_lm.routing.routed_model import Routed, Window
+from moe_lm.routing.routed_model import BatchRouted, Routed, Window
 
 
-class TorchRouting:
+class TorchRouting(BatchRouted):
     """`forward(tokens [B, S]) -> logits [B, S, V]` run right-padded over a batch of windows in one pass (causal:
     padding cannot reach a real token); `routers`: the modules whose outputs say what was chosen, by MoE layer id
     (those on the inference path: MTP modules do not run); `margins`: whether the routers' outputs carry the
-    selection scores (ours do; transformers' gates return weights and indices only)."""
+    selection scores (ours do; transformers' gates return weights and indices only); `reroute`: the routers' rule
+    with experts dropped (around.py), by which `moe-lm ablate` routes around them (`reroutable`)."""
 
-    def __init__(self, forward: Callable, routers: dict[int, nn.Module], n_experts: int, k: int, margins: bool) -> None:
-        self.forward, self.routers = forward, routers
+    def __init__(self, forward: Callable, routers: dict[int, nn.Module], n_experts: int, k: int, margins: bool,
+                 reroute: Rerouter) -> None:  # fmt: skip
+        self.forward, self.routers, self.reroute = forward, routers, reroute
         self.layers, self.n_experts, self.k = sorted(routers), n_experts, k
         self.gives = frozenset({"weights", "logprob", *(["margins"] if margins else [])})
         self.recorder = RoutingRecorder(routers, margins=margins, parts=True)  # cleared before each forward
@@ -35,6 +38,9 @@ class TorchRouting:
 
     def __exit__(self, *exc) -> None:
         self.recorder.__exit__(*exc)
+
+    def reroutable(self) -> TorchRouting:
+        return self
 
     @torch.no_grad()
     def route_batch(self, windows: list[Window]) -> Routed:
@@ -66,7 +72,7 @@ def transformer_routing(model: Transformer) -> TorchRouting:
     decoder = {i: r for i, r in zip(model.moe_layer_ids(), model.routers(), strict=True) if i < model.cfg.n_layers}
     moe = model.cfg.moe
     return TorchRouting(lambda tokens: model(tokens).logits, decoder, moe.n_routed_experts, moe.num_experts_per_tok,
-                        margins=True)  # fmt: skip
+                        margins=True, reroute=around_ours)  # fmt: skip
 
 
 def window_logprobs(logits_SV: torch.Tensor, tokens_S: torch.Tensor) -> np.ndarray:

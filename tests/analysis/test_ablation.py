@@ -25,7 +25,7 @@ def test_routed_around_experts_are_never_chosen_and_others_take_their_place():
     with RoutingRecorder(routers_by_layer(model)) as rec:
         model(tokens)
         before = rec.last[1][0].clone()
-        with route_around(routers_by_layer(model), 1, [2, 5]):
+        with route_around(transformer_routing(model), 1, [2, 5]):
             model(tokens)
             after = rec.last[1][0]
     assert (before == 2).any() or (before == 5).any()  # the test would see a change
@@ -39,7 +39,7 @@ def test_ablating_an_expert_that_receives_no_tokens_changes_nothing():
         model.layers[1].mlp.gate.e_score_correction_bias[4] = -10.0  # expert 4 is never chosen
     d = docs()
     base = document_losses(lambda t: model(t).logits, d, seq_len=32)
-    with route_around(routers_by_layer(model), 1, [4]):
+    with route_around(transformer_routing(model), 1, [4]):
         ablated = document_losses(lambda t: model(t).logits, d, seq_len=32)
     assert np.array_equal(base[0], ablated[0]) and np.array_equal(base[1], ablated[1])
     result = ablation_study(
@@ -60,7 +60,7 @@ def test_ablating_all_but_k_experts_is_a_router_that_can_only_choose_them():
         for e in set(range(8)) - set(keep):
             only.layers[1].mlp.gate.e_score_correction_bias[e] = -1e4
     tokens = torch.randint(0, 97, (3, 30))
-    with torch.no_grad(), route_around(routers_by_layer(model), 1, [e for e in range(8) if e not in keep]):
+    with torch.no_grad(), route_around(transformer_routing(model), 1, [e for e in range(8) if e not in keep]):
         torch.testing.assert_close(model(tokens).logits, only(tokens).logits, rtol=0, atol=1e-6)
 
 
@@ -86,7 +86,7 @@ def test_routing_around_one_expert_of_a_group_keeps_its_partner():
     with RoutingRecorder(routers_by_layer(model)) as rec, torch.no_grad():
         model(tokens)
         before = rec.last[1][0].clone()
-        with route_around(routers_by_layer(model), 1, [0]):
+        with route_around(transformer_routing(model), 1, [0]):
             model(tokens)
             after = rec.last[1][0]
     had_0 = (before == 0).any(-1)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from moe_lm.analysis.attribution import PARTS, drift_attribution, same_architecture, window_passes
-from moe_lm.cli.analyze import weights_in_architecture
+from moe_lm.analysis.subjects import KINDS, NotInArchitecture, RunSubject, Settings, recognise
+from moe_lm.checkpoint.format import parse_run
 from moe_lm.errors import DataError
 from moe_lm.model import Transformer
 from moe_lm.routing.forced import decoder_routes, forced_routes
@@ -293,7 +294,7 @@ def fp8_release_of(hf_folder, folder, block=(16, 16)):
 def recount_from_traces(report, i: int) -> tuple[float, float]:
     """(mean log-prob change, share of tokens whose set of experts differs in some layer) of compared subject i
     against the subject, from the two traces the analysis recorded."""
-    from moe_lm.analysis.trace import Trace
+    from moe_lm.routing.trace import Trace
 
     ours, theirs = Trace(report / "trace"), Trace(report / f"trace_compare_{i}")
     change = np.asarray(theirs.logprob, np.float64) - np.asarray(ours.logprob, np.float64)
@@ -329,7 +330,16 @@ def test_analyze_attribute_equals_a_recount_from_the_comparisons_own_traces(tiny
     bf16 = result[f"{tiny_run} in bfloat16"]["all"]  # the run itself in bfloat16: weights and arithmetic rounded
     assert bf16["weights"]["mean_abs"] > 0 and bf16["abs_after_replay"]["mean"] > 0
     qwen3_moe().save_pretrained(tmp_path / "qwen")  # another architecture: its routes cannot be forced into it
-    assert weights_in_architecture(str(tmp_path / "qwen")) is None and weights_in_architecture(earlier) is not None
+    with pytest.raises(NotInArchitecture, match="do not run in the run's architecture"):
+        in_architecture(str(tmp_path / "qwen"), tiny_run)
+    assert in_architecture(earlier, tiny_run) is not None
+
+
+def in_architecture(spec: str, run) -> object:
+    """`SubjectKind.in_architecture` of the subject `spec` names, against the run `run`."""
+    kind = recognise(spec, list(KINDS.values()))
+    request = kind.from_flags(spec, Settings.defaults(kind.flags()))
+    return kind.in_architecture(request, RunSubject(run=parse_run(str(run))))
 
 
 def test_a_gqa_runs_quantised_files_are_refused_before_the_export(copied_run, cli, tmp_path):

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from moe_lm.analysis import metrics as M
-from moe_lm.analysis.recording import bounded_batch
 from moe_lm.config import DataConfig
 from moe_lm.data.prepare import prepare_data
 from moe_lm.errors import DataError
+from moe_lm.routing.routed_model import bounded_batch
 
 
 def refused(proc, *needles: str) -> str:

@@ -1,4 +1,4 @@
-"""Routes recorded by serving engines as subjects (moe_lm/interop/engine_routes.py, subjects/recorded.py).
+"""Routes recorded by serving engines as subjects (moe_lm/interop/routes/, subjects/routes.py).
 
 The fixtures are written as each engine writes its record (moe_lm.testing.trace_as_engine_record), from the engines'
 own code: vLLM 0.33.0 (commit 4ba787ec9) `vllm/entrypoints/openai/completion/protocol.py` CompletionResponseChoice
@@ -24,9 +24,20 @@ import numpy as np
 import pytest
 import torch
 
-from moe_lm.analysis.subjects.recorded import served_model
-from moe_lm.analysis.trace import Trace
-from moe_lm.interop.engine_routes import sglang_response, vllm_response
+from moe_lm.analysis.subjects import served_shape
+from moe_lm.files import read_small
+from moe_lm.interop.routes import (
+    FORMATS,
+    Record,
+    RouteFormat,
+    Sequence,
+    looks_like_record,
+    read_record,
+    register_route_format,
+)
+from moe_lm.interop.routes.sglang import sglang_response
+from moe_lm.interop.routes.vllm import vllm_response
+from moe_lm.routing.trace import Trace
 from moe_lm.testing import trace_as_engine_record
 
 
@@ -39,7 +50,7 @@ def refused(proc, *needles: str) -> str:
 @pytest.fixture(scope="module")
 def served(tiny_run):
     """The shared run's layers (all of them: the engines' axis), MoE layers, experts and top-k."""
-    return served_model(str(tiny_run))
+    return served_shape(str(tiny_run))
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +336,58 @@ def test_a_record_is_compared_on_the_windows_it_was_recorded_on(run_trace, serve
     c = json.loads((out / "metrics.json").read_text())["comparisons"][str(tiny_run)]
     assert c["tokens_differing_in_any_layer"]["mean"] == 0.0
     assert "each read to its first 16 tokens" in proc.stdout
+
+
+class CSVRoutes(RouteFormat):
+    """A toy format, registered by the test alone: a CSV whose first line is `sequence,token,layer,experts`, then a
+    row per routed token and MoE layer (its experts space-separated, first choice first)."""
+
+    name, looks_like = "csv routes", "a CSV of sequence, token, layer, experts"
+    HEADER = "sequence,token,layer,experts\n"
+
+    def recognises(self, path: Path) -> bool:
+        return read_small(path, len(self.HEADER), head=True) == self.HEADER
+
+    def read(self, path: Path) -> Record:
+        rows = [[int(x) for x in line.replace(" ", ",").split(",")] for line in path.read_text().splitlines()[1:]]
+        layers = sorted({r[2] for r in rows})
+        sequences = []
+        for s in sorted({r[0] for r in rows}):
+            mine = [r for r in rows if r[0] == s]
+            tokens = [r[1] for r in mine if r[2] == layers[0]]
+            routes = [[r[3:] for r in mine if r[2] == layer] for layer in layers]  # [layers, tokens, k]
+            sequences.append(Sequence(np.array(tokens), np.array(routes).transpose(1, 0, 2)))
+        return Record(self.name, sequences, layers=layers)
+
+    def write(self, path: Path, record: Record) -> None:
+        rows = [f"{i},{token},{layer},{' '.join(map(str, s.routes[t, j]))}\n"
+                for i, s in enumerate(record.sequences) for t, token in enumerate(s.tokens)
+                for j, layer in enumerate(record.layers)]  # fmt: skip
+        path.write_text(self.HEADER + "".join(rows))
+
+
+@pytest.fixture
+def csv_format():
+    fmt = CSVRoutes()
+    register_route_format(fmt)
+    yield fmt
+    FORMATS.remove(fmt)
+
+
+def test_a_format_registered_from_outside_is_recognised_read_and_analysed(csv_format, run_trace, served, tiny_run, cli,
+                                                                          tmp_path):  # fmt: skip
+    """A new format is one RouteFormat, registered (docs/analytics.md, "Adding a record format"): this toy CSV,
+    converted from a vLLM record by the two formats' own reader and writer, is recognised by its content, read, and
+    analysed against the run that routed it (0 tokens differing)."""
+    n = trace_as_engine_record(run_trace, tmp_path / "vllm.jsonl", "vllm", served.n_layers)
+    moe = [Sequence(s.tokens[: len(s.routes)], s.routes[:, served.layers])
+           for s in read_record(tmp_path / "vllm.jsonl").sequences]  # fmt: skip
+    record = tmp_path / "routes.txt"
+    csv_format.write(record, Record(csv_format.name, moe, layers=served.layers))
+    assert looks_like_record(record) and read_record(record).format == "csv routes"
+    out = tmp_path / "out"
+    proc = cli("analyze", "--routes", record, "--served", tiny_run, "--compare", tiny_run, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"csv routes, {n:,} sequences" in proc.stdout
+    c = json.loads((out / "metrics.json").read_text())["comparisons"][str(tiny_run)]
+    assert c["tokens_differing_in_any_layer"]["mean"] == 0.0

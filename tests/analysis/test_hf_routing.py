@@ -163,10 +163,10 @@ def test_an_unsupported_architecture_is_a_clear_error():
 
 @torch.no_grad()
 def test_the_ablation_replica_of_each_gate_reproduces_it_and_routes_around(checkpoint):
-    """`reroute` with nothing dropped gives the gate's own experts and weights; with experts dropped, no token is
-    routed to them and each keeps its other choices where its groups allow."""
+    """Each gate's rule (`GATE_RULES`) with nothing dropped gives the gate's own experts and weights; with experts
+    dropped, no token is routed to them and each keeps its other choices where its groups allow."""
     from moe_lm.analysis.ablation import route_around
-    from moe_lm.analysis.hf_routing import reroute
+    from moe_lm.analysis.hf_routing import GATE_RULES
 
     kind, path = checkpoint
     model = hf_routing(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
@@ -178,14 +178,14 @@ def test_the_ablation_replica_of_each_gate_reproduces_it_and_routes_around(check
         h.remove()
     for layer, gate in model.routers.items():
         logits, own_w, own_idx = seen[layer]
-        w, idx = reroute(gate, logits, [])
+        w, idx = GATE_RULES[kind](gate, logits, [])
         assert torch.equal(idx.sort(-1).values, own_idx.sort(-1).values)
         torch.testing.assert_close(w.float().gather(1, idx.argsort(-1)), own_w.float().gather(1, own_idx.argsort(-1)))
     layer = model.layers[0]
     with RoutingRecorder(model.routers) as rec:
         model.forward(tokens)
         before = rec.last[layer][0].clone()
-        with route_around(model.routers, layer, [0, 3]):
+        with route_around(model, layer, [0, 3]):
             model.forward(tokens)
             after = rec.last[layer][0]
     assert ((before == 0) | (before == 3)).any() and not ((after == 0) | (after == 3)).any()
@@ -222,7 +222,7 @@ def test_a_model_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(
 
 def test_a_served_folder_with_code_of_its_own_is_refused_and_its_code_never_runs(tmp_path, cli, monkeypatch):
     """`--served` (the checkpoint an engine served) reads a folder's config and tokenizer as `--hf` does."""
-    from moe_lm.interop.engine_routes import vllm_response
+    from moe_lm.interop.routes.vllm import vllm_response
 
     folder = remote_code_folder(tmp_path / "custom")
     asked = answer_yes_if_asked(monkeypatch)

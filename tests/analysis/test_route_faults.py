@@ -13,31 +13,39 @@ import json
 import os
 import re
 import tracemalloc
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from moe_lm.analysis.subjects import KINDS, recognise
-from moe_lm.analysis.subjects.recorded import RecordedKind, RecordedRouting, Served, checked
+from moe_lm.analysis.subjects import KINDS, Settings, Shape, recognise
+from moe_lm.analysis.subjects.routes import RecordedRoutes, RoutesKind, checked
 from moe_lm.errors import DataError, UserError
-from moe_lm.interop import engine_routes, route_records, sglang_dumps
-from moe_lm.interop.engine_routes import engine_routes as all_layers
-from moe_lm.interop.engine_routes import looks_like_record, read_record
-from moe_lm.interop.megatron_routes import megatron_trace
-from moe_lm.interop.response_routes import NO_ROUTES
-from moe_lm.interop.route_records import Record, Sequence
-from moe_lm.interop.sglang_dumps import sglang_dump
-from moe_lm.interop.sglang_responses import sglang_response
-from moe_lm.interop.vllm_responses import vllm_response
+from moe_lm.interop.routes import (
+    FORMATS,
+    NO_ROUTES,
+    Record,
+    RouteFormat,
+    Sequence,
+    looks_like_record,
+    read_record,
+    register_route_format,
+    responses,
+    sglang_dumps,
+)
+from moe_lm.interop.routes import record as route_records
+from moe_lm.interop.routes.megatron import megatron_trace
+from moe_lm.interop.routes.record import engine_routes as all_layers
+from moe_lm.interop.routes.sglang import sglang_response
+from moe_lm.interop.routes.sglang_dumps import sglang_dump
+from moe_lm.interop.routes.vllm import vllm_response
 from moe_lm.routing.routed_model import Window
 
 N_LAYERS, MOE, E, K, VOCAB = 4, [1, 2, 3], 8, 2, 100  # a model of one dense layer first, as DeepSeek-V3's kind
 
 
-def served() -> Served:
-    return Served(None, VOCAB, N_LAYERS, MOE, E, K, {})
+def served() -> Shape:
+    return Shape(None, VOCAB, N_LAYERS, MOE, E, K, {})
 
 
 def experts(n: int, seed: int) -> np.ndarray:
@@ -194,7 +202,7 @@ def test_a_fifo_among_a_records_files_is_named_not_waited_on(name, tmp_path):
 def test_lines_are_read_with_a_cap_and_recognition_holds_a_chunk(tmp_path, monkeypatch):
     """A "first line" of gigabytes was read whole before anything was checked."""
     monkeypatch.setattr(route_records, "MAX_LINE_BYTES", 4096)
-    monkeypatch.setattr(engine_routes, "MAX_LINE_BYTES", 4096, raising=False)
+    monkeypatch.setattr(responses, "MAX_LINE_BYTES", 4096)  # recognition's cap
     path = tmp_path / "long.jsonl"
     path.write_text('{"choices": [{"text": "' + "x" * 10_000 + '"}]}\n')
     with pytest.raises(DataError, match="line 1: longer than 4,096 bytes"):
@@ -331,7 +339,7 @@ def test_a_short_request_is_found_by_its_routed_tokens(tmp_path):
     """The lookup key held the first 16 tokens, the never-routed last one among them for a request of 12: no window
     found it, and the whole record was unusable."""
     sequences = [Sequence(tokens_of(12, 1), routes_of(11, 1, 0)), Sequence(tokens_of(40, 2), routes_of(39, 2, 0))]
-    routing = RecordedRouting(Record("vllm responses", sequences, filler=0), served(), "r.jsonl")
+    routing = RecordedRoutes(Record("vllm responses", sequences, filler=0), served(), "r.jsonl")
     for doc, s in enumerate(sequences):
         routed = routing.route_batch([Window(doc, 0, 0, s.tokens[: len(s.routes)])])
         assert np.array_equal(routed.experts[MOE[0]], s.routes[:, MOE[0]])
@@ -377,5 +385,68 @@ def test_compare_recognises_every_kind_by_content_never_by_name(tmp_path):
     cases = {dump: "routes", str(tmp_path / "model.jsonl"): "gguf", vllm: "routes", str(hf): "hf",
              str(tmp_path / "run"): "run", f"{tmp_path / 'run'}:step_00000002": "run"}  # fmt: skip
     assert {spec: recognise(spec, kinds).name for spec in cases} == cases
-    args = SimpleNamespace(routes=None, compare=[str(hf)], served=None, data=None)
-    RecordedKind().check(args)  # a transformers folder is compared without --served, dump or not
+    # a transformers folder is compared without --served, dump or not: no subject is of the routes kind
+    RoutesKind().check(Settings.defaults(RoutesKind().flags()), used=recognise(str(hf), kinds).name == "routes")
+
+
+# ---- the registry of formats (moe_lm/interop/routes/): each writes what it reads, tried in a stated order ----------
+
+
+def written_record(name: str) -> Record:
+    """Three sequences as the format `name` holds them: responses one more token than routes (the last sampled one)
+    with 0 in the dense layer's rows, dumps -1 there, Megatron only the MoE layers (equal lengths, experts ascending:
+    its trace holds them as a set)."""
+    if name == "megatron router trace":
+        sequences = [Sequence(tokens_of(6, i), np.sort(routes_of(6, i, -1)[:, MOE], axis=-1)) for i in range(3)]
+        return Record(name, sequences, layers=MOE, ranked=False)
+    extra, dense = (1, 0) if name.endswith("responses") else (0, -1)
+    return Record(name, [Sequence(tokens_of(n + extra, n), routes_of(n, n, dense)) for n in (5, 9, 12)], filler=dense)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_each_format_reads_back_what_it_writes(fmt, tmp_path):
+    """Through the registry: the file each format writes is recognised by its content (under a name that says
+    nothing) and read back by the same format into the sequences written."""
+    record = written_record(fmt.name)
+    path = tmp_path / "record"
+    fmt.write(path, record)
+    assert looks_like_record(path)
+    back = read_record(path)
+    assert back.format == fmt.name and len(back.sequences) == len(record.sequences)
+    for got, wrote in zip(back.sequences, record.sequences, strict=True):
+        routes = got.routes.reshape(len(got.routes), wrote.routes.shape[1], -1)  # SGLang responses: flat rows
+        k = wrote.routes.shape[2]  # a dump's rows are 8 wide (SGLang's recorder), its filler past top-k
+        assert np.array_equal(got.tokens, wrote.tokens) and np.array_equal(routes[..., :k], wrote.routes)
+        assert (routes[..., k:] == back.filler).all()
+    assert (back.layers, back.ranked, back.filler) == (record.layers, record.ranked, record.filler)
+
+
+def test_formats_are_tried_in_the_registrys_order(tmp_path):
+    """A folder holding a Megatron trace and SGLang dumps is the trace (order 10 before 20); a format registered with
+    a lower order is tried before both; a folder no format recognises is one line naming every format."""
+    megatron_trace(tmp_path, [batch(1)])
+    dump_file(tmp_path / "expert_distribution_recorder_1.0_0.pt")
+    assert [f.order for f in FORMATS] == sorted(f.order for f in FORMATS)
+    assert read_record(tmp_path).format == "megatron router trace"
+
+    class Everything(RouteFormat):
+        name, looks_like, order = "everything", "anything at all", 5
+
+        def recognises(self, path):
+            return True
+
+        def read(self, path):
+            return Record(self.name, [])
+
+        def write(self, path, record):
+            raise NotImplementedError
+
+    everything = Everything()
+    register_route_format(everything)
+    try:
+        assert FORMATS[0] is everything and read_record(tmp_path).format == "everything"
+    finally:
+        FORMATS.remove(everything)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="not a record of routes moe-lm reads.*Megatron-Core's router trace"):
+        read_record(tmp_path / "empty")

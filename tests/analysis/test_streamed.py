@@ -15,17 +15,17 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from moe_lm.analysis import stream_work, streamed
+from moe_lm.analysis import stream_passes, stream_work, streamed
 from moe_lm.analysis.hf_routing import hf_routing
 from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.routing_workflow import batch_within_memory
 from moe_lm.analysis.streamed import StreamedModel
 from moe_lm.analysis.subjects import Subject
-from moe_lm.analysis.trace import Trace
 from moe_lm.errors import UserError
 from moe_lm.interop import hf_layers
 from moe_lm.interop.hf_layers import HFCheckpoint, UntrainedCheckpoint
 from moe_lm.interop.released_weights import SCALE_SUFFIX, ReleasedWeights, dequantize_fp8, quantize_fp8
+from moe_lm.routing.trace import Trace
 from tests.analysis.test_bad_input import refused
 from tests.helpers.released import dequantized_by_blocks, release
 
@@ -158,7 +158,7 @@ def _same(a: Trace, b: Trace) -> None:
 def test_streamed_analysis_records_what_the_whole_model_records(released, tmp_path, monkeypatch):
     """DeepseekV3 and Qwen3Moe, FP8 and bf16 releases, in float32: every (token, layer)'s experts and weights bit for
     bit, with the experts read a chunk at a time and the layers run a window at a time, and every log-prob."""
-    for module in (streamed, hf_layers):  # 3 windows at a time, as a large model's layers run: groups of 3 and 1
+    for module in (stream_passes, hf_layers):  # 3 windows at a time, as a large model's layers run: groups of 3 and 1
         monkeypatch.setattr(module, "windows_at_once", lambda config, seq_len: 3)
     whole, part = _whole_and_streamed(released, tmp_path, 1_200_000)
     _same(whole, part)

@@ -27,11 +27,11 @@ from moe_lm.analysis.hf_routing import hf_routing
 from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.stream_work import MAPPED, MARK, WorkFolder, kept_for_resume
 from moe_lm.analysis.streamed import StreamedModel
-from moe_lm.analysis.trace import Trace
 from moe_lm.errors import UserError
 from moe_lm.interop.hf_layers import HFCheckpoint
 from moe_lm.interop.released_weights import SCALE_SUFFIX, ReleasedWeights, block_size, quantize_fp8, write_fp8_release
 from moe_lm.output_folder import MARKER
+from moe_lm.routing.trace import Trace
 from tests.analysis.test_bad_input import refused
 from tests.analysis.test_hf_routing import tiny_tokenizer
 from tests.analysis.test_streamed import SMALL, documents, write_corpus

@@ -13,10 +13,10 @@ import torch
 import moe_lm.experiments.variants  # noqa: F401  (registers the research variants used below)
 from moe_lm.analysis import metrics as M
 from moe_lm.analysis.recording import record_trace
-from moe_lm.analysis.trace import Trace
 from moe_lm.model import Transformer
 from moe_lm.model.router import gate_weights, select_experts
 from moe_lm.routing.torch_routing import transformer_routing
+from moe_lm.routing.trace import Trace
 from moe_lm.testing import replace_moe, tiny_model_cfg
 from tests.helpers.runs import tiny_train_cfg
 
@@ -196,7 +196,7 @@ def test_analyze_routing_errors_name_the_problem(tiny_run, cli, tmp_path):
 def test_a_trace_written_layer_by_layer_equals_one_written_row_by_row(tmp_path):
     """The writer's two orders (rows of every layer as a forward pass gives them, or one layer's column for every
     token as a layer-by-layer pass gives them) write the same files."""
-    from moe_lm.analysis.trace import TraceWriter
+    from moe_lm.routing.trace import TraceWriter
 
     model = biased_grouped_model()
     docs = [(i % 2, np.arange(2, 2 + n) % 97) for i, n in enumerate([30, 50, 9])]

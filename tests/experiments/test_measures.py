@@ -1,5 +1,6 @@
 """The measures' registry (moe_lm/experiments/measures.py): each metric is read the same way for every document or a
-resampled set, is recorded by a registered measure, and a new metric is one entry that a definition may then name."""
+resampled set, is recorded by a registered measure, and a new metric is one entry that a definition may then name; a
+new measure is one entry too, evaluated with each run and reported."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import numpy as np
 import pytest
 import yaml
 
-from moe_lm.config import ConfigError
-from moe_lm.experiments import measures
-from moe_lm.experiments.measures import MEASURES, METRICS, Metric, domain_jsd_of_documents
+from moe_lm.config import ConfigError, dump_config
+from moe_lm.experiments import measures, runner
+from moe_lm.experiments.final_eval import evaluate_run
+from moe_lm.experiments.measures import MEASURES, METRICS, Measure, Metric, domain_jsd_of_documents
+from moe_lm.experiments.recording import Evaluation, Recording
+from moe_lm.experiments.report import write_report
+from moe_lm.experiments.runner import Run
 from moe_lm.experiments.spec import load_experiment
 from moe_lm.routing import stats
 
@@ -62,3 +67,54 @@ def test_a_new_metric_is_one_entry_a_definition_may_name(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="unknown probe 'nowhere'"):
         load_experiment(str(tmp_path / "e.yaml"))
     assert callable(measures.probe_function("rank"))
+
+
+class LabelsSeen(Recording):
+    """A toy measure: the labels each document's windows hold, counted from the batches as the model ran them."""
+
+    def __init__(self, evaluation: Evaluation) -> None:
+        self.seen = np.zeros(evaluation.shard.n_docs, dtype=np.int64)
+
+    def add(self, docs, batch_BS1, recorder) -> None:
+        for d in docs:
+            self.seen[d] += batch_BS1.shape[1] - 1  # next-token windows: every position but the last is a label
+
+    def finish(self) -> tuple[dict, dict[str, np.ndarray]]:
+        return {"labels_seen": int(self.seen.sum())}, {"labels_seen": self.seen}
+
+
+def labels_seen_lines(by_arm: dict) -> list[str]:
+    return ["", "| arm | labels seen |", "|---|---|"] + [
+        f"| {arm} | {data.runs[0].result['labels_seen']:,} |" for arm, data in by_arm.items()
+    ]
+
+
+def labels_seen_figure(by_arm: dict, domains: list[str], folder: Path) -> list[Path]:
+    (folder / "labels_seen.png").write_bytes(b"")
+    return [folder / "labels_seen.png"]
+
+
+def test_a_new_measure_is_one_registration_evaluated_and_reported(copied_run, tmp_path, monkeypatch):
+    """A measure registered from outside (docs/experiments.md, "Adding a measure"): a definition may name it, a run's
+    final evaluation records it on its own batches (per document, beside the loss's label counts, which it must
+    equal), a run evaluated without it is evaluated again, and the report prints its lines and its figure."""
+    monkeypatch.setitem(MEASURES, "labels_seen", Measure("labels_seen", "labels per document", LabelsSeen,
+                        lambda result: "labels_seen" in result, labels_seen_lines, labels_seen_figure))  # fmt: skip
+    cfg = copied_run()
+    dump_config(cfg, tmp_path / "base.yaml")
+    spec = {"claim": "c", "source": "s", "config": str(tmp_path / "base.yaml"), "steps": cfg.train.max_steps,
+            "seeds": 1, "measures": ["labels_seen"], "arms": {"a": [], "b": []}, "comparisons": []}  # fmt: skip
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(spec))
+    exp = load_experiment(str(tmp_path / "e.yaml"))
+    folder = tmp_path / "run"
+    result = evaluate_run(folder, measures=())
+    runs = [Run(arm, 0, cfg, folder, result) for arm in exp.arms]
+    assert "labels_seen" not in result and not runner.is_done(runs[0], exp)
+    result = evaluate_run(folder, measures=tuple(exp.measures))
+    arrays = np.load(folder / "final_eval.npz")
+    assert result["labels_seen"] == result["labels"] and np.array_equal(arrays["labels_seen"], arrays["count"])
+    assert runner.is_done(runs[0], exp)
+    runs = [Run(arm, 0, cfg, folder, result) for arm in exp.arms]
+    write_report(exp, runs, tmp_path / "report", n_boot=10)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert f"| a | {result['labels']:,} |" in report and "figures/labels_seen.png" in report

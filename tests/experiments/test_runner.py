@@ -19,12 +19,12 @@ from moe_lm.data.prepare import load_split
 from moe_lm.errors import RunError
 from moe_lm.experiments import runner
 from moe_lm.experiments.arm_data import ArmData
-from moe_lm.experiments.attention_probe import attention_matrices, capture_attention
+from moe_lm.experiments.attention_probe import attention_matrices, capture_attention, probe_windows
 from moe_lm.experiments.curves import eval_curve, train_seconds
-from moe_lm.experiments.figures import relative_load
-from moe_lm.experiments.final_eval import document_windows, evaluate_run, probe_windows
+from moe_lm.experiments.final_eval import document_windows, evaluate_run
 from moe_lm.experiments.provenance import data_fingerprint, evaluation_code, training_code
 from moe_lm.experiments.report import write_report
+from moe_lm.experiments.routing_measure import relative_load
 from moe_lm.experiments.runner import resolve_run, run_experiment
 from moe_lm.experiments.spec import load_experiment
 from tests.helpers.runs import tiny_train_cfg
@@ -351,7 +351,7 @@ def test_final_evaluation_of_a_masked_language_model(tiny_data, tmp_path, train)
     assert result["labels"] == n and result["loss"] == pytest.approx(nll / n, rel=1e-5)
     # the attention-rank measure reads the probe windows as the objective does (masked), trained and untrained
     from moe_lm.experiments.attention_probe import erank_by_layer
-    from moe_lm.experiments.final_eval import RANK_WINDOWS, probe_windows
+    from moe_lm.experiments.measures import RANK_WINDOWS
     from moe_lm.model import initial_model
 
     ranked = evaluate_run(tmp_path / "run", measures=("attention_rank",))["attention_rank"]

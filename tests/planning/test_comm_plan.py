@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from moe_lm.analysis.trace import TraceWriter
 from moe_lm.config import MoEConfig
 from moe_lm.model.router import Router
 from moe_lm.planning.comm_plan import (
@@ -29,6 +28,7 @@ from moe_lm.planning.comm_plan import (
     uniform_pairs,
 )
 from moe_lm.routing.routed_model import Routed
+from moe_lm.routing.trace import TraceWriter
 
 
 def sample_uniform(rng, E: int, K: int, G: int, M: int, n: int) -> np.ndarray:

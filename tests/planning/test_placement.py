@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from moe_lm.analysis.trace import TraceWriter
 from moe_lm.planning import placement
 from moe_lm.planning.placement import (
     balanced_packing,
@@ -21,6 +20,7 @@ from moe_lm.planning.placement import (
     vllm_expert_map,
 )
 from moe_lm.routing.routed_model import Routed
+from moe_lm.routing.trace import TraceWriter
 
 # github.com/deepseek-ai/EPLB README (d52c72d5): the hierarchical policy's example, input and printed phy2log
 README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],

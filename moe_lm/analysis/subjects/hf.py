@@ -4,30 +4,38 @@ architecture re-initialised (seed 0). Its own `.py` files (auto_map) never run."
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
-from moe_lm.analysis.hf_routing import SUPPORTED, hf_routing
+from moe_lm.analysis.hf_routing import GATE, SUPPORTED, declared, hf_routing
 from moe_lm.analysis.streamed import StreamedModel
 from moe_lm.analysis.subjects.base import (
-    DEFAULT_WINDOWS,
+    DEFAULT_WINDOW_LENGTH,
+    SEQ_LEN,
     Flag,
-    Subject,
+    Settings,
     SubjectKind,
     SubjectRequest,
+    WeightsBuilder,
     register_subject_kind,
 )
+from moe_lm.analysis.subjects.loaded import Shape, Subject
 from moe_lm.data.tokenizer import HFTokenizer
 from moe_lm.errors import REMOTE_CODE_OFF, UserError, remote_code_refused
 from moe_lm.files import gib
 from moe_lm.flags import byte_size, torch_device, usable_device
 from moe_lm.interop.hf_layers import HFCheckpoint, UntrainedCheckpoint
 from moe_lm.interop.released_weights import ReleasedWeights
+
+if TYPE_CHECKING:
+    from moe_lm.analysis.subjects.run import RunSubject  # why only here: the kinds register in the package's order
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,40 +60,74 @@ def device_or_auto(value: str) -> str:
     return value if value == "auto" else torch_device(value)
 
 
+DTYPE: Flag[str] = Flag(("--dtype",), {"choices": list(DTYPES), "default": "float32",
+                                         "help": "with transformers subjects"})  # fmt: skip
+DEVICE: Flag[str] = Flag(("--device",), {"default": "cpu", "type": device_or_auto, "help": "with transformers "
+                                         "subjects: cpu, cuda, or auto (device_map='auto')"})  # fmt: skip
+MAX_MEMORY: Flag[int | None] = Flag(("--max-memory",), {"type": byte_size, "metavar": "SIZE", "help": "with "
+                                    "transformers subjects: the memory its weights may take (e.g. 64GiB); a larger "
+                                    "model is streamed from disk a layer at a time (default: as the machine has "
+                                    "free)"})  # fmt: skip
+
+
 class HFKind(SubjectKind):
     name, request = "hf", HFSubject
     flag = Flag(("--hf",), {"metavar": "DIR", "help": f"a transformers MoE checkpoint folder ({', '.join(SUPPORTED)}); "
                             "its own .py files (auto_map) never run"})  # fmt: skip
-    settings = (
-        Flag(("--dtype",), {"choices": list(DTYPES), "default": "float32", "help": "with transformers subjects"}),
-        Flag(("--device",), {"default": "cpu", "type": device_or_auto,
-                             "help": "with transformers subjects: cpu, cuda, or auto (device_map='auto')"}),
-        Flag(("--max-memory",), {"type": byte_size, "metavar": "SIZE",
-                                 "help": "with transformers subjects: the memory its weights may take (e.g. 64GiB); a "
-                                 "larger model is streamed from disk a layer at a time (default: as the machine has "
-                                 "free)"}),
-    )  # fmt: skip
+    settings = (DTYPE, DEVICE, MAX_MEMORY)
     looks_like = "a transformers folder (with config.json)"
     reroutable = True
     gives = frozenset({"weights", "logprob"})  # transformers' gates return weights and indices, not their scores
 
-    def from_flags(self, spec: str, args) -> HFSubject:
-        work = getattr(args, "stream_work", None)  # the command's folder for streamed work, one per subject
-        drawn = getattr(args, "layers", None)
-        return HFSubject(spec, dtype=args.dtype, device=args.device, seq_len=args.seq_len, max_memory=args.max_memory,
-                         last_layer=max(drawn) if drawn else None,
-                         work=f"{work}/{hashlib.sha1(spec.encode()).hexdigest()[:10]}" if work else None)  # fmt: skip
+    def from_flags(self, spec: str, settings: Settings) -> HFSubject:
+        return HFSubject(spec, dtype=settings[DTYPE], device=settings[DEVICE], seq_len=settings[SEQ_LEN],
+                         max_memory=settings[MAX_MEMORY])  # fmt: skip
 
     def recognises(self, spec: str) -> bool:
         path = Path(spec)
         return (path / "config.json").is_file() and not (path / "checkpoints").is_dir()
 
-    def check(self, args) -> None:
-        if args.device != "auto":
-            usable_device(args.device)
+    def check(self, settings: Settings, used: bool) -> Settings:
+        if settings[DEVICE] != "auto":
+            usable_device(settings[DEVICE])
+        return settings
 
-    def windows(self, request: HFSubject) -> tuple[int, int | None]:
-        return request.seq_len or DEFAULT_WINDOWS, getattr(hf_config(request.path), "max_position_embeddings", None)
+    def for_analysis(self, request: HFSubject, work: Path | None, last_layer: int | None) -> HFSubject:
+        # why a folder per subject: a comparison streams each of its transformers subjects into its own
+        ours = f"{work}/{hashlib.sha1(request.spec.encode()).hexdigest()[:10]}" if work else None
+        last = last_layer if request.last_layer is None else request.last_layer
+        return dataclasses.replace(request, work=request.work or ours, last_layer=last)
+
+    def window_length(self, request: HFSubject) -> tuple[int, int | None]:
+        return request.seq_len or DEFAULT_WINDOW_LENGTH, declared(hf_config(request.path), "max_position_embeddings")
+
+    def shape(self, request: HFSubject) -> Shape:
+        import transformers
+
+        config = hf_config(request.path)
+        with torch.device("meta"):  # why: its gates as the model has them, and nothing read but the config
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        gates = {int(m[1]): mod for name, mod in model.named_modules() if (m := GATE.match(name))}
+        if not gates:
+            raise UserError(f"--served {request.path}: no MoE gates (model.layers.<l>.mlp.gate) in this "
+                            f"{config.model_type}")  # fmt: skip
+        first = next(iter(gates.values()))
+        provenance = {"served": str(request.path), "model_type": config.model_type}
+        return Shape(HFTokenizer(Path(request.path)), config.vocab_size, config.num_hidden_layers, sorted(gates),
+                     first.num_experts, first.top_k, provenance)  # fmt: skip
+
+    def in_architecture(self, request: HFSubject, run: RunSubject) -> WeightsBuilder:
+        from moe_lm.interop.hf import import_hf
+
+        path = Path(request.path)
+        if hf_config(request.path).model_type != "deepseek_v3":
+            return super().in_architecture(request, run)
+        # why moe-lm's reader, not from_pretrained: the weights the comparison ran (an FP8 release dequantised by
+        # DeepSeek's rule in float32; transformers' CPU path rounds it to bf16 and misreads ragged blocks)
+        return lambda cfg: import_hf(path, HFCheckpoint(path, hf_config(request.path)).model())
+
+    def described(self, provenance: dict) -> str:
+        return f"transformers {provenance.get('model_type', '')}" if "hf" in provenance else ""
 
     def load(self, request: HFSubject) -> Subject:
         dtype = DTYPES[request.dtype]
@@ -93,11 +135,12 @@ class HFKind(SubjectKind):
         if config.model_type not in SUPPORTED:
             raise UserError(f"{request.path}: model_type {config.model_type!r} is not one the analytics read: "
                             f"{', '.join(SUPPORTED)}")  # fmt: skip
-        windows = min(request.seq_len or DEFAULT_WINDOWS, getattr(config, "max_position_embeddings", None) or 1 << 62)
+        length = min(request.seq_len or DEFAULT_WINDOW_LENGTH, declared(config, "max_position_embeddings") or 1 << 62)
         provenance = {"hf": str(request.path), "model_type": config.model_type}
         tok = HFTokenizer(Path(request.path))
         if request.device == "auto":  # transformers' own loader and device map (several GPUs)
-            return Subject(*_device_mapped(request.path, config, dtype), tok, windows, config.vocab_size, provenance)
+            routing, untrained = _device_mapped(request.path, config, dtype)
+            return Subject(routing, tok, length, config.vocab_size, provenance, untrained=untrained)
         checkpoint = HFCheckpoint(request.path, config, dtype)
         total = checkpoint.numel() * torch.tensor([], dtype=dtype).element_size()
         budget = memory_budget(request, total)
@@ -111,15 +154,15 @@ class HFKind(SubjectKind):
             streamed = StreamedModel(checkpoint, budget, work / "model", request.last_layer)
 
             def untrained():
-                return StreamedModel(twin, budget, work / "init", request.last_layer)
+                return StreamedModel(twin, budget, work / "init", request.last_layer, seed=twin.seed)
 
-            return Subject(streamed, tok, windows, config.vocab_size, provenance, untrained=untrained)
+            return Subject(streamed, tok, length, config.vocab_size, provenance, untrained=untrained)
 
         def untrained():  # why the twin's own reader: the trained weights may be freed first
             return hf_routing(twin.model().to(request.device))
 
         routing = hf_routing(checkpoint.model().to(request.device))
-        return Subject(routing, tok, windows, config.vocab_size, provenance, untrained=untrained)
+        return Subject(routing, tok, length, config.vocab_size, provenance, untrained=untrained)
 
 
 def memory_budget(request: HFSubject, total: int) -> int | None:

@@ -1,4 +1,4 @@
-"""vLLM's completion responses with routed experts, read and written as vLLM's OpenAI server writes them.
+"""vLLM's completion responses with routed experts, recognised, read and written as vLLM's OpenAI server writes them.
 
 Read from vLLM 0.33.0 (commit 4ba787ec9; the fields are as at d5dba2d7 / 002032ee of the stored tree):
 `vllm/entrypoints/openai/completion/protocol.py`, `CompletionResponseChoice`: with `--enable-return-routed-experts`
@@ -20,8 +20,16 @@ import io
 import numpy as np
 
 from moe_lm.errors import DataError
-from moe_lm.interop.response_routes import NoRoutes, base64_bytes, from_the_first_token, response_sequence, token_ids
-from moe_lm.interop.route_records import Sequence, npy_array
+from moe_lm.interop.routes.record import Sequence, npy_array
+from moe_lm.interop.routes.registry import register_route_format
+from moe_lm.interop.routes.responses import (
+    NoRoutes,
+    ResponseFormat,
+    base64_bytes,
+    from_the_first_token,
+    response_sequence,
+    token_ids,
+)
 
 
 def read_vllm_choice(choice, response: dict, where: str) -> Sequence:
@@ -56,3 +64,22 @@ def vllm_response(tokens: np.ndarray, prompt_len: int, routes: np.ndarray | None
               "prompt_token_ids": tokens[:prompt_len].tolist(), "token_ids": tokens[prompt_len:].tolist(),
               "routed_experts": encoded}  # fmt: skip
     return {"id": "cmpl-0", "object": "text_completion", "model": "moe-lm", "choices": [choice]}
+
+
+class VLLMResponses(ResponseFormat):
+    name, engine, key, key_type = "vllm responses", "vLLM", "choices", list
+    response = "a vLLM completion response (choices)"
+    looks_like = "vLLM's completion responses with routed_experts, JSON lines"
+    order = 30
+
+    def requests(self, obj: dict, where: str) -> list[tuple[object, str]]:
+        return [(choice, f"{where}, choice {i}") for i, choice in enumerate(obj["choices"])]
+
+    def sequence(self, request, obj: dict, where: str) -> Sequence:
+        return read_vllm_choice(request, obj, where)
+
+    def response_of(self, tokens: np.ndarray, prompt_len: int, routes: np.ndarray | None) -> dict:
+        return vllm_response(tokens, prompt_len, routes, 1 + int(routes.max(initial=0)) if routes is not None else 0)
+
+
+register_route_format(VLLMResponses())

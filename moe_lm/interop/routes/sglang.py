@@ -1,4 +1,5 @@
-"""SGLang's /generate responses with routed experts, read and written as SGLang's TokenizerManager writes them.
+"""SGLang's /generate responses with routed experts, recognised, read and written as SGLang's TokenizerManager
+writes them.
 
 Read from SGLang 0.5.23 (`srt/managers/tokenizer_manager.py` as stored at 001067ff, `_handle_batch_output` and
 `_handle_abort_req`; `srt/managers/detokenizer_manager.py`): with `--enable-return-routed-experts` and requests
@@ -18,8 +19,16 @@ import base64
 import numpy as np
 
 from moe_lm.errors import DataError
-from moe_lm.interop.response_routes import NoRoutes, base64_bytes, from_the_first_token, response_sequence, token_ids
-from moe_lm.interop.route_records import Sequence
+from moe_lm.interop.routes.record import Sequence
+from moe_lm.interop.routes.registry import register_route_format
+from moe_lm.interop.routes.responses import (
+    NoRoutes,
+    ResponseFormat,
+    base64_bytes,
+    from_the_first_token,
+    response_sequence,
+    token_ids,
+)
 
 
 def read_sglang_response(obj: dict, where: str) -> Sequence:
@@ -72,3 +81,22 @@ def sglang_response(tokens: np.ndarray, prompt_len: int, routes: np.ndarray | No
             "meta_info": {"prompt_tokens": prompt_len, "completion_tokens": len(tokens) - prompt_len,
                           "finish_reason": {"type": "length", "length": len(tokens) - prompt_len},
                           "routed_experts": encoded}}  # fmt: skip
+
+
+class SGLangResponses(ResponseFormat):
+    name, engine, key, key_type = "sglang responses", "SGLang", "meta_info", dict
+    response = "an SGLang /generate response (meta_info)"
+    looks_like = "SGLang's /generate responses with meta_info.routed_experts, JSON lines"
+    order = 40
+
+    def requests(self, obj: dict, where: str) -> list[tuple[object, str]]:
+        return [(obj, where)]
+
+    def sequence(self, request, obj: dict, where: str) -> Sequence:
+        return read_sglang_response(obj, where)
+
+    def response_of(self, tokens: np.ndarray, prompt_len: int, routes: np.ndarray | None) -> dict:
+        return sglang_response(tokens, prompt_len, routes)
+
+
+register_route_format(SGLangResponses())

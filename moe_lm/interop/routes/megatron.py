@@ -1,4 +1,5 @@
-"""Megatron-Core's router trace (`--moe-routing-trace-path DIR`), read with the token ids the trainer fed it.
+"""Megatron-Core's router trace (`--moe-routing-trace-path DIR`), recognised, read with the token ids the trainer fed it
+and written as Megatron traces.
 
 What Megatron writes (megatron/core/transformer/moe/router_trace.py, read in Megatron-Core 0.19 (tag core_v0.19.0,
 5be96267; the file is the same at d98e8a64) and at 059f0f5c; docs/analytics.md, "Routes from serving engines"):
@@ -43,7 +44,7 @@ import numpy as np
 
 from moe_lm.errors import DataError
 from moe_lm.files import read_small
-from moe_lm.interop.route_records import (
+from moe_lm.interop.routes.record import (
     Record,
     Sequence,
     capped_lines,
@@ -53,6 +54,7 @@ from moe_lm.interop.route_records import (
     npy_array,
     open_regular,
 )
+from moe_lm.interop.routes.registry import RouteFormat, register_route_format
 
 TRACE_GLOB = "router_trace_rank*.jsonl"
 MTP = "multi-token-prediction layers' routes"
@@ -234,3 +236,28 @@ def megatron_trace(folder: Path, batches: list[tuple[np.ndarray, dict[int, np.nd
                 lines.append(json.dumps(rec) + "\n")
             f.writelines(lines + (lines[::-1] if recompute else []))
     np.save(folder / f"tokens_rank{rank}.npy", np.stack([t for t, _ in batches]))
+
+
+class MegatronTrace(RouteFormat):
+    name = "megatron router trace"
+    looks_like = "Megatron-Core's router trace, router_trace_rank*.jsonl with tokens_rank*.npy, or their folder"
+    order = 10  # why first: a folder holding a trace and SGLang dumps is read as the trace (the cheaper glance)
+
+    def recognises(self, path: Path) -> bool:
+        return is_megatron_trace(path)
+
+    def read(self, path: Path) -> Record:
+        return read_megatron_trace(path)
+
+    def write(self, path: Path, record: Record, batch: int = 1, rank: int = 0, recompute: bool = False) -> None:
+        """`record`'s sequences (equal lengths, routes of its `layers` [s, layers, k]) in micro-batches of `batch`,
+        two a step, into the folder `path` (megatron_trace)."""
+        batches = []
+        for i in range(0, len(record.sequences), batch):
+            group = record.sequences[i : i + batch]
+            experts = {layer: np.stack([s.routes[:, j] for s in group]) for j, layer in enumerate(record.layers)}
+            batches.append((np.stack([s.tokens for s in group]), experts))
+        megatron_trace(Path(path), batches, rank, recompute)
+
+
+register_route_format(MegatronTrace())

@@ -1,5 +1,7 @@
 """Routing traces: what the router actually chose for every token, as files (the format, its reader and its writer).
-Recording, the batch loop that fills one, is moe_lm/analysis/recording.py.
+A routed model writes its rows into a `TraceWriter` (routed_model.py, `RoutedModel.record_into`; the analytics'
+recorder, moe_lm/analysis/recording.py, cuts the windows); the analytics' report and the planner (moe_lm/planning:
+the all-to-all of a trace, expert placement) read a `Trace`. Here, on the routing floor, so that both can name it.
 
 Format 3 (a folder; `meta.json` is written last and names the row count):
     meta.json              layers, n_experts, k, domains, n_tokens, n_docs, columns (the optional ones present),

@@ -1,7 +1,7 @@
 """Routes a serving engine recorded (`--routes FILE`): vLLM's or SGLang's responses with routed experts, SGLang's
-per-token dumps (moe_lm/interop/engine_routes.py reads them) or Megatron-Core's router trace with the trainer's token
-ids (megatron_routes.py), with `--served MODEL`, the checkpoint the engine served
-(a transformers folder or a moe-lm run): its config numbers the layers and says the experts and top-k, its tokenizer
+per-token dumps or Megatron-Core's router trace with the trainer's token ids (moe_lm/interop/routes/ reads each),
+with `--served MODEL`, the model the engine served: any subject whose kind gives its shape (`SubjectKind.shape`: a
+moe-lm run, a transformers folder, a GGUF file) numbers the layers and says the experts and top-k, its tokenizer
 shows the ids. The record's own sequences are the documents; its routes are experts only (no gate weights, margins
 or log-probs). Another subject compared with it runs the record's token ids in the record's sequences; a record
 only routes its own tokens. No N1: an engine's record holds what it chose, not a model."""
@@ -14,109 +14,106 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_lm.analysis.subjects.base import KINDS, Flag, Subject, SubjectKind, SubjectRequest, register_subject_kind
-from moe_lm.data.tokenizer import Tokenizer
+from moe_lm.analysis.subjects.base import (
+    SEQ_LEN,
+    Flag,
+    Settings,
+    SubjectKind,
+    SubjectRequest,
+    register_subject_kind,
+    served_shape,
+)
+from moe_lm.analysis.subjects.loaded import OwnDocuments, Shape, Subject
 from moe_lm.errors import UserError
-from moe_lm.interop.engine_routes import NO_ROUTES, looks_like_record, read_record
-from moe_lm.interop.route_records import Record, Sequence
-from moe_lm.routing.routed_model import Routed, Window
+from moe_lm.interop.routes import NO_ROUTES, Record, Sequence, looks_like_record, read_record
+from moe_lm.routing.routed_model import BatchRouted, Routed, Window
 
 NO_RECORD_N1 = "an engine's record holds the experts it chose, not a model to initialise afresh"
 KEY_TOKENS = 16  # a window's first tokens that find its sequence (then compared whole)
 
 
 @dataclass(frozen=True)
-class RecordedSubject(SubjectRequest):
+class RoutesSubject(SubjectRequest):
     kind = "routes"
     path: str
-    served: str | None = None  # the checkpoint the engine served: a transformers folder or a moe-lm run
+    served: str | None = None  # the model the engine served: a subject whose kind gives its shape
 
     @property
     def spec(self) -> str:
         return str(self.path)
 
 
-@dataclass
-class Served:
-    """What the record needs of the model the engine served."""
-
-    tok: Tokenizer
-    vocab_size: int
-    n_layers: int  # decoder layers: the engines' layer axis
-    layers: list[int]  # MoE layer ids in the model's numbering
-    n_experts: int
-    k: int
-    provenance: dict
+SERVED: Flag[str | None] = Flag(("--served",), {"metavar": "MODEL", "help": "with --routes: the model the engine "
+                                "served (a moe-lm run, a transformers folder or a GGUF file): its layers, experts and "
+                                "tokenizer"})  # fmt: skip
 
 
-class RecordedKind(SubjectKind):
-    name, request = "routes", RecordedSubject
+class RoutesKind(SubjectKind):
+    name, request = "routes", RoutesSubject
     flag = Flag(("--routes",), {"metavar": "FILE", "help": "routes an engine recorded: vLLM's or SGLang's responses "
                                 "(JSON lines), SGLang's per-token dumps (.pt, or their folder), or Megatron-Core's "
                                 "router trace (router_trace_rank*.jsonl with tokens_rank*.npy, or their folder); with "
                                 "--served"})  # fmt: skip
-    settings = (
-        Flag(("--served",), {"metavar": "MODEL", "help": "with --routes: the checkpoint the engine served (a "
-                             "transformers folder or a moe-lm run): its layers, experts and tokenizer"}),
-    )  # fmt: skip
+    settings = (SERVED,)
     looks_like = "an engine's record of routes (vLLM, SGLang or Megatron-Core)"
     needs_data = False
+    refuses_data = "a record routes only its own tokens"
     gives = frozenset()
 
-    def from_flags(self, spec: str, args) -> RecordedSubject:
-        return RecordedSubject(spec, served=getattr(args, "served", None), seq_len=args.seq_len)
+    def from_flags(self, spec: str, settings: Settings) -> RoutesSubject:
+        return RoutesSubject(spec, served=settings[SERVED], seq_len=settings[SEQ_LEN])
 
     def recognises(self, spec: str) -> bool:
         return looks_like_record(spec)
 
-    def check(self, args) -> None:
-        routes = getattr(args, "routes", None)  # moe-lm ablate has no --routes (a record cannot be rerouted)
-        uses = routes or any(self._names_one(c) for c in (getattr(args, "compare", None) or []))
-        if uses and not getattr(args, "served", None):
+    def check(self, settings: Settings, used: bool) -> Settings:
+        if used and not settings[SERVED]:
             raise UserError("--routes: give --served MODEL, the checkpoint the engine served (a transformers folder "
                             "or a moe-lm run): an engine's record numbers layers and ids by it")  # fmt: skip
-        if routes and getattr(args, "data", None):
-            raise UserError(f"--routes {routes}: a record routes only its own tokens; leave out --data")
+        return settings
 
-    def _names_one(self, spec: str) -> bool:
-        """Whether --compare `spec` is a record: the first kind that recognises it is this one (a transformers folder
-        that also holds a dump is the transformers folder, as `recognise` takes it)."""
-        first = next((kind for kind in KINDS.values() if kind.recognises(spec)), None)
-        return first is not None and first.name == self.name
-
-    def windows(self, request: RecordedSubject) -> tuple[int, int | None]:
+    def window_length(self, request: RoutesSubject) -> tuple[int, int | None]:
         longest = max(len(s.routes) for s in cached_record(request.path).sequences)
         return request.seq_len or longest, None
 
-    def load(self, request: RecordedSubject) -> Subject:
+    def shape(self, request: RoutesSubject) -> Shape | None:
+        return served_shape(request.served) if request.served else None  # the served model's
+
+    def load(self, request: RoutesSubject) -> Subject:
         if not request.served:
             raise UserError(f"--routes {request.path}: give --served MODEL")
-        served = served_model(request.served)
+        served = served_shape(request.served)
         record = cached_record(request.path)
-        routing = RecordedRouting(record, served, request.path)
+        routing = RecordedRoutes(record, served, request.path)
         skipped = "".join(f"; {n:,} {'' if why == NO_ROUTES else 'tokens of '}{why} left out"
                           for why, n in record.skipped.items())  # fmt: skip
         print(f"{request.path}: {record.format}, {len(record.sequences):,} sequences, "
               f"{sum(len(s.routes) for s in record.sequences):,} routed tokens{skipped}")  # fmt: skip
         provenance = {"routes": str(request.path), "format": record.format, **served.provenance}
-        named = [s.domain or Path(request.path).stem for s in record.sequences]  # unnamed: the file's
-        domains = sorted(set(named))
-        windows = request.seq_len or max(len(s.routes) for s in record.sequences)
-        docs = [(domains.index(d), s.tokens[: min(len(s.routes), windows)])
-                for d, s in zip(named, record.sequences, strict=True)]  # fmt: skip
-        say_cut(record, windows)
-        return Subject(routing, served.tok, windows, served.vocab_size, provenance, no_untrained=NO_RECORD_N1,
-                       documents=(docs, domains))  # fmt: skip
+        length = request.seq_len or max(len(s.routes) for s in record.sequences)
+        say_cut(record, length)
+        return Subject(routing, served.tok, length, served.vocab_size, provenance, no_untrained=NO_RECORD_N1,
+                       documents=own_sequences(record, request.path, length))  # fmt: skip
 
 
-def say_cut(record: Record, windows: int) -> None:
+def own_sequences(record: Record, path: str, length: int) -> OwnDocuments:
+    """The record's sequences as its documents, each to its first window; a sequence's domain is its `domain`
+    field, else the file's name."""
+    named = [s.domain or Path(path).stem for s in record.sequences]
+    domains = sorted(set(named))
+    docs = [(domains.index(d), s.tokens[: min(len(s.routes), length)])
+            for d, s in zip(named, record.sequences, strict=True)]  # fmt: skip
+    return OwnDocuments(f"{path} (its own sequences)", lambda: (iter(docs), list(domains)))
+
+
+def say_cut(record: Record, length: int) -> None:
     """One line when windows shorter than the record's sequences cut them: each is its first window only. why: the
     engine routed a sequence's later tokens with the whole sequence before them; a compared subject cut into windows
     would route them with the window's context only, and every flip there would be the cut context's."""
-    longer = [len(s.routes) - windows for s in record.sequences if len(s.routes) > windows]
+    longer = [len(s.routes) - length for s in record.sequences if len(s.routes) > length]
     if longer:
-        print(f"windows of {windows:,} tokens: {len(longer):,} of the record's sequences are longer, each read to "
-              f"its first {windows:,} tokens ({sum(longer):,} routed tokens left out: the engine routed them with "
+        print(f"windows of {length:,} tokens: {len(longer):,} of the record's sequences are longer, each read to "
+              f"its first {length:,} tokens ({sum(longer):,} routed tokens left out: the engine routed them with "
               "context a window lacks)")  # fmt: skip
 
 
@@ -133,13 +130,13 @@ def _read_once(path: str, stamp) -> Record:
     return read_record(path)
 
 
-class RecordedRouting:
+class RecordedRoutes(BatchRouted):
     """A record as a RoutedModel: each window is looked up among the record's sequences (the same ids from the same
-    position), and its rows are the record's experts in the MoE layers."""
+    position), and its rows are the record's experts in the MoE layers (ranked as the record is)."""
 
     gives = frozenset()
 
-    def __init__(self, record: Record, served: Served, path: str) -> None:
+    def __init__(self, record: Record, served: Shape, path: str) -> None:
         self.layers, self.n_experts, self.k = served.layers, served.n_experts, served.k
         self.path, self.ranked = path, record.ranked
         self.sequences = [checked(s, served, f"{path}, sequence {i}", record)
@@ -147,12 +144,6 @@ class RecordedRouting:
         self._index: dict[int, dict[bytes, list[int]]] = {}  # key length -> first tokens -> sequences
         self._doc: dict[int, int] = {}  # the trace's document -> the record's sequence
         self._taken: set[int] = set()
-
-    def __enter__(self) -> RecordedRouting:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
     def route_batch(self, windows: list[Window]) -> Routed:
         rows = [self._rows(w) for w in windows]
@@ -202,7 +193,7 @@ class RecordedRouting:
                 f"(moe-lm analyze --routes {self.path} --served MODEL --compare OTHER)")  # fmt: skip
 
 
-def checked(s: Sequence, served: Served, where: str, record: Record) -> Sequence:
+def checked(s: Sequence, served: Shape, where: str, record: Record) -> Sequence:
     """The sequence with its routes cut to the MoE layers [n, layers, k], or a UserError naming the first thing of
     the record that does not fit the served model (token ids, layer count, dense layers, top-k, expert ids, an
     expert twice in a token's row)."""
@@ -229,7 +220,7 @@ def checked(s: Sequence, served: Served, where: str, record: Record) -> Sequence
     return Sequence(s.tokens, routes, s.domain)
 
 
-def _engine_axis(routes: np.ndarray, served: Served, where: str, record: Record) -> np.ndarray:
+def _engine_axis(routes: np.ndarray, served: Shape, where: str, record: Record) -> np.ndarray:
     """[n, decoder layers, columns]: the routes on the engines' axis of every decoder layer (a trace that names
     its layers has them put in their rows, the filler in the others)."""
     if record.layers is not None:
@@ -249,7 +240,7 @@ def _engine_axis(routes: np.ndarray, served: Served, where: str, record: Record)
     return routes
 
 
-def _dense_rows_unrouted(routes: np.ndarray, served: Served, where: str, filler: int) -> None:
+def _dense_rows_unrouted(routes: np.ndarray, served: Shape, where: str, filler: int) -> None:
     """A UserError where a layer the served model does not route (a dense layer) holds anything but the engine's
     filler: the record routed it, so it was recorded with another layout of layers."""
     dense = [layer for layer in range(served.n_layers) if layer not in served.layers]
@@ -261,7 +252,7 @@ def _dense_rows_unrouted(routes: np.ndarray, served: Served, where: str, filler:
                         f"{filler} in the others): recorded with another model")  # fmt: skip
 
 
-def _distinct(routes: np.ndarray, served: Served, where: str) -> None:
+def _distinct(routes: np.ndarray, served: Shape, where: str) -> None:
     """A UserError where a token's row names an expert twice: a router picks k different experts, and overlaps
     counted on such a row would count one expert as two."""
     ordered = np.sort(routes, axis=2)
@@ -280,44 +271,4 @@ def _all_layers(routes: np.ndarray, layers: list[int], n_layers: int, filler: in
     return full
 
 
-def served_model(spec: str) -> Served:
-    """The layers, experts, top-k and tokenizer of the model an engine served: a moe-lm run or a transformers
-    folder (its model built on the meta device: nothing is read but the config and the tokenizer)."""
-    import torch
-
-    path = Path(spec)
-    if (path / "checkpoints").is_dir():
-        from moe_lm.checkpoint.format import checkpoint_folder, parse_run
-        from moe_lm.config import load_config
-        from moe_lm.data.tokenizer import load_data_tokenizer
-        from moe_lm.model import Transformer
-
-        run, tag = parse_run(spec)
-        cfg = load_config(checkpoint_folder(run, tag) / "config.yaml")
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        layers = [i for i in model.moe_layer_ids() if i < cfg.model.n_layers]
-        moe = cfg.model.moe
-        return Served(load_data_tokenizer(cfg.data.out_dir), cfg.model.vocab_size, cfg.model.n_layers, layers,
-                      moe.n_routed_experts, moe.num_experts_per_tok, {"served": str(run)})  # fmt: skip
-    if (path / "config.json").is_file():
-        import transformers
-
-        from moe_lm.analysis.hf_routing import GATE
-        from moe_lm.analysis.subjects.hf import hf_config
-        from moe_lm.data.tokenizer import HFTokenizer
-
-        config = hf_config(spec)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-        gates = {int(m[1]): mod for name, mod in model.named_modules() if (m := GATE.match(name))}
-        if not gates:
-            raise UserError(f"--served {spec}: no MoE gates (model.layers.<l>.mlp.gate) in this {config.model_type}")
-        first = next(iter(gates.values()))
-        provenance = {"served": str(path), "model_type": config.model_type}
-        return Served(HFTokenizer(path), config.vocab_size, config.num_hidden_layers, sorted(gates),
-                      first.num_experts, first.top_k, provenance)  # fmt: skip
-    raise UserError(f"--served {spec}: neither a moe-lm run (checkpoints/) nor a transformers folder (config.json)")
-
-
-register_subject_kind(RecordedKind())
+register_subject_kind(RoutesKind())

@@ -1,13 +1,12 @@
 """What a record of routes is, whoever recorded it (a serving engine, a trainer): sequences of token ids from their
-first position, the experts each routed token went to, and what was left out. Read by engine_routes.py (which
-dispatches to vllm_responses.py, sglang_responses.py and sglang_dumps.py) and megatron_routes.py (Megatron-Core); a
-subject by moe_lm/analysis/subjects/recorded.py.
+first position, the experts each routed token went to, and what was left out. Every format of this room reads into
+it; moe_lm/analysis/subjects/routes.py makes a subject of it.
 
 Also the checks every reader shares, so that a record that is not as its engine writes it is one DataError naming
 the file (and line or pass), never a traceback, a hang or all of the memory: files opened without waiting on a FIFO,
 lines read with a cap, JSON without recursion errors, integers that are integers (not floats or booleans, which
 numpy would silently turn into ids), and .npy bytes whose header is checked against their length before numpy
-allocates the array it declares."""
+allocates the array it declares; and, for the writers, routes put on the engines' axis of every decoder layer."""
 
 from __future__ import annotations
 
@@ -149,3 +148,13 @@ def npy_array(f: BinaryIO, size: int, what: str, where: str) -> np.ndarray:
                         f"holds {left:,} bytes: cut short, or not written by the engine")  # fmt: skip
     array = np.frombuffer(f.read(left), dtype=dtype, count=count)
     return array.reshape(shape, order="F" if fortran else "C")
+
+
+def engine_routes(experts: dict[int, np.ndarray], n_layers: int, k: int, dense: int) -> np.ndarray:
+    """[tokens, n_layers, k] with each MoE layer's experts [tokens, k] in its row and `dense` in the other layers'
+    rows: the engines' axis of every decoder layer (writers, tests)."""
+    n = len(next(iter(experts.values())))
+    routes = np.full((n, n_layers, k), dense, dtype=np.int64)
+    for layer, ids in experts.items():
+        routes[:, layer, :] = ids
+    return routes

@@ -1,4 +1,4 @@
-"""SGLang's per-token expert dumps, read and written as SGLang's recorder writes them.
+"""SGLang's per-token expert dumps, recognised, read and written as SGLang's recorder writes them.
 
 Read from SGLang 0.5.23, `srt/eplb/expert_distribution.py` (as stored at 02295fe5): with
 `--expert-distribution-recorder-mode per_token`, `/dump_expert_distribution_record` makes each rank
@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_lm.errors import DataError, shown
-from moe_lm.interop.route_records import Record, Sequence, int_array, integer, is_int, open_regular
+from moe_lm.interop.routes.record import Record, Sequence, int_array, integer, is_int, open_regular
+from moe_lm.interop.routes.registry import RouteFormat, register_route_format
 
 SGLANG_TOPK_COLUMNS = 8  # the per-token recorder's fixed width (_TOP_K_NUM); columns past top_k are -1
 FILLER = -1  # SGLang's per-token recorder: dense layers, unused columns
@@ -176,3 +177,48 @@ def sglang_dump(passes: list[tuple[np.ndarray, np.ndarray]], phys_to_log: np.nda
                         "topk_ids_of_layer": torch.from_numpy(topk), "misc_objects": [],
                         "global_physical_count": torch.zeros(phys_to_log.shape, dtype=torch.int64)})  # fmt: skip
     return {"records": records, "last_physical_to_logical_map": torch.from_numpy(phys_to_log.astype(np.int64))}
+
+
+class SGLangDumps(RouteFormat):
+    name = "sglang per-token dump"
+    looks_like = "SGLang's per-token dumps, expert_distribution_recorder_*.pt (one per rank) or their folder"
+    order = 20
+
+    def recognises(self, path: Path) -> bool:
+        return any(path.glob(DUMP_GLOB)) if path.is_dir() else is_sglang_dump(path)
+
+    def claims(self, path: Path) -> bool:
+        """A torch.save zip (its reader says what of a dump it lacks)."""
+        try:
+            f = open_regular(path)
+        except DataError:
+            return False
+        with f:
+            return f.read(2) == b"PK"
+
+    def read(self, path: Path) -> Record:
+        if not path.is_dir():
+            return read_sglang_dumps([path])
+        dumps = sorted(path.glob(DUMP_GLOB))
+        if not dumps:
+            raise DataError(f"{path}: no {DUMP_GLOB} files (SGLang's per-token dumps) in it")
+        return read_sglang_dumps(dumps)
+
+    def write(self, path: Path, record: Record, phys_to_log: np.ndarray | None = None, rank: int = 0) -> None:
+        """Each sequence a prefill pass from position 0, its logical ids (-1 in dense layers) written as the first
+        slot of each expert in `phys_to_log` [layers, slots] (None: slot e holds expert e)."""
+        import torch
+
+        routes = [s.routes for s in record.sequences]
+        if phys_to_log is None:
+            experts = 1 + max(int(r.max(initial=0)) for r in routes)
+            phys_to_log = np.tile(np.arange(experts), (routes[0].shape[1], 1))
+        first_slot = np.stack([np.argmax(phys_to_log == e, axis=1) for e in range(int(phys_to_log.max()) + 1)], axis=1)
+        passes = []
+        for s, r in zip(record.sequences, routes, strict=True):
+            physical = np.where(r >= 0, np.take_along_axis(first_slot[None], r.clip(0), axis=2), FILLER)
+            passes.append((s.tokens, physical.transpose(1, 0, 2)))
+        torch.save(sglang_dump(passes, phys_to_log, rank), path)
+
+
+register_route_format(SGLangDumps())
