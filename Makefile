@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # as pyproject.toml's llama extra pins it (tests/interop/test_llama_cpp.py checks the two agree)
 LLAMA_CPP_PYTHON ?= 0.3.36
+# the bench's torchtitan arm (`bench train --peers`), without its declared dependencies (pyproject.toml's peers extra
+# says why); its parity test runs in the suite
+TORCHTITAN ?= 0.3.0
 HAVE_TORCH := $(shell $(PYTHON) -c 'import torch' >/dev/null 2>&1 && echo yes)
 
 # a preset name (moe-lm config --list) or a YAML file
@@ -27,6 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(if $(HAVE_TORCH),--system-site-packages) $(VENV)
 	$(BIN)/python -c 'import torch' >/dev/null 2>&1 || $(BIN)/pip install "$(TORCH_SPEC)"
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install --no-deps "torchtitan==$(TORCHTITAN)"
 	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/src "llama-cpp-python==$(LLAMA_CPP_PYTHON)"
 	tar -xzf $(VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(VENV)/src $(addprefix \
 		llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py)
@@ -96,8 +100,9 @@ gpu-check:
 
 # On this (networked) machine: what a bare GPU machine lacks, in .gpu_carry/ (carried beside the tree): in whl/ the
 # wheels for its Python (GPU_PY), pinned to this venv's versions (DeepSpeed's pure-Python wheel, hjson, pydantic and
-# its parts, typing-extensions), and in data/ the token shards the check's training step reads. Prints the payload
-# and fails above 48 MiB with the tree.
+# its parts, typing-extensions; torchtitan 0.3.0 and tyro, docstring-parser, spmd-types for the bench's torchtitan
+# arm, about 1.6 MB), and in data/ the token shards the check's training step reads. Prints the payload and fails
+# above 48 MiB with the tree.
 GPU_PY ?= 3.12
 CARRY ?= .gpu_carry
 gpu-wheels: setup

@@ -9,13 +9,14 @@ may have no network (a rented node billed by the minute, an air-gapped cluster):
     python launch/gpu_check.py --read OUT                           # the returned files as rows for the docs
 
 Steps, in order of value (STEPS): the environment (what the carried wheels installed, versions, the attention
-backend MLA's head sizes get), the GPU tests, the MoE layer in bf16 (ours against the dense twin and HF), a short
-gpu_1b training run (tokens/s, MFU, peak memory against `moe-lm estimate`, the loss), one training step under
-torch.profiler (the top CUDA kernels, the share of routing, dispatch, expert GEMMs, attention, loss, optimizer), the
-whole step against HF and the dense twin (`bench train --peers`, without the compiled arm: compiling gpu_1b alone
-can take minutes), the memory estimate. OUT receives three files, whatever happens: summary.txt, results.json and
-logs.tgz (every step's log, the run's metrics.jsonl). Only the standard library is imported here: on a bare machine
-this runs before the wheels are installed.
+backend MLA's head sizes get), the GPU tests, a short gpu_1b training run with the defaults (compiled on a GPU:
+tokens/s, MFU, peak memory against `moe-lm estimate`, the loss), the step before issue 65's changes against each
+change and as it is, eager and compiled (`bench train --speed`), the whole step against HF, the dense twin and
+torchtitan's DeepSeek-V3 (`bench train --peers`, eager), one training step under torch.profiler (the top CUDA
+kernels, the share of routing, dispatch, expert GEMMs, attention, loss, optimizer), the MoE layer in bf16 (ours
+against the dense twin and HF), the memory estimate. OUT receives three files, whatever happens:
+summary.txt, results.json and logs.tgz (every step's log, the run's metrics.jsonl). Only the standard library is
+imported here: on a bare machine this runs before the wheels are installed.
 """
 
 from __future__ import annotations
@@ -33,24 +34,36 @@ import tempfile
 import time
 from pathlib import Path
 
-BUDGET_S = 420  # the whole call, wall time: with a machine's start-up, a second call fits a 15-minute slot only partly
-# step -> seconds (380 in all); the rest, RESERVE_S, is the wheels' install and the summary
-STEPS = {"env": 25, "tests": 55, "bench_moe": 45, "train": 120, "profile": 45, "bench_train": 75, "estimate": 15}
+BUDGET_S = 450  # the whole call, wall time: under the run's 480 s limit; a machine's start-up and this call leave a
+# 15-minute lease about 4 minutes for a rerun of what broke
+# step -> seconds (415 in all); the rest, RESERVE_S, is the wheels' install and the summary. The H200's first call
+# took env 9, tests 13, train 75 (200 eager steps), profile 15, bench_train 32 (without torchtitan's arm, whose
+# FlexAttention compiles with its max-autotune options in the arm's first step, for a time not yet measured),
+# bench_moe 27 (5 rounds; 3 now) and estimate 4 s; speed is new: four eager arms and two compilations of gpu_1b
+# (a compiled 90-step run took 55 s in all there)
+STEPS = {"env": 15, "tests": 25, "train": 100, "speed": 80, "bench_train": 140, "profile": 20, "bench_moe": 25,
+         "estimate": 10}  # fmt: skip
 RESERVE_S = BUDGET_S - sum(STEPS.values())
 DRY_RUN_SCALE = 4  # a dry run's budgets, the call's included, are this many times longer: on a loaded 2-core host
 # the CPU steps ran into the GPU budgets (the cut itself is tested on its own, tests/test_gpu_check.py)
 # the train step: gpu_1b at micro-batch 8 x 2048, no accumulation (16,384 tokens a step); at 10 % MFU on an H100
-# its steps end TRAIN_START_S (imports, DeepSpeed, the model, the first step) before the step's budget
-TRAIN_STEPS, TRAIN_START_S = 200, 35
+# its steps end TRAIN_START_S (imports, DeepSpeed, the model, the first step) and TRAIN_COMPILE_S (torch.compile of
+# the blocks for training and for the final evaluation: about 15 s on the H200) before the step's budget
+TRAIN_STEPS, TRAIN_START_S, TRAIN_COMPILE_S = 150, 35, 20
 CARRY = Path(".gpu_carry")  # whl/ (--carry-wheels) and data/ (--carry-data): carried beside the tree
 CARRY_LIMIT_MIB = 48  # tree + wheels + data: what a 64 MiB transfer leaves room for
 DATA = ["data.max_mb_per_domain=0.5"]  # the slice of the embedded corpus prepared for the carry, read by `train`
 # module -> distribution of what a GPU machine may lack (an image with torch and transformers has the rest),
 # carried at the versions of the venv that makes the carry: typing_extensions too, because the carried pydantic
-# needs >= 4.14 (`cannot import name 'Sentinel'` under 4.10-4.13) and a carried copy shadows an older one
+# needs >= 4.14 (`cannot import name 'Sentinel'` under 4.10-4.13) and a carried copy shadows an older one; torchtitan
+# (pure Python, installed without its declared dependencies) and the three its model code imports
 CARRIED = {"deepspeed": "deepspeed", "hjson": "hjson", "pydantic": "pydantic", "pydantic_core": "pydantic-core",
            "annotated_types": "annotated-types", "typing_inspection": "typing-inspection",
-           "typing_extensions": "typing-extensions"}  # fmt: skip
+           "typing_extensions": "typing-extensions", "torchtitan": "torchtitan", "tyro": "tyro",
+           "docstring_parser": "docstring-parser", "spmd_types": "spmd-types"}  # fmt: skip
+# carried at this version whatever the venv holds: the release whose builder the bench's torchtitan arm calls
+# (TORCHTITAN in moe_lm/bench/torchtitan_arm.py; `pip install --no-deps` puts it in a venv, no extra can)
+PINNED = {"torchtitan": "0.3.0"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: steps run there (tests/, launch/)
 
@@ -63,23 +76,27 @@ def plan(dry_run: bool, carry: Path, work: Path) -> dict[str, list[str]]:
     steps = 3 if dry_run else TRAIN_STEPS
     small = ["train.micro_batch_size=2", "train.seq_len=32"] if dry_run else []
     vocab = [f"model.vocab_size={carried_vocab(carry)}"] if dry_run else []
+    rounds = ["--rounds", "1", "--warmup", "0"] if dry_run else ["--rounds", "3", "--warmup", "1"]
     return {
         "env": [py, str(ROOT / "launch" / "gpu_check.py"), "--env", str(work / "env.json")],
         "tests": [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/gpu",
                   "tests/ops/test_megablocks.py"],
-        "bench_moe": [py, "-m", "moe_lm.bench", "moe", "--device", device, "--dtype", dtype,
-                      *(["--shapes", "cpu", "--tokens", "256", "--seq-len", "128", "--reps", "1", "--warmup", "0"]
-                        if dry_run else ["--reps", "5", "--warmup", "2"])],
         "train": [py, "-m", "moe_lm.cli.train", "--config", preset, "--out", str(work / "run"),
                   f"train.max_steps={steps}", "train.grad_accum_steps=1", "optim.warmup_steps=10",
                   f"cadence.eval_interval={steps}", "cadence.ckpt_interval=0",
                   f"cadence.log_interval={1 if dry_run else 10}", "cadence.eval_batches=1",
                   "logging.wandb_mode=disabled", f"data.out_dir={carry / 'data'}", *DATA, *vocab, *small],
+        # the dry run leaves the compiled arms out: two compilations on a loaded CPU cost the suite a minute, and
+        # tests/bench/test_benchmarks.py runs them
+        "speed": [py, "-m", "moe_lm.bench", "train", "--speed", *(["--no-compile"] if dry_run else []), "--config",
+                  preset, "--device", device, "--dtype", dtype, *rounds, *small],
+        "bench_train": [py, "-m", "moe_lm.bench", "train", "--peers", "--no-compile", "--config", preset, "--device",
+                        device, "--dtype", dtype, *rounds, *small],
         "profile": [py, "-m", "moe_lm.bench", "profile", "--config", preset, "--device", device, "--dtype", dtype,
                     "--warmup", "1" if dry_run else "3", *small],
-        "bench_train": [py, "-m", "moe_lm.bench", "train", "--peers", "--no-compile", "--config", preset, "--device",
-                        device, "--dtype", dtype, "--rounds", "1" if dry_run else "3", "--warmup", "0" if dry_run
-                        else "1", *small],
+        "bench_moe": [py, "-m", "moe_lm.bench", "moe", "--device", device, "--dtype", dtype,
+                      *(["--shapes", "cpu", "--tokens", "256", "--seq-len", "128", "--reps", "1", "--warmup", "0"]
+                        if dry_run else ["--reps", "3", "--warmup", "1"])],
         "estimate": [py, "-m", "moe_lm.cli.estimate", "--config", preset, "--world", "1"],
     }  # fmt: skip
 
@@ -215,12 +232,46 @@ def read_results(work: Path, logs: Path) -> dict:
         found["env"] = json.loads(env_file.read_text())
     found["train"] = train_numbers(work / "run" / "metrics.jsonl")
     found["bench_moe"] = markdown_rows(read(logs / "bench_moe.log"))
-    m = re.search(r"ours eager / HF best ([\d.]+);.*ours eager / dense eager ([\d.]+)", read(logs / "bench_train.log"))
-    found["bench_train"] = {"ours_over_hf": float(m[1]), "ours_over_dense": float(m[2])} if m else {}
+    found["bench_train"] = whole_step_ratios(read(logs / "bench_train.log"))
+    found["speed"] = speed_ratios(read(logs / "speed.log"))
     m = re.search(r"^shares: (.+)$", read(logs / "profile.log"), re.MULTILINE)
     found["profile"] = {k: float(v) for k, v in re.findall(r"([a-zA-Z][\w ]*?) ([\d.]+) %", m[1])} if m else {}
     m = re.search(r"total\s+([\d.]+) GiB per GPU", read(logs / "estimate.log"))
     found["estimate_gib"] = float(m[1]) if m else None
+    return found
+
+
+def whole_step_ratios(log: str) -> dict:
+    """`bench train --peers`' ratios line: ours over HF's best and over the dense twin, and over torchtitan where its
+    arm ran (else why it was left out)."""
+    m = re.search(r"ours eager / HF best ([\d.]+);.*ours eager / dense eager ([\d.]+)", log)
+    if not m:
+        return {}
+    found = {"ours_over_hf": float(m[1]), "ours_over_dense": float(m[2])}
+    titan = re.search(r"ours eager / torchtitan ([\d.]+)", log)
+    left_out = re.search(r"^torchtitan arm left out: (.+)$", log, re.MULTILINE)
+    if titan:
+        found["ours_over_torchtitan"] = float(titan[1])
+    elif left_out:
+        found["torchtitan_left_out"] = left_out[1]
+    return found
+
+
+def speed_ratios(log: str) -> dict:
+    """`bench train --speed`'s ratios line (now over before issue 65, eager and compiled; each change alone) and the
+    model step's tokens/s as it is, compiled where that arm ran (the loop's against it: the loop's own cost)."""
+    m = re.search(r"now / before issue 65: eager ([\d.]+)(?:, compiled ([\d.]+))?; the dispatch change alone "
+                  r"([\d.]+), the attention change alone ([\d.]+)", log)  # fmt: skip
+    if not m:
+        return {}
+    found = {"eager": float(m[1]), "dispatch": float(m[3]), "attention": float(m[4])}
+    if m[2]:
+        found["compiled"] = float(m[2])
+    for arm in ("now compiled", "now"):
+        row = re.search(rf"^\| {arm} \| [^|]+\| ([\d,]+) \|", log, re.MULTILINE)
+        if row:
+            found["model_step_tokens_per_s"], found["model_step_arm"] = float(row[1].replace(",", "")), arm
+            break
     return found
 
 
@@ -278,15 +329,31 @@ def summary(r: dict) -> str:
         lines.append(f"train: {t['steps']} steps; {t['tokens_per_s']:,.0f} tokens/s, MFU {100 * t['mfu']:.1f} %, "
                      f"peak {t['peak_mem_gib']:.1f} GiB (estimate {est if est is not None else 'n/a'} GiB); loss "
                      f"{t['loss_first']:.3f} -> {t['loss_last']:.3f}")  # fmt: skip
+    sp = r.get("speed") or {}
+    if sp:
+        compiled = f", compiled {sp['compiled']:.3f}" if "compiled" in sp else ""
+        lines.append(f"speed, now / before issue 65: eager {sp['eager']:.3f}{compiled}; the dispatch change alone "
+                     f"{sp['dispatch']:.3f}, the attention change alone {sp['attention']:.3f}")  # fmt: skip
+        if t and sp.get("model_step_tokens_per_s"):
+            lines.append(f"the loop at {t['tokens_per_s'] / sp['model_step_tokens_per_s']:.3f}x the model step "
+                         f"({sp['model_step_arm']})")  # fmt: skip
     for row in r.get("bench_moe", []):
         lines.append(f"moe layer d={row.get('d')} E={row.get('E')} k={row.get('k')}: ours/dense "
                      f"{row.get('ours/dense')}, ours/best HF {row.get('ours/best HF')}")  # fmt: skip
     b = r.get("bench_train") or {}
     if b:
-        lines.append(f"whole step: ours/HF best {b['ours_over_hf']:.3f}, ours/dense {b['ours_over_dense']:.3f}")
+        ratios = f"ours/HF best {b['ours_over_hf']:.3f}, ours/dense {b['ours_over_dense']:.3f}"
+        lines.append(f"whole step: {ratios}{torchtitan_note(b)}")
     if r.get("profile"):
         lines.append("one step, profiled: " + ", ".join(f"{k} {v:.1f} %" for k, v in r["profile"].items()))
     return "\n".join(lines) + "\n"
+
+
+def torchtitan_note(b: dict) -> str:
+    """The summary's words on torchtitan's arm: its ratio, or why it was left out."""
+    if "ours_over_torchtitan" in b:
+        return f", ours/torchtitan {b['ours_over_torchtitan']:.3f}"
+    return f"; torchtitan left out: {b['torchtitan_left_out']}" if "torchtitan_left_out" in b else ""
 
 
 def doc_rows(results: dict) -> str:
@@ -300,6 +367,12 @@ def doc_rows(results: dict) -> str:
                     f"{100 * t['mfu']:.1f} %, peak {t['peak_mem_gib']:.1f} GiB (estimated "
                     f"{results.get('estimate_gib')} GiB), loss {t['loss_first']:.2f} -> {t['loss_last']:.2f} "
                     f"in {t['steps']} steps | `make gpu-check` |")  # fmt: skip
+    sp = results.get("speed") or {}
+    if sp:
+        compiled = f", compiled {sp['compiled']:.2f}x" if "compiled" in sp else ""
+        rows.append(f"| whole {preset} step, {dtype} ({device}): now over before issue 65 | eager {sp['eager']:.2f}x"
+                    f"{compiled}; dispatch alone {sp['dispatch']:.2f}x, attention alone {sp['attention']:.2f}x | "
+                    "`moe-lm bench train --speed` |")  # fmt: skip
     ratios = [(r.get("ours/dense"), r.get("ours/best HF")) for r in results.get("bench_moe", [])]
     if ratios:
         moe = ", ".join(f"{d}x dense / {h}x HF" for d, h in ratios)
@@ -310,6 +383,9 @@ def doc_rows(results: dict) -> str:
             f"| whole {preset} step, {dtype} ({device}): ours over HF's best / over the dense twin | "
             f"{b['ours_over_hf']:.2f}x / {b['ours_over_dense']:.2f}x | `moe-lm bench train --peers` |"
         )
+    if "ours_over_torchtitan" in b:
+        rows.append(f"| whole {preset} step, {dtype} ({device}): ours over torchtitan's DeepSeek-V3 (its defaults) | "
+                    f"{b['ours_over_torchtitan']:.2f}x | `moe-lm bench train --peers` |")  # fmt: skip
     if results.get("profile"):
         shares = ", ".join(f"{k} {v:.0f} %" for k, v in results["profile"].items())
         rows.append(f"| one {preset} training step, {dtype} ({device}), where the time goes | {shares} | "
@@ -328,7 +404,7 @@ def environment(path: Path) -> None:
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}  # fmt: skip
     site = os.environ.get("GPU_CHECK_SITE", "")
     record["from_carry"] = []
-    for module in ("deepspeed", "transformers", "pydantic", "typing_extensions", "megablocks"):
+    for module in ("deepspeed", "transformers", "pydantic", "typing_extensions", "torchtitan", "triton", "megablocks"):
         try:
             imported = __import__(module)
             record[module] = getattr(imported, "__version__", None) or _version(CARRIED.get(module, module))
@@ -366,10 +442,10 @@ def _version(distribution: str) -> str:
 
 
 def pins() -> dict[str, str]:
-    """distribution -> the version this Python (the project's venv) has: what the carry must hold."""
+    """distribution -> the version this Python (the project's venv) has, or PINNED's: what the carry must hold."""
     from importlib.metadata import version
 
-    return {dist: version(dist) for dist in CARRIED.values()}
+    return {dist: PINNED.get(dist) or version(dist) for dist in CARRIED.values()}
 
 
 def carry_wheels(carry: Path, python_version: str) -> Path:

@@ -77,7 +77,10 @@ def _type(tp: Any, key: str) -> str:
     if key in CHOICES:
         return "one of " + ", ".join(f"`{c}`" for c in C.choices(key))
     if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(f"`{c}`" for c in typing.get_args(tp))
+        choices = typing.get_args(tp)
+        return f"`{choices[0]}`" if len(choices) == 1 else "one of " + ", ".join(f"`{c}`" for c in choices)
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type(a, key) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {typing.get_args(tp)[0].__name__}"
     return tp.__name__

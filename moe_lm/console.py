@@ -17,9 +17,11 @@ import sys
 import warnings
 
 VERBOSE = "MOE_LM_VERBOSE"
-# DeepSpeed's one logger, and the warning its accelerator detection gives on every import on a CPU-only machine
+# DeepSpeed's one logger, and the warnings it gives on every run that are no news: its accelerator detection's on a
+# CPU-only machine, and ZeRO-1 without contiguous gradients with MoE, which one rank runs on purpose (the weights are
+# ZeRO-2's bit for bit: moe_lm/parallel/deepspeed_setup.py, zero_optimization)
 DEEPSPEED_LOGGER = "DeepSpeed"
-_NOTICES = ("Setting accelerator to CPU",)
+_NOTICES = ("Setting accelerator to CPU", "ZeRO Stage 1 has not been thoroughly tested with MoE")
 
 
 def verbose() -> bool:

@@ -1,9 +1,12 @@
 """The arms of the training-step benchmark: ours (a config, stepped as `moe-lm train` steps it), HF
-`DeepseekV3ForCausalLM` on the same weights, and the dense twin of a MoE config.
+`DeepseekV3ForCausalLM` on the same weights, and the dense twin of a MoE config (torchtitan's arm:
+moe_lm/bench/torchtitan_arm.py).
 
 - `Arm`: one config's model built from its seed, trained with the same objective as `moe-lm train` (main CE +
   lambda/D * MTP CEs + balance losses, the bias update; activation checkpointing, compile and the chunked loss as
   configured).
+- `PeerArm`: another library's model stepped as its users train it (its logits and cross-entropy), then every arm's
+  clipping and AdamW: `HFArm` here, torchtitan's in moe_lm/bench/torchtitan_arm.py.
 - `HFArm` (`--peers`): our model as `transformers` holds it (`to_hf_model`, what `export_hf` writes), with one of
   its expert implementations (eager, grouped_mm; SDPA attention), stepped with the same loss (next-token
   cross-entropy over the same positions), clipping and AdamW. HF trains no selection bias and has no sequence-wise
@@ -23,7 +26,7 @@ from moe_lm.model import build_model, loss_chunk, train_flops_per_token
 from moe_lm.parallel.deepspeed_setup import param_groups
 from moe_lm.train.balance import balance_step
 from moe_lm.train.objective import next_token_losses, total_loss
-from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
+from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile, compiles
 
 
 def adamw(params, o) -> torch.optim.AdamW:
@@ -51,13 +54,21 @@ class StepArm:
 class Arm(StepArm):
     """One config's model and optimizer, stepped the way `moe-lm train` steps them (without DeepSpeed)."""
 
-    def __init__(self, name: str, cfg: Config, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, name: str, cfg: Config, device: str = "cpu", dtype: torch.dtype = torch.float32, switched_back=()
+    ) -> None:
+        """`switched_back`: the changes of issue 65 undone in this arm's model (moe_lm/bench/before_65.py), before
+        it is compiled."""
         self.name, self.cfg = name, cfg
         torch.manual_seed(cfg.seed)
         with torch.device(device):  # why built there: initialising a 1 B model on the CPU first takes a minute
             model = build_model(cfg.model).to(dtype=dtype).train()
+        if switched_back:
+            from moe_lm.bench.before_65 import switch_back
+
+            model = switch_back(model, switched_back)
         model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
-        self.model = apply_compile(model, cfg.performance.compile)
+        self.model = apply_compile(model, compiles(cfg.performance.compile, torch.device(device)))
         o = cfg.optim
         self.opt = adamw(param_groups(self.model, o.weight_decay), o)
         self.depth = cfg.model.mtp.depth
@@ -81,7 +92,28 @@ class Arm(StepArm):
         balance_step(self.model, self.cfg.model.moe.bias_update_speed)
 
 
-class HFArm(StepArm):
+class PeerArm(StepArm):
+    """Another library's model, stepped the way its users train it: its logits, its cross-entropy over the next
+    tokens, then every arm's clipping and AdamW."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+
+    def step(self, batch: torch.Tensor) -> None:
+        self.loss(self.logits(batch[:, :-1]), batch[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, S] token ids -> [B, S, vocab] logits."""
+        raise NotImplementedError
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class HFArm(PeerArm):
     """HF DeepseekV3ForCausalLM with the weights of `model` (our Transformer), stepped like our arms."""
 
     def __init__(self, name: str, cfg: Config, model, experts_implementation: str, device: str, dtype) -> None:
@@ -94,12 +126,8 @@ class HFArm(StepArm):
         self.model = to_hf_model(model, experts_implementation).to(device=device, dtype=dtype).train()
         self.opt = adamw(self.model.parameters(), cfg.optim)
 
-    def step(self, batch: torch.Tensor) -> None:
-        logits = self.model(input_ids=batch[:, :-1]).logits
-        F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens).logits
 
 
 def dense_twin(cfg: Config) -> list[str]:

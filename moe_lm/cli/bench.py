@@ -30,6 +30,8 @@ BENCHMARKS = {
     "prepare": "preparation's tokenizing pass, 1 and 2 workers, against the tokenizer's own encode",
     "profile": "one training step under torch.profiler: the top kernels, and the share of routing, dispatch, expert "
     "GEMMs, attention, the loss and the optimizer",
+    "loop": "the training loop's step (DeepSpeed engine and bookkeeping) against the model step, and where the "
+    "difference goes",
 }
 
 

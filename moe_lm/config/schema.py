@@ -400,8 +400,10 @@ class PerformanceConfig:
     # Recompute activations in backward instead of keeping them: "full" (every block), "selective" (the MoE blocks),
     # "none". Losses and gradients are those of "none" (moe_lm/train/recompute.py).
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    # torch.compile every block (its MoE FFN runs eagerly); the first steps pay the compilation.
-    compile: bool = False
+    # torch.compile every block (its MoE FFN runs eagerly); the first step pays the compilation (its time is
+    # logged). "auto": on a CUDA GPU, where it won (gpu_1b on one H200: 15.9 % MFU against 12.2 % eager, docs/gpu.md),
+    # not on the CPU (minutes of compilation for 2-4 %, docs/benchmarks.md); true or false: always or never.
+    compile: Literal["auto"] | bool = "auto"
     # Training loss of the output head(s) computed this many tokens at a time, without the [tokens, vocab] logits
     # (moe_lm/ops/linear_cross_entropy.py: same loss and gradients); 0 = the plain loss over full logits. 1024:
     # the whole training step measured 0.88x the plain loss's time at the tiny preset and 0.95x at a 32k vocabulary

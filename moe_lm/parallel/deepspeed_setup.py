@@ -184,22 +184,38 @@ def use_bf16(p: ParallelConfig, dev: torch.device) -> bool:
     return p.dtype == "bf16" or (p.dtype == "auto" and dev.type == "cuda")
 
 
-def deepspeed_config(t: TrainConfig, o: OptimConfig, p: ParallelConfig, bf16: bool) -> dict:
-    """The engine's config from the sections it reads: batch shape (train), clipping (optim), ZeRO (parallel)."""
+def zero_optimization(p: ParallelConfig, world: int) -> dict:
+    """ZeRO's settings at `world` ranks: parallel.zero_stage with what it needs for MoE (docs/deepspeed.md §3:
+    contiguous gradients and reduce-scatter; overlap_comm as our multi-rank tests run), but on a single rank ZeRO-1
+    without the contiguous gradient buffer.
+
+    why on one rank: there ZeRO's reductions reduce and partition nothing, yet ZeRO-2 runs them after every
+    micro-batch in backward hooks (each gradient copied into the contiguous bucket, the bucket divided by the world
+    size, flattened and copied back, then copied into the flat partition: five passes over the gradients and
+    per-parameter work), ZeRO-1 once a step, and without the contiguous buffer in three passes. The engine is
+    otherwise the same: the same fp32 master partition, norm, clipping and non-finite check, the same weights bit
+    for bit (fp32 and bf16, with accumulation; checked), and the same checkpoint files (DeepSpeed does not check the
+    stage on load), so a run resumes across the switch."""
+    one_rank = world == 1
+    return {
+        "stage": 1 if one_rank else p.zero_stage,
+        "contiguous_gradients": not one_rank,
+        "reduce_scatter": True,
+        "overlap_comm": False,
+    }
+
+
+def deepspeed_config(t: TrainConfig, o: OptimConfig, p: ParallelConfig, bf16: bool, *, world: int) -> dict:
+    """The engine's config from the sections it reads: batch shape (train), clipping (optim), ZeRO (parallel), at
+    `world` ranks."""
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
         "gradient_clipping": o.grad_clip,
-        "zero_optimization": {
-            "stage": p.zero_stage,
-            # docs/deepspeed.md §3: the settings under which ZeRO-2 reduces MoE gradients correctly.
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
-            "overlap_comm": False,
-        },
+        "zero_optimization": zero_optimization(p, world),
         # check_grad_overflow: a non-finite gradient skips the step in bf16 too (fp32 always checks the norm).
         "bf16": {"enabled": bf16, "check_grad_overflow": True},
-        # our own torch AdamW (one home for the optimizer, no JIT-built fused op needed on CPU)
+        # our own torch AdamW (one home for the optimizer, no JIT-built DeepSpeed op needed)
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -226,9 +242,12 @@ def build_engine(model: torch.nn.Module, *, optim: OptimConfig, train: TrainConf
     if any(is_moe_param(p) for p in model.parameters()):
         # expert parameters get their own groups so ZeRO reduces them over the expert-data-parallel group only
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
-    # fused: one kernel for the whole update on CUDA (the optimizer step moves every parameter's states)
+    # fused (torch has it for CUDA and the CPU): one pass over each flat partition for the whole update, where the
+    # per-operation AdamW makes about ten (docs/benchmarks.md, "loop"); the same update, rounded otherwise
+    fused = dev.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=dev.type == "cuda"
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=fused
     )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(t, o, p, bf16))
+    config = deepspeed_config(t, o, p, bf16, world=dist.get_world_size())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

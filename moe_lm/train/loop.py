@@ -39,7 +39,14 @@ from moe_lm.model import (
     uses_layer_seeds,
 )
 from moe_lm.model.sdpa_backend import mla_choice
-from moe_lm.parallel.deepspeed_setup import build_engine, device, init_distributed, peers, use_bf16
+from moe_lm.parallel.deepspeed_setup import (
+    build_engine,
+    device,
+    init_distributed,
+    peers,
+    use_bf16,
+    zero_optimization,
+)
 from moe_lm.parallel.engine import Engine
 from moe_lm.parallel.expert_parallel import apply_expert_parallel, dispatchers
 from moe_lm.parallel.pipeline import Pipeline, StepTally, build_pipeline, check_cut
@@ -52,7 +59,7 @@ from moe_lm.train.objective import (
     Objective,
     objective_for,
 )
-from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile
+from moe_lm.train.recompute import apply_activation_checkpointing, apply_compile, compiles
 from moe_lm.train.run_folder import run_folder
 from moe_lm.train.schedule import lr_at, mtp_weight_at
 from moe_lm.train.step import NextTokenLoss, PipelineObjective, pipeline_step, train_step
@@ -84,6 +91,8 @@ class _Run:
     # loss against measured training time
     train_seconds: float = 0.0
     data_ref: dict | None = None  # the data the run read, as it was at its start (saved with each checkpoint)
+    compiled: bool = False  # performance.compile on this device: the first step's time (its compilation) is logged
+    steps_here: int = 0  # optimizer steps this process ran
 
     @property
     def global_batch(self) -> int:
@@ -155,8 +164,27 @@ def train(cfg: Config) -> dict:
 
 
 def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watch) -> _Run:
-    """Build the model (every rank the same, from the seed or the pretrained weights), apply expert parallelism,
-    recomputation and compilation, and wrap it in DeepSpeed's engine."""
+    """Build the model and its engine (`build_trainee`) and what each step uses besides."""
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
+    model, pipeline, engine, compiled = build_trainee(cfg, pretrained, tracker.info)
+    dp_rank, dp_size = (pipeline.grid.data_parallel_id, world // cfg.parallel.pp_size) if pipeline else (rank, world)
+    objective = PipelineObjective(engine, pipeline) if pipeline else objective_for(cfg)
+    evaluation = Evaluation(engine=engine, model=model, evalsets=evalsets, cfg=cfg, device=dev,
+                            doc_start_id=data_meta["bos_id"], tracker=tracker, objective=objective,
+                            data_parallel=(dp_rank, dp_size))  # fmt: skip
+    return _Run(
+        cfg=cfg, run_dir=run_dir, tracker=tracker, windows=windows, engine=engine, model=model, objective=objective,
+        throughput=run_throughput(cfg, world, dev, tracker.info), evaluate=evaluation, watch=watch, rank=rank,
+        world=world, dp_rank=dp_rank, dp_size=dp_size, pipeline=pipeline, compiled=compiled,
+    )  # fmt: skip
+
+
+def build_trainee(
+    cfg: Config, pretrained: Transformer | None, info
+) -> tuple[Transformer, Pipeline | None, Engine, bool]:
+    """The model (every rank the same, from the seed or the pretrained weights) with expert parallelism,
+    recomputation and compilation applied, cut into stages with parallel.pp_size > 1, in DeepSpeed's engine; and
+    whether it compiles. `moe-lm bench loop` builds its loop arm with it."""
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
     t, pp = cfg.train, cfg.parallel.pp_size
     require_ep_divides(cfg.parallel.ep_size, cfg.model.moe.n_routed_experts, world, pp)  # before any stage is cut
@@ -176,11 +204,12 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
         model = build_model(cfg.model)
     model = apply_expert_parallel(model, cfg.parallel.ep_size, pp)  # every rank: the same model
     model = apply_activation_checkpointing(model, cfg.performance.activation_checkpointing)
-    model = apply_compile(model, cfg.performance.compile)
+    compiled = compiles(cfg.performance.compile, dev)
+    model = apply_compile(model, compiled)
     if cfg.model.attention == "mla":  # which fused kernel runs attention here, and whether v is padded for it
         qk, v = cfg.model.mla.qk_nope_head_dim + cfg.model.mla.qk_rope_head_dim, cfg.model.mla.v_head_dim
         dtype = torch.bfloat16 if use_bf16(cfg.parallel, dev) else torch.float32
-        tracker.info(f"attention: {mla_choice(dev.type, dtype, qk, v).describe(qk, v)}")
+        info(f"attention: {mla_choice(dev.type, dtype, qk, v).describe(qk, v)}")
     schedule = cfg.parallel.pp_schedule
     pipeline = None
     if pp > 1:
@@ -188,22 +217,18 @@ def _start(cfg, run_dir, tracker, windows, evalsets, pretrained, data_meta, watc
         pipeline = build_pipeline(model, pp, tally, NextTokenLoss(model, tally, loss_chunk(cfg)), schedule)
     if pipeline:
         check_cut(pipeline, cfg)
-        tracker.info(f"pipeline ({schedule}): {describe_stages(cfg, pipeline.module.parts)} (cut by parameters)")
+        info(f"pipeline ({schedule}): {describe_stages(cfg, pipeline.module.parts)} (cut by parameters)")
     engine = build_engine(pipeline.module if pipeline else model, optim=cfg.optim, train=t, parallel=cfg.parallel)
-    dp_rank, dp_size = (pipeline.grid.data_parallel_id, world // pp) if pipeline else (rank, world)
+    return model, pipeline, engine, compiled
+
+
+def run_throughput(cfg: Config, world: int, dev: torch.device, info) -> Throughput:
+    """Tokens/s and MFU of one optimizer step of the global batch, against `world` devices' peak."""
+    t = cfg.train
     tokens = cfg.global_batch(world) * t.seq_len
     peak, peak_source = peak_flops(dev, cfg.logging.peak_tflops)
     flops_per_step = train_flops_per_token(cfg.model, t.seq_len, cfg.objective.prefix_len) * tokens
-    throughput = Throughput(flops_per_step, tokens, peak * world, tracker.info, f"MFU against {peak_source}")
-    objective = PipelineObjective(engine, pipeline) if pipeline else objective_for(cfg)
-    evaluation = Evaluation(engine=engine, model=model, evalsets=evalsets, cfg=cfg, device=dev,
-                            doc_start_id=data_meta["bos_id"], tracker=tracker, objective=objective,
-                            data_parallel=(dp_rank, dp_size))  # fmt: skip
-    return _Run(
-        cfg=cfg, run_dir=run_dir, tracker=tracker, windows=windows, engine=engine, model=model, objective=objective,
-        throughput=throughput, evaluate=evaluation, watch=watch, rank=rank, world=world, dp_rank=dp_rank,
-        dp_size=dp_size, pipeline=pipeline,
-    )  # fmt: skip
+    return Throughput(flops_per_step, tokens, peak * world, info, f"MFU against {peak_source}")
 
 
 def _step(run: _Run, step: int, first: int, end_step: int, stop: StopOnSignal) -> dict | None:
@@ -217,12 +242,18 @@ def _step(run: _Run, step: int, first: int, end_step: int, stop: StopOnSignal) -
         losses, applied = pipeline_step(run.engine, run.pipeline, batches, lr, mtp_weight)
     else:
         losses, applied = train_step(run.engine, run.model, batches, lr, mtp_weight, run.objective)
-    run.watch.done = step + 1
-    balance, counts = balance_step(run.model, cfg.model.moe.bias_update_speed, apply=applied)
-    step_done, dt = step + 1, time.perf_counter() - t0
+    run.watch.done = step_done = step + 1
+    logged = step_done % c.log_interval == 0 or step_done == end_step
+    # the row's routing numbers on logged steps only: they wait for the device (and cost a little) on every step
+    balance, counts = balance_step(run.model, cfg.model.moe.bias_update_speed, apply=applied, metrics=logged)
+    dt = time.perf_counter() - t0
     run.train_seconds += dt
+    run.steps_here += 1
+    if run.compiled and run.steps_here == 1:
+        run.tracker.info(f"torch.compile: the first step took {dt:.1f} s with the compilation "
+                         "(performance.compile=false runs eagerly)")  # fmt: skip
     _count_bad_step(run, applied, losses["loss"], step_done)
-    if step_done % c.log_interval == 0 or step_done == end_step:
+    if logged:
         row = {"step": step_done, **losses, "lr": lr, "skipped": not applied}
         if cfg.model.mtp.depth:
             row["mtp_weight"] = mtp_weight
@@ -263,7 +294,15 @@ def _micro_batches(run: _Run, first: int):
     t, dev = run.cfg.train, device()
     for m in range(t.grad_accum_steps):
         start = first + (m * run.dp_size + run.dp_rank) * t.micro_batch_size
-        yield run.windows.batch(start, t.micro_batch_size).to(dev)
+        yield to_device(run.windows.batch(start, t.micro_batch_size), dev)
+
+
+def to_device(batch: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """`batch` on `dev`. why pinned on CUDA: a copy from pageable memory waits for every kernel queued before it
+    (the previous micro-batch's backward), so the GPU would start each micro-batch with an empty queue."""
+    if dev.type != "cuda":
+        return batch.to(dev)
+    return batch.pin_memory().to(dev, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -337,7 +376,7 @@ def _header(cfg: Config, model: Transformer, world: int, G: int, data_meta: dict
         f"moe-lm: {n.total / 1e6:.2f}M parameters ({n.active / 1e6:.2f}M active per token){mtp}, "
         f"{len(model.moe_layers())} MoE layers x {cfg.model.moe.n_routed_experts} experts (top-"
         f"{cfg.model.moe.num_experts_per_tok}), world {world}{_stages(cfg.parallel.pp_size, world)}, "
-        f"ZeRO-{cfg.parallel.zero_stage}, "
+        f"ZeRO-{zero_optimization(cfg.parallel, world)['stage']}, "
         f"global batch {G} x {cfg.train.seq_len} tokens; data {cfg.data.out_dir}: "
         f"{data_meta['tokens']['train']:,} train tokens in {len(data_meta['domains'])} domains"
     )

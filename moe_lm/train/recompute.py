@@ -38,6 +38,11 @@ def _recomputed(forward):
     return run
 
 
+def compiles(setting: str | bool, device: torch.device) -> bool:
+    """Whether performance.compile compiles on `device` ("auto": on a CUDA GPU)."""
+    return setting is True or (setting == "auto" and device.type == "cuda")
+
+
 def apply_compile(model, enabled: bool):
     """torch.compile each block in place, its MoE FFN excluded (run eagerly)."""
     if not enabled:

@@ -68,8 +68,9 @@ def pipeline_step(engine: StagedEngine, pipeline: Pipeline, micro_batches, lr: f
 def _step_losses(engine: Engine, sums: torch.Tensor) -> tuple[dict, bool]:
     """[ce, aux, mtp depths, micro-batches] summed over this rank's micro-batches -> the means over all ranks'
     (on every rank), and whether the step was applied."""
-    dist.all_reduce(sums)
-    means = (sums[:-1] / sums[-1]).tolist()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    means = (sums[:-1] / sums[-1]).tolist()  # why every step: a non-finite loss skips the step (the caller counts)
     losses = {"loss": means[0], "aux_loss": means[1]}
     losses.update({f"mtp_loss/depth_{k}": v for k, v in enumerate(means[2:], start=1)})
     return losses, engine.was_step_applied() and math.isfinite(means[0])

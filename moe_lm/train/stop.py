@@ -71,9 +71,10 @@ class StopOnSignal:
 
     def requested(self, device) -> int:
         """The signal any rank received (0: none); the same answer on every rank."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.signum  # why not through a tensor: on a GPU, .item() waits for the step's queued work
         flag = torch.tensor([self.signum], device=device)  # on the device: NCCL reduces device tensors only
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
 

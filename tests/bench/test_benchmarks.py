@@ -5,15 +5,19 @@ user runs it): its table's header and a row appear; and every `--help`, of the c
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from moe_lm.bench.torchtitan_arm import unavailable
 from moe_lm.bench.train import peer_arms
 from moe_lm.cli.bench import BENCHMARKS
-from moe_lm.config import MTPConfig
+from moe_lm.config import MTPConfig, load_config, preset_path
+from moe_lm.model import build_model
 from tests.helpers.runs import tiny_train_cfg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,15 +56,37 @@ def test_train(bench):
     assert f"\n| {small} model.mtp.depth=1 | " in out
 
 
+def test_train_speed_times_the_step_before_issue_65_against_each_change(bench):
+    """`--speed`: the step before issue 65, with the dispatch or the attention change undone, and now, eager; then
+    before and now compiled (the switched-back attention compiles too); the ratios line the GPU check reads, whose
+    numbers are the tables' medians."""
+    out = bench("train", "--speed", "--rounds", 1, "--warmup", 0, "train.micro_batch_size=2", "train.seq_len=32")
+    medians = {m[1]: float(m[2]) for m in re.finditer(r"^\| ([\w ]+) \| ([\d.]+) \(", out, re.MULTILINE)}
+    assert set(medians) == {"before issue 65", "dispatch as before", "attention as before", "now",
+                            "before issue 65 compiled", "now compiled"}  # fmt: skip
+    line = re.search(r"^now / before issue 65: eager ([\d.]+), compiled ([\d.]+); the dispatch change alone "
+                     r"([\d.]+), the attention change alone ([\d.]+)$", out, re.MULTILINE)  # fmt: skip
+    now, before = medians["now"], medians["before issue 65"]
+    compiled = medians["now compiled"] / medians["before issue 65 compiled"]
+    expected = [now / before, compiled, now / medians["dispatch as before"], now / medians["attention as before"]]
+    for shown, ratio in zip(line.groups(), expected, strict=True):
+        assert float(shown) == pytest.approx(ratio, abs=0.002 + 0.002 * ratio)  # medians printed to 0.1 ms
+
+
 def test_train_against_peers(bench):
     """`--peers`: ours eager and compiled, HF DeepseekV3ForCausalLM with both expert implementations, the dense
-    twin, and the ratios line; the HF arms hold our weights (their logits are ours) and the dense twin has the
-    active FLOPs of ours."""
+    twin, torchtitan's DeepSeek-V3 where it is installed (else one line says why not), and the ratios line; the HF
+    arms hold our weights (their logits are ours) and the dense twin has the active FLOPs of ours."""
     small = ["train.micro_batch_size=2", "train.seq_len=32"]
     out = bench("train", "--peers", "--rounds", 1, "--warmup", 0, *small)
     for arm in ("ours", "ours compiled", "HF eager", "HF grouped_mm", "dense (equal active FLOPs)"):
         assert f"\n| {arm} | " in out
     assert "ours eager / HF best " in out and "ours eager / dense eager " in out
+    if unavailable(load_config(preset_path("tiny")).model):
+        assert "\ntorchtitan arm left out: " in out
+    else:
+        assert "\n| torchtitan | " in out
+        assert math.isfinite(float(re.search(r"ours eager / torchtitan ([\d.]+)$", out, re.MULTILINE)[1]))
     arms = peer_arms("tiny", small)
     batch = torch.randint(0, 4096, (2, 32))
     with torch.no_grad():
@@ -69,6 +95,33 @@ def test_train_against_peers(bench):
             torch.testing.assert_close(hf.model(input_ids=batch).logits, ours, atol=1e-4, rtol=1e-4)
     flops = [a.gflops_per_step() for a in arms]
     assert flops[4] == pytest.approx(flops[0], rel=0.01)  # the dense twin: same active matmul FLOPs
+
+
+GPU_1B_FEATURES = "model.mla.q_lora_rank=32 model.moe.n_routed_experts=16 model.moe.n_group=8 model.moe.topk_group=4 "
+GPU_1B_FEATURES += "model.moe.num_experts_per_tok=6 model.moe.routed_scaling_factor=2.5"
+
+
+@pytest.mark.parametrize("shape", [[], GPU_1B_FEATURES.split()], ids=["tiny", "gpu_1b's features"])
+def test_the_torchtitan_arm_builds_our_model(shape, monkeypatch):
+    """torchtitan's DeepSeek-V3 as the arm builds it, at the tiny shape and with gpu_1b's features (query LoRA, 8
+    expert groups of which the best 4 are eligible, top-6, scaling 2.5; 16 experts for its 64), holds our weights and
+    gives our logits in fp32 once the two torchtitan defaults the arm keeps for speed are set to ours: RMSNorm eps
+    (its 1e-5, the config's 1e-6) and its routed experts' bf16 casts (off). With them kept, the logits differ by
+    ~0.1."""
+    from moe_lm.bench.torchtitan_arm import titan_model
+
+    cfg = load_config(preset_path("tiny"), shape).model
+    if unavailable(cfg):
+        pytest.skip(unavailable(cfg))
+    torch.manual_seed(0)
+    ours = build_model(cfg).eval()
+    theirs = titan_model(ours, flex=False, device="cpu", dtype=torch.float32, norm_eps=cfg.norm_eps)
+    assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters())
+    batch = torch.randint(0, cfg.vocab_size, (2, 64))
+    # why: GroupedExperts.forward casts tokens and weights with .bfloat16(), whatever the model's dtype
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda t: t)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(batch), ours(batch).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +174,35 @@ def test_profile_places_each_operation_in_its_part_of_the_step(bench):
         assert all(p == part for _, p in ops), (fragment, ops)
     _, total = top_kernels(prof, on_gpu=False, n=10**6)
     assert sum(parts(prof.events(), on_gpu=False).values()) == pytest.approx(total, rel=1e-9)
+
+
+def test_loop_times_the_training_loop_against_the_model_step_and_splits_it(bench):
+    """`bench loop`: the model step, the loop and (`--before`) the loop as it was, on the same samples; `--profile`:
+    each part's own time, DeepSpeed's ZeRO work and the loop's bookkeeping beside the model's, adding up to the whole
+    step; the loop as it was copied the gradients into ZeRO-2's flat partition, today's does not."""
+    small = ["train.micro_batch_size=2", "train.seq_len=32", "cadence.log_interval=2", "--warmup", 0]
+    out = bench("loop", "--rounds", 1, "--before", *small)
+    assert "| arm | ms per optimizer step (min-max) | tokens/s | time vs model step | speed vs model step |" in out
+    for arm in ("model step", "loop (the config)", "loop before issue 65 (the config)"):
+        assert f"\n| {arm} | " in out
+    tables = bench("loop", "--profile", "--before", *small).split(" warm-up ")[1:]
+    now, before = (profiled_parts(table) for table in tables)
+    zero = ["AdamW (fp32 master partition)", "ZeRO: gradients divided, flattened, all-reduced, copied back"]
+    bookkeeping = ["balance_step (counts, bias update, metrics)", "logged row (grad norm, metrics.jsonl, console)"]
+    for part in ["model: forward", *zero, *bookkeeping]:
+        assert float(now[part][0]) > 0, part
+    assert float(now["AdamW"][2]) > 0  # the model step's
+    partition = "ZeRO: gradient copied into the flat partition"  # ZeRO-2's contiguous path only
+    assert partition in before and partition not in now
+    for split in (now, before):
+        own = sum(float(ms) for part, (ms, *_) in split.items() if part != "the whole step")
+        assert own == pytest.approx(float(split["the whole step"][0]), abs=0.005 * len(split))  # rounded to 0.01 ms
+
+
+def profiled_parts(table: str) -> dict[str, list[str]]:
+    """`bench loop --profile`'s table: each part's cells after its name."""
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    return {row[0]: row[1:] for row in rows[1:]}  # after the header
 
 
 def test_prepare(bench):

@@ -202,3 +202,55 @@ def test_the_training_command_runs_twice_in_one_process(tiny_data, tmp_path, cli
         proc = cli("train", "--config", tmp_path / f"{name}.yaml")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert latest_tag(tmp_path / name) == "step_00000001"
+
+
+def test_one_rank_runs_zero_1_and_resumes_what_its_zero_2_engine_saved(tiny_data, tmp_path, train, trained_run,
+                                                                      monkeypatch, capsys):  # fmt: skip
+    """On one rank the engine runs ZeRO-1 although parallel.zero_stage is 2 (ZeRO-2's per-micro-batch reductions
+    partition nothing there); a checkpoint the ZeRO-2 engine saved at world 1 (as every run did before) resumes into
+    it and reproduces the uninterrupted run; the start-up line names the stage that runs."""
+    from moe_lm.parallel import deepspeed_setup
+
+    ZERO_2 = {"stage": 2, "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": False}
+    straight = trained_run(max_steps=8, ckpt_interval=100)  # ZeRO-1's run (the reference the resume test shares)
+    cfg = tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=8, ckpt_interval=100, stop_at=4)
+    assert cfg.parallel.zero_stage == 2
+    with monkeypatch.context() as m:
+        m.setattr(deepspeed_setup, "zero_optimization", lambda p, world: ZERO_2)  # the engine as it was
+        train(cfg)
+    capsys.readouterr()
+    train(with_train(cfg, stop_at=0))  # resumes from step 4 under ZeRO-1
+    assert "world 1, ZeRO-1, " in capsys.readouterr().out
+    for ra, rb in zip(rows(straight), rows(tmp_path / "run"), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=0), (ra["step"], ra["loss"], rb["loss"])
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-6)
+
+
+def test_the_routing_numbers_of_a_logged_row_do_not_depend_on_the_steps_between_rows(tiny_data, tmp_path, train,
+                                                                                    trained_run):  # fmt: skip
+    """Unlogged steps skip the row's routing numbers (MaxVio, bias statistics): a row every 4 steps holds what the
+    run logging every step holds at those steps."""
+    every = rows(trained_run(max_steps=8, ckpt_interval=100))
+    train(tiny_train_cfg(tiny_data, tmp_path / "run", max_steps=8, ckpt_interval=100, log_interval=4))
+    sparse = rows(tmp_path / "run")
+    assert [r["step"] for r in sparse] == [4, 8]
+    for r in sparse:
+        same = every[r["step"] - 1]
+        for key in ("loss", "grad_norm", "maxvio/layer_1", "bias_mean/layer_1", "bias_std/layer_1", "bias_max/layer_1"):
+            assert r[key] == pytest.approx(same[key], rel=1e-6, abs=1e-9), (r["step"], key)
+
+
+def test_a_one_rank_engine_keeps_no_gradient_partitions():
+    """parallel.zero_stage=2 on one rank: the engine reduces once a step (ZeRO-1), not in every backward's hooks,
+    and keeps no contiguous gradient buffer."""
+    from moe_lm.config import OptimConfig, ParallelConfig, TrainConfig
+    from moe_lm.model import Transformer
+    from moe_lm.parallel.deepspeed_setup import build_engine, init_distributed
+    from moe_lm.parallel.expert_parallel import apply_expert_parallel
+    from moe_lm.testing import tiny_model_cfg
+
+    init_distributed()
+    model = apply_expert_parallel(Transformer(tiny_model_cfg()), 1)
+    engine = build_engine(model, optim=OptimConfig(), train=TrainConfig(), parallel=ParallelConfig(zero_stage=2))
+    assert engine.zero_optimization_stage() == 1 and not engine.optimizer.partition_gradients
+    assert not engine.optimizer.contiguous_gradients
