@@ -90,7 +90,7 @@ gguf-check: setup
 megablocks: setup
 	$(BIN)/pip install --no-deps --no-build-isolation megablocks==0.10.0 stanford-stk==0.7.1 grouped_gemm==0.3.0
 
-# On a GPU machine (even one without network), in one call of at most 420 s (launch/gpu_check.py, docs/gpu.md §5):
+# On a GPU machine (even one without network), in one call of at most 450 s (launch/gpu_check.py, docs/gpu.md §5):
 # install what is missing from the carried wheels, then the GPU tests, the MoE layer in bf16, a short gpu_1b run, one
 # profiled step and the whole step against HF; OUT receives summary.txt, results.json and logs.tgz. Without a GPU it
 # says so (exit 1). Where make is missing: python3 launch/gpu_check.py --out OUT.
