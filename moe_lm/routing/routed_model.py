@@ -14,8 +14,8 @@ file run in llama.cpp through `GGUFModel` (moe_lm/interop/llama_cpp.py), an engi
 
 What is required and what is optional: every routed model says which experts each token went to, in rank order
 (first choice first) unless it says `ranked = False` (Megatron's router trace holds each token's experts as a set,
-in id order); gate weights, decision margins and log-probs are optional, named in `gives` (a serving engine's
-record, say, holds experts only), and each metric of the report says what it needs.
+in id order); gate weights, decision margins, log-probs and expert output norms are optional, named in `gives` (a
+serving engine's record, say, holds experts only), and each metric of the report says what it needs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-OPTIONAL = ("weights", "margins", "logprob")  # what a Routed may carry besides the experts
+OPTIONAL = ("weights", "margins", "logprob", "norms")  # what a Routed may carry besides the experts
 DocumentIds = Iterable[tuple[int, np.ndarray]]  # (domain index, token ids) per document, in order
 MAX_BATCH_LOGIT_BYTES = 1 << 30  # a forward pass's float32 logits, the largest thing a recording batch holds
 
@@ -46,13 +46,15 @@ class Window:
 class Routed:
     """Routed rows (tokens in order), whoever ran them: per MoE layer id the chosen experts [N, K] (first choice
     first); with what the model `gives`, their gate weights [N, K], each decision's margin [N]
-    (stats.decision_margins; NaN where the scores are not known) and each token's log-prob given the tokens before it
-    in its window [N] (NaN for a window's first)."""
+    (stats.decision_margins; NaN where the scores are not known), each token's log-prob given the tokens before it
+    in its window [N] (NaN for a window's first) and the L2 norm of each chosen expert's output before its gate
+    weight multiplies it [N, K] (REAP's ‖f_j(x)‖₂, moe_lm/routing/expert_norms.py)."""
 
     experts: dict[int, np.ndarray]
     weights: dict[int, np.ndarray] | None = None
     margins: dict[int, np.ndarray] | None = None
     logprob: np.ndarray | None = None
+    norms: dict[int, np.ndarray] | None = None
 
 
 class TraceSink(Protocol):
@@ -63,7 +65,7 @@ class TraceSink(Protocol):
 
     def append_tokens(self, token, doc, pos, domain, logprob=None) -> None: ...
 
-    def write_layer(self, layer: int, experts, weights=None, margins=None) -> None: ...
+    def write_layer(self, layer: int, experts, weights=None, margins=None, norms=None) -> None: ...
 
 
 class Progress(Protocol):

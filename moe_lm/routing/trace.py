@@ -16,8 +16,11 @@ Format 3 (a folder; `meta.json` is written last and names the row count):
     weights_L{l}.f16       their gate weights           [N, K] float16
     margin_L{l}.f32        each decision's margin       [N] float32 (NaN where the scores are not known)
     logprob.f32            log p(token | its window's earlier tokens)  [N] float32 (NaN first in a window)
+    norms_L{l}.f16         ‖f_j(t)‖₂ of each chosen expert's output, before the gate multiplies it  [N, K] float16
+                           (moe-lm's own model, recorded since the pruning criteria, moe_lm/pruning/criteria.py)
 Tokens of one document are contiguous and in order, so consecutive rows with the same doc are neighbours. A trace of
-format 2 (every column, the provenance under "source") and of format 1 (no margins, no log-probs) still reads.
+format 2 (every column then known, the provenance under "source") and of format 1 (no margins, no log-probs) still
+reads; a trace without `norms` (any recorded before them, or by another kind of subject) reads as one without them.
 
 The writer takes rows of every layer at once (`append`, what a forward pass gives) or, once the token columns are
 written, one layer's columns for every token (`write_layer`, what a layer-by-layer pass gives).
@@ -35,6 +38,7 @@ from moe_lm.errors import DataError, NotFound, shown
 from moe_lm.routing.routed_model import OPTIONAL, Routed
 
 FORMAT_VERSION = 3  # 2: margin_L{l}.f32 and logprob.f32; 3: optional columns named in meta, provenance
+FORMAT_2_COLUMNS = ("weights", "margins", "logprob")  # a format-2 trace holds these, without naming them
 TOKEN_COLUMNS = (("token.u32", np.uint32), ("doc.u32", np.uint32), ("pos.u32", np.uint32), ("domain.u16", np.uint16))
 
 
@@ -64,7 +68,7 @@ class Trace:
         if version < FORMAT_VERSION:
             old_form(f"the trace {self.folder} (format {version})", "record it again (moe-lm analyze)")
         # what each format holds of the optional columns: format 1 gate weights only, format 2 all of them
-        self.columns = frozenset(self.meta.get("columns", ["weights"] if version < 2 else OPTIONAL))
+        self.columns = frozenset(self.meta.get("columns", ["weights"] if version < 2 else FORMAT_2_COLUMNS))
         self.provenance: dict = self.meta.get("provenance", self.meta.get("source", {}))
         # False: each token's experts are a set in id order (Megatron's trace), so there is no first choice
         self.ranked: bool = self.meta.get("ranked", True)
@@ -101,6 +105,10 @@ class Trace:
     def margins(self, layer: int) -> np.ndarray | None:
         """[N] each decision's margin (stats.decision_margins), or None where the subject does not give them."""
         return self._col(f"margin_L{layer}.f32", np.float32) if "margins" in self.columns else None
+
+    def norms(self, layer: int) -> np.ndarray | None:
+        """[N, K] the L2 norms of the chosen experts' outputs (before the gate weight), or None where not recorded."""
+        return self._col(f"norms_L{layer}.f16", np.float16, self.k) if "norms" in self.columns else None
 
     @property
     def logprob(self) -> np.ndarray | None:
@@ -152,7 +160,8 @@ class TraceWriter:
         self.n, self.docs, self.layer_rows = 0, set(), dict.fromkeys(self.layers, 0)
 
     def _layer_files(self, layer: int) -> list[str]:
-        optional = {"weights": f"weights_L{layer}.f16", "margins": f"margin_L{layer}.f32"}
+        optional = {"weights": f"weights_L{layer}.f16", "margins": f"margin_L{layer}.f32",
+                    "norms": f"norms_L{layer}.f16"}  # fmt: skip
         return [f"experts_L{layer}.{_expert_suffix(self.n_experts)}"] + [
             optional[c] for c in self.columns if c in optional
         ]
@@ -169,7 +178,7 @@ class TraceWriter:
         self.n += len(token)
         self.docs.update(np.unique(np.asarray(doc)).tolist())
 
-    def write_layer(self, layer: int, experts, weights=None, margins=None) -> None:
+    def write_layer(self, layer: int, experts, weights=None, margins=None, norms=None) -> None:
         """Rows of one MoE layer, appended to its columns (all tokens in one call, or in the order they came)."""
         n = len(experts)
         with open(self.folder / f"experts_L{layer}.{_expert_suffix(self.n_experts)}", "ab") as f:
@@ -181,6 +190,9 @@ class TraceWriter:
             margins = np.full(n, np.nan) if margins is None or len(margins) != n else margins
             with open(self.folder / f"margin_L{layer}.f32", "ab") as f:
                 np.asarray(margins, np.float32).tofile(f)
+        if "norms" in self.columns:
+            with open(self.folder / f"norms_L{layer}.f16", "ab") as f:
+                np.asarray(norms, np.float16).reshape(n, self.k).tofile(f)
         self.layer_rows[layer] += n
 
     def append(self, token, doc, pos, domain, routed: Routed) -> None:
@@ -188,7 +200,7 @@ class TraceWriter:
         self.append_tokens(token, doc, pos, domain, routed.logprob)
         for layer in self.layers:
             self.write_layer(layer, routed.experts[layer], (routed.weights or {}).get(layer),
-                             (routed.margins or {}).get(layer))  # fmt: skip
+                             (routed.margins or {}).get(layer), (routed.norms or {}).get(layer))  # fmt: skip
 
     def close(self, extra: dict | None = None) -> Trace:
         for fh in self.files.values():

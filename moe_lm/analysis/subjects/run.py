@@ -59,7 +59,7 @@ class RunKind(SubjectKind):
                              "RUN:TAG for checkpoint TAG"})  # fmt: skip
     looks_like = "a run folder (with checkpoints/; RUN:TAG for one of them)"
     needs_data, reroutable = False, True
-    gives = frozenset({"weights", "margins", "logprob"})
+    gives = frozenset({"weights", "margins", "logprob", "norms"})
 
     def from_flags(self, spec: str, settings: Settings) -> RunSubject:
         return RunSubject(run=parse_run(spec), seq_len=settings[SEQ_LEN])
