@@ -22,6 +22,7 @@ llama.cpp itself.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,8 +47,7 @@ def prune_gguf(source: Path, out: Path, keep: Mapping[int, Sequence[int]]) -> Pa
     header = read_gguf_header(source)  # why first: every length checked before gguf-py's reader trusts them
     kept = _checked(header, keep)
     place = pruned_output(source, out, file=True)
-    needed = header.size * kept.count // kept.n_experts + (header.size >> 4)  # about: the experts are most of it
-    with place.staged(needed) as target:
+    with place.staged(_pruned_bytes(header, kept)) as target:
         _write(gguf, gguf.GGUFReader(str(source)), target, header.arch, kept)
     return out
 
@@ -76,6 +76,19 @@ def _checked(header: GGUFHeader, keep: Mapping[int, Sequence[int]]) -> KeptExper
             raise UserError(f"{path}: {t.name} has shape {list(t.shape)} (ggml's order), not one slice per routed "
                             f"expert ({E}, {arch}.expert_count) outermost; {FIX}")  # fmt: skip
     return kept
+
+
+def _pruned_bytes(header: GGUFHeader, kept: KeptExperts) -> int:
+    """The bytes of the pruned file, about (its tensors' data and the source's header)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    total = header.data_offset
+    for t in header.tensors:
+        block, per_block = GGML_QUANT_SIZES[GGMLQuantizationType(t.type)]
+        nbytes = t.shape[0] // block * per_block * math.prod(t.shape[1:])
+        m = ROUTER.match(t.name) or EXPERTS.match(t.name)
+        total += nbytes * kept.count // kept.n_experts if m and int(m[1]) in kept.ids else nbytes
+    return total
 
 
 def _write(gguf, reader, target: Path, arch: str, kept: KeptExperts) -> None:

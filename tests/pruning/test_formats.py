@@ -92,6 +92,7 @@ def test_keeping_every_expert_gives_the_source(exported, tmp_path):
     with torch.no_grad():
         assert torch.equal(load(out)(tokens).logits, load(exported)(tokens).logits)
     assert load_file(out / "model.safetensors").keys() == load_file(exported / "model.safetensors").keys()
+    assert (out / "generation_config.json").read_bytes() == (exported / "generation_config.json").read_bytes()
 
 
 def test_the_stacked_expert_layout_is_pruned_along_the_expert_axis(exported, tmp_path):
