@@ -44,7 +44,8 @@ from moe_lm.files import HASH, disk_full, file_hash, gib, read_small, size_of, s
 
 MARKER = ".moe-lm.json"
 PARTIAL = ".partial-"  # in the staging folder's name: .<name>.partial-<host>-<pid>
-FOLDER_KINDS = {"train": "run folder", "prepare": "prepared data folder"}  # written in place or replaced whole
+# written in place or replaced whole (a pruned run, moe_lm/pruning/run.py, replaced whole by `moe-lm prune` only)
+FOLDER_KINDS = {"train": "run folder", "prepare": "prepared data folder", "prune": "pruned run folder"}
 
 
 def read_marker(folder: Path) -> dict | None:

@@ -63,13 +63,14 @@ FLOORS = (
     "interop",
     "train",
     "analysis",
+    "pruning",
     "experiments",
     "config_docs",
     "cli",
     "bench",
     "testing",
 )
-TOOLS = ("planning", "analysis", "experiments", "bench", "cli", "testing")  # what the core never imports
+TOOLS = ("planning", "analysis", "pruning", "experiments", "bench", "cli", "testing")  # what the core never imports
 
 
 def module_name(path: Path) -> str:

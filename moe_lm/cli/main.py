@@ -34,6 +34,11 @@ COMMANDS = {
         "with baselines; compare subjects token by token",
     ),
     "ablate": ("ablate", "route around experts and measure each domain's loss change"),
+    "prune": (
+        "prune",
+        "remove the least salient routed experts of a run (reap, frequency, gate-mass, ablation) "
+        "and write the smaller model as a run",
+    ),
     "experiment": ("experiment", "run an experiment (arms x seeds) and write its report with a verdict"),
     "bench": (None, "benchmarks: MoE layer, loss, training step, decoding, routing, preparation (moe_lm.bench)"),
     "estimate": (

@@ -1,0 +1,100 @@
+"""Prune routed experts: keep the most salient of each MoE layer and write the smaller model as a moe-lm run.
+
+    moe-lm prune --run runs/tiny --sparsity 0.5 --out runs/tiny-pruned                  # REAP on the validation split
+    moe-lm prune --run runs/tiny --keep 12 --criterion frequency --out runs/tiny-f12
+    moe-lm prune --run runs/tiny --sparsity 0.25 --data corpus/ --domains code --out runs/tiny-code   # serve code
+    moe-lm prune --run runs/tiny --sparsity 0.5 --trace analysis/tiny/trace --out runs/tiny-p50       # a trace again
+    moe-lm prune --run runs/tiny --sparsity 0.25 --criterion ablation --max-tokens 5000 --out runs/tiny-abl
+
+Each MoE layer's routed experts are scored on calibration documents (--data, or the run's validation split, under
+--max-tokens spread equally over the domains; or the tokens of a trace `moe-lm analyze` recorded, --trace), the
+tokens of --domains only where given: reap (mean gate x output norm over the tokens routed to the expert),
+frequency (tokens routed), gate-mass (sum of gates), ablation (the loss increase when the expert alone is removed:
+the reference, one pass of the documents per expert) or random (seeded, the control). Every layer keeps the same
+number, every expert group the same share (group-limited routing stays valid); shared experts are never pruned.
+Removing an expert is masking its router score before selection, group scores included: the pruned run's logits are
+the source's under that mask. Writes a run into --out (never the source): checkpoints/<the source's tag>/ with the
+kept experts only, the config with the new model.moe.n_routed_experts, prune.json (the plan: every expert's score,
+the kept ids) and calibration_trace/ (when recorded here). docs/pruning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from moe_lm.analysis.subjects import KINDS
+from moe_lm.checkpoint.format import RunRef, checkpoint_folder, parse_run
+from moe_lm.cli import main_of, output_folder
+from moe_lm.cli.options import add_out
+from moe_lm.cli.subject import add_subject, check_subject, documents_request, subject_request
+from moe_lm.errors import UserError
+from moe_lm.flags import default_of, from_flags
+from moe_lm.pruning.criteria import CRITERIA
+from moe_lm.pruning.run import PruneRequest
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add_subject(ap, [KINDS["run"]])
+    add_out(ap, "the pruned run's folder (created; never the source)")
+    ap.add_argument("--criterion", choices=CRITERIA, default=default_of(PruneRequest, "criterion"),
+                    help="how each routed expert is scored")  # fmt: skip
+    how_many = ap.add_mutually_exclusive_group(required=True)
+    how_many.add_argument("--sparsity", type=float, metavar="F", help="the fraction of each layer's routed experts "
+                          "removed (0 < F < 1)")  # fmt: skip
+    how_many.add_argument("--keep", type=int, metavar="N", help="the routed experts each layer keeps")
+    ap.add_argument("--domains", nargs="+", metavar="DOMAIN", help="score on these domains' documents only (the "
+                    "domains the pruned model is to keep serving; default: all)")  # fmt: skip
+    ap.add_argument("--trace", type=Path, metavar="DIR", help="score from this recorded trace of the run (moe-lm "
+                    "analyze's trace/), its tokens the calibration documents")  # fmt: skip
+    ap.add_argument("--max-tokens", type=int, default=default_of(PruneRequest, "max_tokens"),
+                    help="calibration tokens recorded, spread equally over the domains")  # fmt: skip
+    ap.add_argument("--batch-size", type=int, default=default_of(PruneRequest, "batch_size"), metavar="N",
+                    help="sequences per forward pass")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=default_of(PruneRequest, "seed"), help="the random criterion's seed")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' values and combinations, checked before anything is read."""
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1 sequence, got {args.batch_size}")
+    if args.trace and args.data:
+        raise UserError("--trace holds the calibration documents already; leave out --data (or --trace, to record "
+                        "them from --data)")  # fmt: skip
+    if args.trace and not (args.trace / "meta.json").is_file():
+        raise UserError(f"--trace {args.trace}: not a recorded trace (no meta.json); give analyze's trace/ folder")
+    source, out = parse_run(args.run).run.resolve(), Path(args.out).resolve()
+    if out == source or out in source.parents:
+        raise UserError(f"--out {args.out}: is the source run or holds it; prune never writes over its source, give "
+                        "a new folder")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> None:
+    check_flags(args)
+    out = output_folder(args, "prune")  # why first: a bad --out should fail before any model is loaded
+    kinds = [KINDS["run"]]
+    settings = check_subject(args, kinds)
+    from moe_lm.pruning.run import prune_run
+
+    with out.staged(needed_bytes=weights_bytes(parse_run(args.run))) as folder:
+        prune_run(from_flags(PruneRequest, args, subject=subject_request(args, kinds, settings), out=folder,
+                             documents=documents_request(args), final=out.path,
+                             domains=tuple(args.domains) if args.domains else None))  # fmt: skip
+    print(f"wrote the pruned run {out.path} (read it as --run {out.path}; the plan: {out.path / 'prune.json'})")
+
+
+def weights_bytes(run: RunRef) -> int:
+    """The size of the source checkpoint's weights: more than the pruned run's (the trace beside it is small)."""
+    return sum(p.stat().st_size for p in checkpoint_folder(*run).glob("*model_states.pt"))
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    main_of(sys.modules[__name__], prog, argv)
+
+
+if __name__ == "__main__":
+    main(prog="python -m moe_lm.cli.prune")
