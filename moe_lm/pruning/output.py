@@ -10,7 +10,9 @@ from pathlib import Path
 from moe_lm.errors import UserError
 from moe_lm.output_folder import OutputFolder
 
-COMMAND = "prune"
+# why not "prune": that marks a pruned run folder (moe-lm prune, FOLDER_KINDS), which moe-lm reads as a run and
+# replaces whole; a pruned transformers folder, FP8 release or GGUF is neither
+COMMAND = "prune-copy"
 
 
 def pruned_output(source: Path, out: Path, file: bool = False) -> OutputFolder:

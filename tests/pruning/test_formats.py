@@ -25,6 +25,7 @@ from moe_lm.interop.hf_layers import HFCheckpoint
 from moe_lm.interop.hf_tokenizer import export_tokenizer
 from moe_lm.interop.released_weights import SCALE_SUFFIX, write_fp8_release
 from moe_lm.model import Transformer
+from moe_lm.output_folder import FOLDER_KINDS, made_by
 from moe_lm.pruning import safetensors_shards
 from moe_lm.pruning.fp8_release import prune_fp8_release
 from moe_lm.pruning.gguf_file import prune_gguf
@@ -93,6 +94,7 @@ def test_keeping_every_expert_gives_the_source(exported, tmp_path):
         assert torch.equal(load(out)(tokens).logits, load(exported)(tokens).logits)
     assert load_file(out / "model.safetensors").keys() == load_file(exported / "model.safetensors").keys()
     assert (out / "generation_config.json").read_bytes() == (exported / "generation_config.json").read_bytes()
+    assert made_by(out) not in FOLDER_KINDS  # a transformers folder, never taken for a (pruned) run folder
 
 
 def test_the_stacked_expert_layout_is_pruned_along_the_expert_axis(exported, tmp_path):
