@@ -33,14 +33,18 @@ def domain_rows(trace: Trace, domains: list[str] | None) -> np.ndarray:
     """[N] bool: the trace's tokens of `domains` (None: all); a UserError naming its domains for one it lacks."""
     if not domains:
         return np.ones(trace.n, dtype=bool)
-    unknown = [d for d in domains if d not in trace.domains]
-    if unknown:
-        raise UserError(f"--domains {' '.join(unknown)}: not a domain of the calibration documents "
-                        f"({', '.join(trace.domains)})")  # fmt: skip
+    check_domains(domains, trace.domains)
     rows = np.isin(np.asarray(trace.domain), [trace.domains.index(d) for d in domains])
     if not rows.any():
         raise UserError(f"--domains {' '.join(domains)}: no calibration token is of them")
     return rows
+
+
+def check_domains(wanted: list[str] | None, domains: list[str]) -> None:
+    """A UserError naming the calibration documents' `domains` for a wanted one they lack."""
+    if unknown := [d for d in wanted or () if d not in domains]:
+        raise UserError(f"--domains {' '.join(unknown)}: not a domain of the calibration documents "
+                        f"({', '.join(domains)})")  # fmt: skip
 
 
 def trace_scores(trace: Trace, criterion: str, domains: list[str] | None = None, seed: int = 0):

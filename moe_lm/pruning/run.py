@@ -26,7 +26,7 @@ from moe_lm.config import Config
 from moe_lm.errors import UserError
 from moe_lm.flags import default_of
 from moe_lm.model import count_params
-from moe_lm.pruning.criteria import FROM_TRACE, ablation_scores, trace_documents, trace_scores
+from moe_lm.pruning.criteria import FROM_TRACE, ablation_scores, check_domains, trace_documents, trace_scores
 from moe_lm.pruning.plan import PLAN_FILE, KeepPlan, RoutingShape, keep_count
 from moe_lm.pruning.pruned import pruned_config, pruned_model
 from moe_lm.routing.trace import Trace
@@ -100,6 +100,7 @@ def record_calibration(req: PruneRequest, subject, folder: Path) -> Trace:
     """The calibration documents' routing, recorded into `folder` as `moe-lm analyze` records its trace (the same
     budget over domains, the same windows), with the experts' output norms."""
     docs, domains, provenance = budgeted_documents(subject, req)
+    check_domains(list(req.domains or ()), domains)  # why before recording: a misspelt domain fails at once
     trace = record_trace(subject.routing, docs, folder, domains, subject.seq_len, req.batch_size,
                          provenance={**provenance, **subject.provenance}, progress="calibration routing")  # fmt: skip
     print(f"recorded {trace.n:,} calibration tokens in {trace.meta['n_docs']} documents")
