@@ -83,6 +83,7 @@ def _by_file(files: SafetensorsFolder) -> dict[Path, list[str]]:
     """Tensor names by shard, each shard's in the order of its bytes (read front to back)."""
     by_file: dict[Path, list[str]] = {}
     for name in files.names():
+        files.dtype(name)  # why: each header checked by SafetensorsFolder (truncation, offsets) before it is read here
         by_file.setdefault(files.files[name], []).append(name)
     headers = {file: _read_header(file)[1] for file in by_file}
     return {file: sorted(names, key=lambda n: headers[file][n]["data_offsets"][0]) for file, names in by_file.items()}

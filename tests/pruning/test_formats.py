@@ -64,14 +64,18 @@ def one_line(error: pytest.ExceptionInfo) -> str:
 
 @pytest.fixture(scope="module", params=["mla", "gqa"])
 def exported(request, tmp_path_factory):
-    """An export of a tiny model with 16 routed experts, group-limited routing and non-zero biases."""
+    """An export of a tiny model with 16 routed experts, group-limited routing and non-zero biases: MLA in one file,
+    GQA in shards with an index."""
     folder = tmp_path_factory.mktemp(f"hf_{request.param}") / "source"
-    export_hf(random_model(request.param, **SIXTEEN), folder)
+    export_hf(random_model(request.param, **SIXTEEN), folder, max_shard_size="20KB" if request.param == "gqa" else None)
     return folder
 
 
 def test_a_pruned_folder_loads_in_transformers_as_the_source_with_the_pruned_experts_masked(exported, tmp_path):
     out = prune_hf_folder(exported, tmp_path / "pruned", KEEP)
+    if (exported / "model.safetensors.index.json").is_file():  # every shard still holding a tensor, in the index
+        shards = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
+        assert len(shards) > 5 and shards == {p.name for p in out.glob("*.safetensors")}
     pruned = load(out)
     assert pruned.config.n_routed_experts == 8 and pruned.config.n_group == 4 and pruned.config.topk_group == 2
     tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -92,7 +96,9 @@ def test_keeping_every_expert_gives_the_source(exported, tmp_path):
     tokens = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(load(out)(tokens).logits, load(exported)(tokens).logits)
-    assert load_file(out / "model.safetensors").keys() == load_file(exported / "model.safetensors").keys()
+    assert {n for f in out.glob("*.safetensors") for n in load_file(f)} == {
+        n for f in exported.glob("*.safetensors") for n in load_file(f)
+    }
     assert (out / "generation_config.json").read_bytes() == (exported / "generation_config.json").read_bytes()
     assert made_by(out) not in FOLDER_KINDS  # a transformers folder, never taken for a (pruned) run folder
 
@@ -100,7 +106,7 @@ def test_keeping_every_expert_gives_the_source(exported, tmp_path):
 def test_the_stacked_expert_layout_is_pruned_along_the_expert_axis(exported, tmp_path):
     """A folder with transformers' stacked experts ([E, 2I, D] gate_up_proj, [E, D, I] down_proj) pruned gives the
     stacks of the per-expert folder pruned: the kept experts' slices in order."""
-    state = load_file(exported / "model.safetensors")
+    state = {n: t for f in exported.glob("*.safetensors") for n, t in load_file(f).items()}
     stacked = {n: t for n, t in state.items() if ".mlp.experts." not in n}
     for layer in KEEP:
         e = f"model.layers.{layer}.mlp.experts."
