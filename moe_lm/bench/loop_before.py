@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from moe_lm.bench.loop import LoopStep
+from moe_lm.bench.loop_steps import LoopStep
 
 
 class LoopBefore(LoopStep):
