@@ -191,6 +191,7 @@ class TraceWriter:
             with open(self.folder / f"margin_L{layer}.f32", "ab") as f:
                 np.asarray(margins, np.float32).tofile(f)
         if "norms" in self.columns:
+            norms = np.full((n, self.k), np.nan) if norms is None else norms
             with open(self.folder / f"norms_L{layer}.f16", "ab") as f:
                 np.asarray(norms, np.float16).reshape(n, self.k).tofile(f)
         self.layer_rows[layer] += n

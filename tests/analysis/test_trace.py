@@ -207,7 +207,7 @@ def test_a_trace_written_layer_by_layer_equals_one_written_row_by_row(tmp_path):
     for part in (slice(0, half), slice(half, rows.n)):
         writer.append_tokens(rows.token[part], rows.doc[part], rows.pos[part], rows.domain[part], rows.logprob[part])
     for layer in rows.layers:
-        writer.write_layer(layer, rows.experts(layer), rows.weights(layer), rows.margins(layer))
+        writer.write_layer(layer, rows.experts(layer), rows.weights(layer), rows.margins(layer), rows.norms(layer))
     layers = writer.close({"windows": 16})
     assert sorted(p.name for p in (tmp_path / "rows").iterdir()) == sorted(
         p.name for p in (tmp_path / "layers").iterdir()
