@@ -47,7 +47,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     how_many.add_argument("--keep", type=int, metavar="N", help="the routed experts each layer keeps")
     ap.add_argument("--domains", nargs="+", metavar="DOMAIN", help="score on these domains' documents only (the "
                     "domains the pruned model is to keep serving; default: all)")  # fmt: skip
-    ap.add_argument("--trace", type=Path, metavar="DIR", help="score from this recorded trace of the run (moe-lm "
+    ap.add_argument("--trace", type=Path, help="score from this recorded trace of the run (moe-lm "
                     "analyze's trace/), its tokens the calibration documents")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=default_of(PruneRequest, "max_tokens"),
                     help="calibration tokens recorded, spread equally over the domains")  # fmt: skip
