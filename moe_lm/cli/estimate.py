@@ -223,7 +223,7 @@ def print_memory(name: str, cfg, world: int) -> None:
     print(
         f"{name}: {n.total / 1e9:.3f} B parameters ({n.active / 1e9:.3f} B active)"
         + (f" + MTP {n.mtp_total / 1e9:.3f} B" if n.mtp_total else "")
-        + f"; bf16 training, world {world}{where}, ZeRO-{p.zero_stage}, ep_size {p.ep_size}, "
+        + f"; bf16 training, world {world}{where}, ZeRO-{p.zero_stage if world > 1 else 1}, ep_size {p.ep_size}, "
         f"micro-batch {t.micro_batch_size} x {t.seq_len}, activation checkpointing {recompute}"
     )
     for part in ("weights", "gradients", "optimizer", "activations", "logits", "buckets"):

@@ -79,7 +79,9 @@ def stage_estimates(cfg: Config, world: int, recompute: str | None = None) -> li
     mode = recompute or perf.activation_checkpointing
     dp = world / p.pp_size  # the ranks of one stage
     edp = dp / p.ep_size  # ranks holding the same experts
-    grad_shard = p.zero_stage >= 2
+    # one rank runs ZeRO-1 without contiguous gradients, whatever zero_stage says (parallel/deepspeed_setup.py,
+    # zero_optimization): no gradient partition, no reduction buckets
+    grad_shard = p.zero_stage >= 2 and world > 1
     tokens = t.micro_batch_size * t.seq_len
     out = []
     for stage in stages(cfg):
@@ -96,7 +98,7 @@ def stage_estimates(cfg: Config, world: int, recompute: str | None = None) -> li
         per_token += max(recomputed) if recomputed else 0
         activations = BF16 * tokens * per_token
         logits = _logits(cfg, tokens) if stage.head else 0
-        buckets = BF16 * min(2 * BUCKET_ELEMENTS, 2 * (other + local_experts)) if world > 1 or grad_shard else 0
+        buckets = BF16 * min(2 * BUCKET_ELEMENTS, 2 * (other + local_experts)) if world > 1 else 0
         out.append(MemoryEstimate(weights, gradients, optimizer, activations, logits, buckets))
     return out
 

@@ -44,6 +44,8 @@ def test_memory_estimate_follows_the_zero_accounting():
     assert four.gradients == pytest.approx(one.gradients / 4)
     zero1 = estimate(load_config(ROOT / "configs" / "tiny.yaml", ["parallel.zero_stage=1"]), world=4)
     assert zero1.gradients == one.gradients
+    # one rank runs ZeRO-1 without contiguous gradients (its engine: tests/train/test_train.py): no buckets
+    assert one.buckets == 0 and four.buckets > 0
     # experts split over 8 ranks: the routed experts' weights are an eighth per GPU, the rest replicated
     ep = estimate(load_config(ROOT / "configs" / "tiny.yaml", ["parallel.ep_size=8"]), world=8)
     experts = 3 * n.routed_expert * cfg.model.moe.n_routed_experts
