@@ -6,6 +6,7 @@ Batch sizes, precision, clipping and the ZeRO stage have one home (our config); 
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import socket
@@ -13,6 +14,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import deepspeed
 import torch
@@ -37,8 +39,16 @@ def init_distributed() -> None:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
     quiet_deepspeed()  # again: importing deepspeed reset its logger's level
+    cpu = get_accelerator().device_name() == "cpu"
     with library_prints():  # why: DeepSpeed's CPU op prints a line on every start
-        if get_accelerator().device_name() == "cpu":
+        if cpu and int(os.environ["WORLD_SIZE"]) == 1:
+            # why without it: one process reduces nothing, but DeepSpeed would build its shared-memory op (a minute
+            # of g++ in a new installation) and map its buffers; it uses the op only where it finds one
+            # (the module by its full name: the attribute `deepspeed.comm.torch` is torch itself)
+            with mock.patch.object(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None):
+                deepspeed.init_distributed(verbose=False)
+            return
+        if cpu:
             # why first and apart: on CPU DeepSpeed builds (or loads) its shared-memory communication op with torch's
             # loader at the start of init_distributed; loaded here, in our folder under our flock, DeepSpeed's call
             # finds it loaded. The flock must not span init_distributed: that waits for the other ranks of this host,

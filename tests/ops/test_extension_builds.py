@@ -90,3 +90,18 @@ def test_a_lock_left_by_a_killed_deepspeed_op_build_does_not_hang_the_next_start
         assert out.stdout.strip().splitlines()[-1] == env["TORCH_EXTENSIONS_DIR"], out.stdout[-2000:]
     assert not (folder / "lock").exists()
     assert any(folder.glob("deepspeed_shm_comm*.so")), "DeepSpeed built (or loaded) its op in moe-lm's folder"
+
+
+def test_one_process_builds_no_deepspeed_op(process, tmp_path):
+    """A single process (a plain `moe-lm train`) reduces nothing: DeepSpeed's shared-memory op is neither built nor
+    loaded (its build is a minute of g++ in a new installation), and the group still reduces through gloo."""
+    root = tmp_path / "torch_extensions"  # empty: any build or load of an op would make folders here
+    code = (
+        "import torch, torch.distributed as dist, deepspeed\n"
+        "from moe_lm.parallel.deepspeed_setup import init_distributed as i, shutdown_distributed as s\n"
+        "i(); x = torch.ones(2); dist.all_reduce(x)\n"
+        "print(deepspeed.comm.comm.cdb.shm_comm_op, x.tolist()); s()"
+    )
+    out = process.python(code, env=process.clean_env({"TORCH_EXTENSIONS_DIR": str(root)}), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "None [1.0, 1.0]" and not root.exists(), out.stdout[-2000:]
