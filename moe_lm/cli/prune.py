@@ -29,6 +29,7 @@ from moe_lm.analysis.subjects import KINDS
 from moe_lm.checkpoint.format import RunRef, checkpoint_folder, parse_run
 from moe_lm.cli import main_of, output_folder
 from moe_lm.cli.options import add_out
+from moe_lm.cli.prune_check import add_check_arguments, checking, run_check
 from moe_lm.cli.subject import add_subject, check_subject, documents_request, subject_request
 from moe_lm.errors import UserError
 from moe_lm.flags import default_of, from_flags
@@ -54,6 +55,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-size", type=int, default=default_of(PruneRequest, "batch_size"), metavar="N",
                     help="sequences per forward pass")  # fmt: skip
     ap.add_argument("--seed", type=int, default=default_of(PruneRequest, "seed"), help="the random criterion's seed")
+    add_check_arguments(ap, how_many)  # --check: the pruned models checked on held-out text, nothing pruned written
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -74,6 +76,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if checking(args):
+        return run_check(args)
     check_flags(args)
     out = output_folder(args, "prune")  # why first: a bad --out should fail before any model is loaded
     kinds = [KINDS["run"]]

@@ -3,7 +3,6 @@ gives the source's logits under the mask, a trace is reused, and bad input is on
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -13,17 +12,6 @@ import torch
 from moe_lm.checkpoint.format import load_model
 from moe_lm.pruning.plan import KeepPlan
 from moe_lm.routing.trace import Trace
-from tests.helpers.runs import tiny_train_cfg
-
-
-@pytest.fixture(scope="module")
-def grouped_run(tmp_path_factory, tiny_data, train):
-    """A run of 16 routed experts in 4 groups, top-2 groups (a model change: not one of the shared trained runs)."""
-    run = tmp_path_factory.mktemp("prune") / "run"
-    cfg = tiny_train_cfg(tiny_data, run, max_steps=2)
-    moe = dataclasses.replace(cfg.model.moe, n_routed_experts=16, n_group=4, topk_group=2)
-    train(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe)))
-    return run
 
 
 @pytest.fixture(scope="module")
