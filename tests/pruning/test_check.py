@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -114,7 +115,9 @@ def _grouped_model():
     from moe_lm.model import Transformer
     from moe_lm.testing import tiny_model_cfg
 
-    cfg = Config(model=tiny_model_cfg(moe=dict(n_routed_experts=16, n_group=4, topk_group=2)), train=TrainConfig(seq_len=32))
+    cfg = Config(
+        model=tiny_model_cfg(moe=dict(n_routed_experts=16, n_group=4, topk_group=2)), train=TrainConfig(seq_len=32)
+    )
     model = Transformer(cfg.model).eval()
     with torch.no_grad():
         for router in model.routers():
@@ -174,3 +177,24 @@ def test_bad_input_is_one_line_exit_2(grouped_run, tmp_path, cli, monkeypatch, f
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert re.search(message, proc.stderr) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not out.exists()
+
+
+def test_a_trace_is_reused_and_one_of_the_held_out_documents_refused(grouped_run, checked, tmp_path, cli):
+    """--trace scores from a recorded trace (nothing recorded again; without ablation, no Spearman); a trace recorded
+    on the validation split, the held-out documents, is refused."""
+    out, _ = checked
+    proc = cli("prune", "--run", grouped_run, "--check", "--criteria", "frequency", "gate-mass", "--keeps", "8",
+               "--trace", out / "calibration_trace", "--out", tmp_path / "again")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "again" / "check.json").read_text())
+    assert not (tmp_path / "again" / "calibration_trace").exists() and record["spearman_with_ablation"] is None
+    assert [(a["criterion"], a["n_keep"]) for a in record["arms"]] == [("frequency", 8), ("gate-mass", 8)]
+    assert "Not measured" in (tmp_path / "again" / "check.md").read_text()
+    held_out = tmp_path / "held_out_trace"
+    shutil.copytree(out / "calibration_trace", held_out)
+    meta = json.loads((held_out / "meta.json").read_text())
+    meta["provenance"]["data"] = meta["provenance"]["data"].replace("(training split)", "(validation split)")
+    (held_out / "meta.json").write_text(json.dumps(meta))
+    proc = cli("prune", "--run", grouped_run, "--check", "--keeps", "8", "--trace", held_out, "--out", tmp_path / "x")
+    assert proc.returncode == 2 and "recorded on the validation split" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
