@@ -1,10 +1,12 @@
-"""Prune routed experts: keep the most salient of each MoE layer and write the smaller model as a moe-lm run.
+"""Prune routed experts: keep the most salient of each MoE layer and write the smaller model in the source's format.
 
     moe-lm prune --run runs/tiny --sparsity 0.5 --out runs/tiny-pruned                  # REAP on the validation split
     moe-lm prune --run runs/tiny --keep 12 --criterion frequency --out runs/tiny-f12
     moe-lm prune --run runs/tiny --sparsity 0.25 --data corpus/ --domains code --out runs/tiny-code   # serve code
     moe-lm prune --run runs/tiny --sparsity 0.5 --trace analysis/tiny/trace --out runs/tiny-p50       # a trace again
     moe-lm prune --run runs/tiny --sparsity 0.25 --criterion ablation --max-tokens 5000 --out runs/tiny-abl
+    moe-lm prune --hf path/to/DeepSeek-V3 --data corpus/ --criterion frequency --keep 128 --out dsv3-128   # FP8 too
+    moe-lm prune --gguf model-Q4_K_M.gguf --data corpus/ --criterion gate-mass --sparsity 0.25 --out m-p25.gguf
 
 Each MoE layer's routed experts are scored on calibration documents (--data, or the run's validation split, under
 --max-tokens spread equally over the domains; or the tokens of a trace `moe-lm analyze` recorded, --trace), the
@@ -15,7 +17,11 @@ number, every expert group the same share (group-limited routing stays valid); s
 Removing an expert is masking its router score before selection, group scores included: the pruned run's logits are
 the source's under that mask. Writes a run into --out (never the source): checkpoints/<the source's tag>/ with the
 kept experts only, the config with the new model.moe.n_routed_experts, prune.json (the plan: every expert's score,
-the kept ids) and calibration_trace/ (when recorded here). docs/pruning.md.
+the kept ids) and calibration_trace/ (when recorded here). --hf (a DeepseekV3/Glm4Moe transformers folder, or
+DeepSeek's FP8 release, streamed) and --gguf are recorded as `moe-lm analyze` records them and written as a new folder
+or file of their own format, prune.json and the trace in the folder or beside the file (<out>.prune.json); reap needs
+the experts' output norms, which moe-lm records from its runs only so far, and ablation a model held in memory (not
+a GGUF file). docs/pruning.md.
 """
 
 from __future__ import annotations
@@ -25,12 +31,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_lm.analysis.subjects import KINDS
-from moe_lm.checkpoint.format import RunRef, checkpoint_folder, parse_run
-from moe_lm.cli import main_of, output_folder
+from moe_lm.cli import main_of
 from moe_lm.cli.options import add_out
 from moe_lm.cli.prune_check import add_check_arguments, checking, run_check
-from moe_lm.cli.subject import add_subject, check_subject, documents_request, subject_request
+from moe_lm.cli.subject import add_subject, check_subject, documents_request, prunable_kinds, subject_request
 from moe_lm.errors import UserError
 from moe_lm.flags import default_of, from_flags
 from moe_lm.pruning.criteria import CRITERIA
@@ -38,8 +42,9 @@ from moe_lm.pruning.run import PruneRequest
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    add_subject(ap, [KINDS["run"]])
-    add_out(ap, "the pruned run's folder (created; never the source)")
+    add_subject(ap, prunable_kinds())
+    add_out(ap, "the pruned model, in the source's format: a run folder, a transformers folder, a GGUF file (created; "
+            "never the source)")  # fmt: skip
     ap.add_argument("--criterion", choices=CRITERIA, default=default_of(PruneRequest, "criterion"),
                     help="how each routed expert is scored")  # fmt: skip
     how_many = ap.add_mutually_exclusive_group(required=True)
@@ -48,7 +53,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     how_many.add_argument("--keep", type=int, metavar="N", help="the routed experts each layer keeps")
     ap.add_argument("--domains", nargs="+", metavar="DOMAIN", help="score on these domains' documents only (the "
                     "domains the pruned model is to keep serving; default: all)")  # fmt: skip
-    ap.add_argument("--trace", type=Path, help="score from this recorded trace of the run (moe-lm "
+    ap.add_argument("--trace", type=Path, help="score from this recorded trace of the source (moe-lm "
                     "analyze's trace/), its tokens the calibration documents")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=default_of(PruneRequest, "max_tokens"),
                     help="calibration tokens recorded, spread equally over the domains")  # fmt: skip
@@ -69,31 +74,23 @@ def check_flags(args: argparse.Namespace) -> None:
                         "them from --data)")  # fmt: skip
     if args.trace and not (args.trace / "meta.json").is_file():
         raise UserError(f"--trace {args.trace}: not a recorded trace (no meta.json); give analyze's trace/ folder")
-    source, out = parse_run(args.run).run.resolve(), Path(args.out).resolve()
-    if out == source or out in source.parents:
-        raise UserError(f"--out {args.out}: is the source run or holds it; prune never writes over its source, give "
-                        "a new folder")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
     if checking(args):
+        if args.run is None:  # why: --check prunes the run's own model in memory (moe_lm/pruning/check.py)
+            raise UserError("--check compares pruned models of a moe-lm run in memory: give --run RUN (a transformers "
+                            "folder or a GGUF file is pruned with --keep or --sparsity and --criterion)")  # fmt: skip
         return run_check(args)
     check_flags(args)
-    out = output_folder(args, "prune")  # why first: a bad --out should fail before any model is loaded
-    kinds = [KINDS["run"]]
-    settings = check_subject(args, kinds)
-    from moe_lm.pruning.run import prune_run
+    kinds = prunable_kinds()
+    settings = check_subject(args, kinds, documents_given=bool(args.trace))  # a --trace holds its documents
+    from moe_lm.pruning.run import prune
 
-    with out.staged(needed_bytes=weights_bytes(parse_run(args.run))) as folder:
-        prune_run(from_flags(PruneRequest, args, subject=subject_request(args, kinds, settings), out=folder,
-                             documents=documents_request(args), final=out.path,
-                             domains=tuple(args.domains) if args.domains else None))  # fmt: skip
-    print(f"wrote the pruned run {out.path} (read it as --run {out.path}; the plan: {out.path / 'prune.json'})")
-
-
-def weights_bytes(run: RunRef) -> int:
-    """The size of the source checkpoint's weights: more than the pruned run's (the trace beside it is small)."""
-    return sum(p.stat().st_size for p in checkpoint_folder(*run).glob("*model_states.pt"))
+    # the output (checked first, before any model is loaded) and the source's format: the subject's kind says which
+    domains = tuple(args.domains) if args.domains else None
+    prune(from_flags(PruneRequest, args, subject=subject_request(args, kinds, settings), out=Path(args.out),
+                     documents=documents_request(args), domains=domains))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:

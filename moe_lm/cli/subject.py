@@ -24,6 +24,11 @@ def reroutable_kinds() -> list[SubjectKind]:
     return [kind for kind in KINDS.values() if kind.reroutable]
 
 
+def prunable_kinds() -> list[SubjectKind]:
+    """The kinds `moe-lm prune` writes a pruned copy of (`SubjectKind.prune_source`)."""
+    return [kind for kind in KINDS.values() if kind.prunable]
+
+
 def settings_flags(kinds: list[SubjectKind]) -> list[Flag]:
     """Every settings flag of the kinds, once: --seq-len first, then each kind's, a flag two kinds share once."""
     return list(dict.fromkeys(flag for kind in kinds for flag in kind.flags()))
@@ -69,11 +74,14 @@ def documents_request(args: argparse.Namespace) -> Documents:
     return Documents(tuple(args.data or ()), args.text_field, args.domain_field)
 
 
-def check_subject(args: argparse.Namespace, kinds: list[SubjectKind], compare: Sequence[str] = ()) -> Settings:
+def check_subject(
+    args: argparse.Namespace, kinds: list[SubjectKind], compare: Sequence[str] = (), documents_given: bool = False
+) -> Settings:
     """The subject flags' combinations argparse cannot check itself, each kind checking its own settings (told
-    whether the subject or a `compare` SUBJECT is of its kind); the settings the subjects run with."""
+    whether the subject or a `compare` SUBJECT is of its kind); the settings the subjects run with.
+    `documents_given`: the command has its documents from elsewhere (prune's --trace), --data is not needed."""
     kind = given_kind(args, kinds)
-    if kind.needs_data and not args.data:
+    if kind.needs_data and not args.data and not documents_given:
         raise UserError(f"{kind.flag.names[0]} needs --data (the documents to run it on, tokenized with its own "
                         "tokenizer)")  # fmt: skip
     if args.seq_len is not None and args.seq_len < 2:

@@ -11,7 +11,7 @@ one line, not a pruned folder that fails later.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from moe_lm.errors import UserError
@@ -22,9 +22,12 @@ from moe_lm.pruning.safetensors_shards import prune_folder
 FIX = "download or convert the release again"
 
 
-def prune_fp8_release(source: Path, out: Path, keep: Mapping[int, Sequence[int]]) -> Path:
+def prune_fp8_release(
+    source: Path, out: Path, keep: Mapping[int, Sequence[int]], extras: Callable[[Path], None] | None = None
+) -> Path:
     """`source` (a DeepSeek FP8 release folder) written to the new folder `out` with only the routed experts `keep`
-    names ({MoE layer: ascending expert ids}, the same number in every layer), renumbered 0..E'-1; returns `out`."""
+    names ({MoE layer: ascending expert ids}, the same number in every layer), renumbered 0..E'-1; `extras(folder)`
+    writes more files into it before it is put in place (prune.json); returns `out`."""
     source, out = Path(source), Path(out)
     config = read_config(source)
     if block_size(config, source) is None:  # why first: another quantisation is refused here, by name
@@ -32,4 +35,4 @@ def prune_fp8_release(source: Path, out: Path, keep: Mapping[int, Sequence[int]]
                         "float32 folder is pruned by moe_lm.pruning.hf_folder.prune_hf_folder")  # fmt: skip
     weights = ReleasedWeights(source, config)
     weights.check(weights.names())  # each FP8 weight's scale present, its grid fitting (headers only)
-    return prune_folder(source, out, keep, config, FIX)
+    return prune_folder(source, out, keep, config, FIX, extras)

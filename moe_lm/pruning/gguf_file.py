@@ -52,9 +52,9 @@ def prune_gguf(source: Path, out: Path, keep: Mapping[int, Sequence[int]]) -> Pa
     return out
 
 
-def _checked(header: GGUFHeader, keep: Mapping[int, Sequence[int]]) -> KeptExperts:
-    """`keep` checked against the file's MoE keys and blocks, and every tensor pruned here holding one slice per
-    expert on its outermost axis; a one-line UserError naming the file otherwise."""
+def gguf_routing(header: GGUFHeader) -> tuple[int, int, int, int, list[int]]:
+    """(routed experts, experts per token, expert groups, groups used, the MoE blocks: NextN ones included) of a
+    checked header; a one-line UserError naming the file for one that is not a MoE model pruned here."""
     path, arch = header.path, header.arch
     if int(header.fields.get("split.count", 1) or 1) > 1:
         raise UserError(f"{path} is one part of a split GGUF (split.count {header.fields['split.count']}); merge it "
@@ -69,6 +69,14 @@ def _checked(header: GGUFHeader, keep: Mapping[int, Sequence[int]]) -> KeptExper
                      and (m := ROUTER.match(t.name))})  # fmt: skip
     if not layers:
         raise UserError(f"{path} has no routed experts (no blk.N.ffn_gate_inp.weight); {FIX}")
+    return E, k, groups, used, layers
+
+
+def _checked(header: GGUFHeader, keep: Mapping[int, Sequence[int]]) -> KeptExperts:
+    """`keep` checked against the file's MoE keys and blocks, and every tensor pruned here holding one slice per
+    expert on its outermost axis; a one-line UserError naming the file otherwise."""
+    path, arch = header.path, header.arch
+    E, k, groups, used, layers = gguf_routing(header)
     kept = checked_keep(keep, layers, E, k, groups, used, path)
     for t in header.tensors:
         m = ROUTER.match(t.name) or EXPERTS.match(t.name)

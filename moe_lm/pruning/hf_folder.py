@@ -11,7 +11,7 @@ Glm4MoeTopkRouter score groups from the biased scores, `scores + e_score_correct
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from moe_lm.errors import UserError
@@ -36,12 +36,15 @@ def read_config(folder: Path) -> dict:
     return config
 
 
-def prune_hf_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]]) -> Path:
+def prune_hf_folder(
+    source: Path, out: Path, keep: Mapping[int, Sequence[int]], extras: Callable[[Path], None] | None = None
+) -> Path:
     """`source` (a transformers folder) written to the new folder `out` with only the routed experts `keep` names
-    ({MoE layer: ascending expert ids}, the same number in every layer), renumbered 0..E'-1; returns `out`."""
+    ({MoE layer: ascending expert ids}, the same number in every layer), renumbered 0..E'-1; `extras(folder)`
+    writes more files into it before it is put in place (prune.json); returns `out`."""
     source, out = Path(source), Path(out)
     config = read_config(source)
     if config.get("quantization_config"):
         raise UserError(f"{source / 'config.json'} declares quantised weights (quantization_config); an FP8 release is "
                         "pruned by moe_lm.pruning.fp8_release.prune_fp8_release")  # fmt: skip
-    return prune_folder(source, out, keep, config, FIX)
+    return prune_folder(source, out, keep, config, FIX, extras)

@@ -111,6 +111,20 @@ class KeepPlan:
         """The experts layer `layer` loses."""
         return sorted(set(range(self.n_experts)) - set(self.kept[layer]))
 
+    def with_untraced(self, layers: list[int]) -> KeepPlan:
+        """The plan over `layers`, the MoE layers the written model holds: each one it has no scores for (a
+        multi-token-prediction / NextN layer after the decoder, which no calibration token routes through) keeps the
+        ids of the last scored layer, said in `about["untraced"]`; a ValueError for one before the last scored."""
+        untraced = [layer for layer in layers if layer not in self.kept]
+        if not untraced:
+            return self
+        last = self.layers[-1]
+        if untraced[0] < last:
+            raise ValueError(f"layer {untraced[0]} has no scores and comes before the scored layer {last}")
+        kept = {**self.kept, **dict.fromkeys(untraced, self.kept[last])}
+        about = {**self.about, "untraced": {str(layer): last for layer in untraced}}
+        return KeepPlan(self.n_experts, self.n_group, kept, dict(self.scores), about)
+
     @classmethod
     def from_scores(cls, scores: dict[int, np.ndarray], n_keep: int, n_group: int, about: dict | None = None):
         """In every layer, each group's n_keep / n_group highest-scoring experts (a tie to the lower id).

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from moe_lm.errors import UserError
@@ -43,20 +43,28 @@ def moe_layers(names: list[str]) -> list[int]:
     return sorted({int(m[1]) for n in names if n.endswith(".mlp.gate.weight") and (m := ROUTER.search(n))})
 
 
-def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], config: dict, fix: str) -> Path:
-    """`source` (its safetensors beside `config`, its config.json) written to the new folder `out` with only the kept
-    experts (module docstring); `fix` ends the errors about the source. Returns `out`."""
-    where = source / "config.json"
+def folder_routing(source: Path, config: dict, fix: str) -> tuple[int, int, int, int, list[int]]:
+    """(routed experts, experts per token, expert groups, groups used, the MoE layers: MTP ones included) of a
+    DeepSeek-V3-layout folder, from its config.json (`config`) and its safetensors headers; a one-line UserError."""
     E, top_k = config.get("n_routed_experts"), config.get("num_experts_per_tok")
     if type(E) is not int or E < 1 or type(top_k) is not int:
-        raise UserError(f"{where} has no n_routed_experts and num_experts_per_tok: not a DeepSeek-V3-layout MoE "
-                        "checkpoint (deepseek_v3, glm4_moe)")  # fmt: skip
+        raise UserError(f"{source / 'config.json'} has no n_routed_experts and num_experts_per_tok: not a "
+                        "DeepSeek-V3-layout MoE checkpoint (deepseek_v3, glm4_moe)")  # fmt: skip
     n_group = config.get("n_group") or 1
-    files = SafetensorsFolder(source, fix)
-    layers = moe_layers(files.names())
+    layers = moe_layers(SafetensorsFolder(source, fix).names())
     if not layers:
         raise UserError(f"{source}: no routed experts (no model.layers.N.mlp.gate.weight in its safetensors); {fix}")
-    kept = checked_keep(keep, layers, E, top_k, n_group, config.get("topk_group") or n_group, where)
+    return E, top_k, n_group, config.get("topk_group") or n_group, layers
+
+
+def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], config: dict, fix: str,
+                 extras: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
+    """`source` (its safetensors beside `config`, its config.json) written to the new folder `out` with only the kept
+    experts (module docstring); `fix` ends the errors about the source; `extras(folder)` writes more files into the
+    folder before it is put in place (moe-lm prune's prune.json). Returns `out`."""
+    E, top_k, n_group, topk_group, layers = folder_routing(source, config, fix)
+    files = SafetensorsFolder(source, fix)
+    kept = checked_keep(keep, layers, E, top_k, n_group, topk_group, source / "config.json")
     plans = {file: _shard_plan(files, names, kept, fix) for file, names in _by_file(files).items()}
     others = _other_files(source, set(plans))
     needed = sum(n for plan in plans.values() for *_, ranges in plan for _, n in ranges)
@@ -76,6 +84,8 @@ def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], con
         (stage / "config.json").write_text(json.dumps({**config, "n_routed_experts": kept.count}, indent=2) + "\n")
         for path in others:
             _copy(path, stage / path.name)
+        if extras is not None:
+            extras(stage)
     return out
 
 

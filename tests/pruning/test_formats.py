@@ -17,27 +17,20 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.errors import UserError
-from moe_lm.interop.gguf import export_gguf
 from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_layers import HFCheckpoint
-from moe_lm.interop.hf_tokenizer import export_tokenizer
-from moe_lm.interop.released_weights import SCALE_SUFFIX, write_fp8_release
-from moe_lm.model import Transformer
+from moe_lm.interop.released_weights import SCALE_SUFFIX
 from moe_lm.output_folder import FOLDER_KINDS, made_by
 from moe_lm.pruning import safetensors_shards
 from moe_lm.pruning.fp8_release import prune_fp8_release
 from moe_lm.pruning.gguf_file import prune_gguf
 from moe_lm.pruning.hf_folder import prune_hf_folder
-from moe_lm.testing import WEIGHT_SCALE, check_model, replace_moe
 from tests.helpers.hf import random_model
-from tests.helpers.released import deepseek_v3
-from tests.helpers.released import random_model as random_release_model
+from tests.helpers.pruned_sources import SIXTEEN, VOCAB
 
 # 16 experts in 4 groups of 4, top-3 from 2 groups: each layer keeps 2 of every group, other ones in each layer
 KEEP = {1: [0, 2, 5, 7, 8, 9, 13, 14], 2: [1, 3, 4, 6, 10, 11, 12, 15]}
-SIXTEEN = dict(n_routed_experts=16, n_group=4, topk_group=2)
 
 
 def masked(hf_model, keep: dict[int, list[int]], n_experts: int):
@@ -167,11 +160,10 @@ def test_outputs_that_are_not_new_are_refused_and_a_full_disk_is_one_line(export
 # ---- a DeepSeek FP8 release ----------------------------------------------------------------------------------------
 
 
-def test_a_pruned_fp8_release_reads_as_the_source_with_the_pruned_experts_masked(tmp_path, monkeypatch):
+def test_a_pruned_fp8_release_reads_as_the_source_with_the_pruned_experts_masked(release16, tmp_path, monkeypatch):
     """Streamed in pieces smaller than one tensor; the kept experts' FP8 bytes and block scales are the source's under
     their new ids, and moe-lm's reader of releases computes the masked source's logits from it."""
-    source = tmp_path / "release"
-    write_fp8_release(random_release_model(deepseek_v3(**SIXTEEN)), source, shards=3)
+    source = release16
     keep = {layer: KEEP[1 + (layer % 2)] for layer in (1, 2, 3)}  # the helper's DeepseekV3 has MoE layers 1..3
     monkeypatch.setattr(safetensors_shards, "COPY_BYTES", 1000)
     out = prune_fp8_release(source, tmp_path / "pruned", keep)
@@ -213,30 +205,6 @@ def test_a_folder_without_fp8_is_not_taken_for_a_release(exported, tmp_path):
 
 
 # ---- a GGUF file ---------------------------------------------------------------------------------------------------
-
-VOCAB = 320
-
-
-@pytest.fixture(scope="module")
-def ggufs(tiny_data, tmp_path_factory):
-    """A check-sized MLA model (its matrices scaled, biases non-zero) with 16 experts, written as an f32 and a Q8_0
-    deepseek2 GGUF with the tiny corpus' tokenizer: the folder holding f32.gguf and q8_0.gguf."""
-    folder = tmp_path_factory.mktemp("gguf")
-    tok = load_data_tokenizer(tiny_data.out_dir)
-    cfg = replace_moe(check_model("mla", vocab_size=VOCAB, q_lora_rank=0).cfg, **SIXTEEN)
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(WEIGHT_SCALE)
-        for router in model.routers():
-            router.e_score_correction_bias.normal_(0.0, 0.05)
-    export_hf(model, folder / "hf", tok.doc_start_id, tok.eos_id)
-    export_tokenizer(tiny_data.out_dir, folder / "hf", max_len=cfg.max_seq_len)
-    for kind in ("f32", "q8_0"):
-        export_gguf(folder / "hf", folder / f"{kind}.gguf", kind)
-    return folder
 
 
 def masked_gguf(source: Path, out: Path, keep: dict[int, list[int]]) -> Path:

@@ -20,6 +20,7 @@ from moe_lm.analysis.subjects.base import (  # noqa: F401 - the room's interface
     SEQ_LEN,
     Flag,
     NotInArchitecture,
+    PruneSource,
     Settings,
     SubjectKind,
     SubjectRequest,

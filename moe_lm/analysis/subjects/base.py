@@ -96,6 +96,17 @@ class SubjectRequest:
         return self.name or self.spec
 
 
+@dataclass(frozen=True)
+class PruneSource:
+    """What `moe-lm prune` writes a pruned copy of (`SubjectKind.prune_source`): `path`, the folder or file it reads
+    (never written), and `format`, the writer moe_lm/pruning/formats.py takes it to: "run" (a moe-lm run's
+    checkpoint), "transformers" (a DeepSeek-V3-layout safetensors folder), "fp8-release" (DeepSeek's FP8 blocks) or
+    "gguf" (a GGUF file). A format, not a kind: one kind may give several (a transformers folder or an FP8 release)."""
+
+    format: str
+    path: Path
+
+
 class NotInArchitecture(Exception):
     """Why a subject's weights do not run in a run's architecture (`SubjectKind.in_architecture`): its drift from the
     run cannot be split into weights and routing."""
@@ -158,6 +169,16 @@ class SubjectKind(ABC):
         split of its drift; NotInArchitecture, saying why, where its weights do not run there."""
         raise NotInArchitecture("its weights do not run in the run's architecture: a moe-lm checkpoint, a DeepseekV3 "
                                 "transformers folder or a GGUF file of the run's shape do")  # fmt: skip
+
+    def prune_source(self, request: SubjectRequest) -> PruneSource:
+        """What `moe-lm prune` reads and the format it writes the pruned copy in, read without loading weights; a
+        UserError where this kind cannot be pruned (the default)."""
+        raise UserError(f"{self.flag.names[0]} {request.spec}: moe-lm prune cannot prune {self.looks_like}")
+
+    @property
+    def prunable(self) -> bool:
+        """Whether `moe-lm prune` takes this kind (it answers `prune_source`)."""
+        return type(self).prune_source is not SubjectKind.prune_source
 
     def described(self, provenance: dict) -> str:
         """How a report names a subject of this kind from the provenance its `load` gave (what comparisons.md says a

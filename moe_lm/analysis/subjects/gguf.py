@@ -16,6 +16,7 @@ from moe_lm.analysis.subjects.base import (
     SEQ_LEN,
     Flag,
     NotInArchitecture,
+    PruneSource,
     Settings,
     SubjectKind,
     SubjectRequest,
@@ -104,6 +105,9 @@ class GGUFKind(SubjectKind):
         if "gguf" not in provenance:
             return ""
         return f"GGUF in llama.cpp ({provenance.get('kv_cache', '?')} KV cache): {provenance.get('tensors', '?')}"
+
+    def prune_source(self, request: GGUFSubject) -> PruneSource:
+        return PruneSource("gguf", Path(request.path))
 
     @staticmethod
     def _model(request: GGUFSubject, n_ctx: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from moe_lm.analysis.subjects.base import (
     DEFAULT_WINDOW_LENGTH,
     SEQ_LEN,
     Flag,
+    PruneSource,
     Settings,
     SubjectKind,
     SubjectRequest,
@@ -128,6 +130,16 @@ class HFKind(SubjectKind):
 
     def described(self, provenance: dict) -> str:
         return f"transformers {provenance.get('model_type', '')}" if "hf" in provenance else ""
+
+    def prune_source(self, request: HFSubject) -> PruneSource:
+        # why config.json read as JSON: a quantised folder is pruned byte for byte, never loaded (a quantisation other
+        # than DeepSeek's FP8 blocks is refused by name by that writer)
+        path = Path(request.path)
+        try:
+            quantised = bool(json.loads((path / "config.json").read_text()).get("quantization_config"))
+        except (OSError, ValueError, AttributeError):
+            quantised = False  # the writer reads config.json again and names what is wrong
+        return PruneSource("fp8-release" if quantised else "transformers", path)
 
     def load(self, request: HFSubject) -> Subject:
         dtype = DTYPES[request.dtype]

@@ -11,6 +11,7 @@ import numpy as np
 from moe_lm.analysis.subjects.base import (
     SEQ_LEN,
     Flag,
+    PruneSource,
     Settings,
     SubjectKind,
     SubjectRequest,
@@ -96,6 +97,9 @@ class RunKind(SubjectKind):
 
     def described(self, provenance: dict) -> str:
         return f"checkpoint {provenance.get('tag') or 'latest'}" if "run" in provenance else ""
+
+    def prune_source(self, request: RunSubject) -> PruneSource:
+        return PruneSource("run", request.run.run)
 
     def in_architecture(self, request: RunSubject, run: RunSubject) -> WeightsBuilder:
         return lambda cfg: load_model(*request.run)[1]

@@ -1,0 +1,168 @@
+"""`moe-lm prune` on every subject kind it can write (--hf, an FP8 release through --hf, --gguf), end to end in
+process: each pruned model read in its own reader gives the source's logits with the pruned experts' selection bias
+at -inf (test_formats.py's references), prune.json with it; a NextN layer the trace does not reach keeps the last
+traced layer's ids; criteria a kind cannot give are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from moe_lm.interop.hf_layers import HFCheckpoint
+from moe_lm.output_folder import made_by
+from moe_lm.pruning.plan import KeepPlan
+from moe_lm.routing.trace import Trace
+from tests.helpers.pruned_sources import VOCAB
+from tests.pruning.test_formats import load, masked, masked_gguf, run_llama_cpp
+
+
+def plan_of(path) -> KeepPlan:
+    return KeepPlan.from_json(json.loads(path.read_text()))
+
+
+@pytest.fixture(scope="module")
+def pruned_hf(ggufs, tiny_data, tmp_path_factory, cli):
+    out = tmp_path_factory.mktemp("pruned_hf") / "f8"
+    proc = cli("prune", "--hf", ggufs / "hf", "--data", tiny_data.sources[0], "--criterion", "frequency",
+               "--keep", "8", "--max-tokens", "300", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kept 8 of 16 routed experts in each of 2 MoE layers (frequency)" in proc.stdout
+    return out
+
+
+def test_a_transformers_folder_pruned_loads_as_the_source_with_the_pruned_experts_masked(ggufs, pruned_hf):
+    plan = plan_of(pruned_hf / "prune.json")
+    assert plan.about["source"] == {"format": "transformers", "path": str(ggufs / "hf")}
+    assert plan.layers == [1, 2] and made_by(pruned_hf) == "prune-copy"
+    # the frequencies of the calibration trace recorded from the folder, kept in the copy
+    trace = Trace(pruned_hf / "calibration_trace")
+    assert trace.n == 300 and plan.about["calibration"]["trace"] == "calibration_trace"
+    for layer in plan.layers:
+        counts = np.bincount(np.asarray(trace.experts(layer)).ravel(), minlength=16)
+        assert plan.scores[layer] == tuple(float(c) for c in counts)
+    pruned = load(pruned_hf)  # prune.json and calibration_trace/ in the folder do not disturb transformers
+    assert pruned.config.n_routed_experts == 8
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = masked(load(ggufs / "hf"), plan.kept, 16)(tokens).logits
+        torch.testing.assert_close(pruned(tokens).logits, reference, atol=1e-5, rtol=0)
+        assert (load(ggufs / "hf")(tokens).logits - reference).abs().max() > 1e-2  # not vacuous
+
+
+def test_a_nextn_layer_the_trace_does_not_reach_keeps_the_last_traced_layers_ids(ggufs, pruned_hf, tmp_path, cli):
+    """A folder with an MTP layer after the decoder (transformers does not run it, so no trace reaches it), pruned
+    from a trace (no --data needed): it keeps layer 2's ids; the next-token logits are as before."""
+    source = tmp_path / "with_mtp"
+    shutil.copytree(ggufs / "hf", source)
+    state = load_file(source / "model.safetensors")
+    state |= {n.replace("layers.2.", "layers.3."): t.clone() for n, t in state.items() if ".layers.2." in n}
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    proc = cli("prune", "--hf", source, "--trace", pruned_hf / "calibration_trace", "--criterion", "gate-mass",
+               "--keep", "8", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layers 3 (MTP / NextN" in proc.stdout and not (out / "calibration_trace").exists()
+    plan = plan_of(out / "prune.json")
+    assert plan.layers == [1, 2, 3] and plan.kept[3] == plan.kept[2] and plan.about["untraced"] == {"3": 2}
+    after, kept = load_file(out / "model.safetensors"), plan.kept[2]
+    e = "model.layers.3.mlp."
+    assert torch.equal(after[e + "gate.weight"], state[e + "gate.weight"][list(kept)])
+    assert torch.equal(after[e + "experts.7.down_proj.weight"], state[f"{e}experts.{kept[7]}.down_proj.weight"])
+
+
+def test_an_fp8_release_is_pruned_through_hf_and_reads_as_the_masked_source(release16, tiny_data, tmp_path, cli):
+    source, out = release16, tmp_path / "pruned"
+    proc = cli("prune", "--hf", source, "--data", tiny_data.sources[0], "--criterion", "gate-mass",
+               "--sparsity", "0.5", "--max-tokens", "300", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = plan_of(out / "prune.json")
+    assert plan.layers == [1, 2, 3] and plan.about["source"]["format"] == "fp8-release"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        pruned = HFCheckpoint(out, transformers.AutoConfig.from_pretrained(out)).model()(tokens).logits
+        whole = HFCheckpoint(source, transformers.AutoConfig.from_pretrained(source)).model()
+        torch.testing.assert_close(pruned, masked(whole, plan.kept, 16)(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_a_gguf_file_pruned_runs_in_llama_cpp_as_the_masked_source(ggufs, tiny_data, tmp_path, cli):
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "pruned.gguf"
+    proc = cli("prune", "--gguf", ggufs / "f32.gguf", "--data", tiny_data.sources[0], "--criterion", "frequency",
+               "--keep", "8", "--max-tokens", "300", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = plan_of(tmp_path / "pruned.gguf.prune.json")  # beside the file, with the trace
+    assert plan.about["calibration"]["trace"] == "pruned.gguf.calibration_trace"
+    assert Trace(tmp_path / "pruned.gguf.calibration_trace").n == 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned.gguf", *(f"pruned.gguf.{n}" for n in (
+        "calibration_trace", "prune.json"))]  # fmt: skip
+    reference = masked_gguf(ggufs / "f32.gguf", tmp_path / "masked.gguf", {k: list(v) for k, v in plan.kept.items()})
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 64)
+    (ours, logits), (theirs, expected) = run_llama_cpp(out, tokens), run_llama_cpp(reference, tokens)
+    for layer, kept in plan.kept.items():
+        assert np.array_equal(np.asarray(kept)[ours.experts[layer]], theirs.experts[layer]), layer
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
+    again = cli("prune", "--gguf", ggufs / "f32.gguf", "--trace", tmp_path / "pruned.gguf.calibration_trace",
+                "--criterion", "frequency", "--keep", "8", "--out", tmp_path / "masked.gguf.x")  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert plan_of(tmp_path / "masked.gguf.x.prune.json").kept == plan.kept  # the same trace, the same plan
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--hf", "{hf}", "--criterion", "reap"], "--criterion reap needs the expert output norms, which a trace "
+         "recorded from a transformers folder .* does not hold yet: use frequency, gate-mass, ablation, random"),
+        (["--gguf", "{gguf}", "--criterion", "ablation"], "--criterion ablation masks experts in a model moe-lm runs "
+         "in memory, and a GGUF file is not one: use frequency, gate-mass, random"),
+        (["--gguf", "{gguf}", "--criterion", "reap"], "use frequency, gate-mass, random"),
+        (["--hf", "{hf}", "--keep", "6", "--criterion", "frequency"], "cannot share equally"),
+    ],
+)  # fmt: skip
+def test_what_a_kind_cannot_give_is_one_line_exit_2_and_leaves_nothing(ggufs, tiny_data, tmp_path, cli, flags,
+                                                                       message):  # fmt: skip
+    flags = [f.format(hf=ggufs / "hf", gguf=ggufs / "f32.gguf") for f in flags]
+    keep = [] if "--keep" in flags else ["--keep", "8"]
+    proc = cli("prune", *flags, *keep, "--data", tiny_data.sources[0], "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and __import__("re").search(message, lines[0]), proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_source_is_never_the_output(ggufs, tiny_data, tmp_path, cli):
+    data = ["--data", tiny_data.sources[0]]
+    for flags, out, said in [
+        (["--hf", ggufs / "hf"], ggufs / "hf", "is the source itself"),
+        (["--hf", ggufs / "hf"], ggufs / "hf" / "p", "lies inside the source"),
+        (["--gguf", ggufs / "f32.gguf"], ggufs / "f32.gguf", "is the source itself"),
+    ]:
+        proc = cli("prune", *flags, *data, "--keep", "8", "--criterion", "frequency", "--out", out)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    (tmp_path / "taken.gguf.prune.json").write_text("mine")
+    proc = cli("prune", "--gguf", ggufs / "f32.gguf", *data, "--keep", "8", "--criterion", "frequency", "--out",
+               tmp_path / "taken.gguf")  # fmt: skip
+    assert proc.returncode == 2 and "taken.gguf.prune.json exists" in proc.stderr
+    assert (tmp_path / "taken.gguf.prune.json").read_text() == "mine" and not (tmp_path / "taken.gguf").exists()
+
+
+def test_ablation_masks_the_experts_in_transformers_own_routers(ggufs, pruned_hf, tmp_path, cli):
+    """Ablation on a transformers folder (from the trace of the first test, its cooking documents): every expert its
+    cost; REAP on that trace is one line, the trace having no norms."""
+    trace = ["--trace", pruned_hf / "calibration_trace", "--domains", "cooking"]
+    out = tmp_path / "abl"
+    proc = cli("prune", "--hf", ggufs / "hf", *trace, "--criterion", "ablation", "--keep", "12", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = plan_of(out / "prune.json")
+    assert plan.about["criterion"] == "ablation" and plan.about["domains"] == ["cooking"]
+    for layer in (1, 2):
+        assert np.isfinite(plan.scores[layer]).all() and len(set(plan.scores[layer])) > 8
+    reap = cli("prune", "--hf", ggufs / "hf", *trace, "--keep", "12", "--out", tmp_path / "reap")
+    assert reap.returncode == 2 and "--criterion reap needs the expert output norms" in reap.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["abl"]
