@@ -32,23 +32,26 @@ def checked(grouped_run, tmp_path_factory, cli):
     document held out, the calibration the training split under 300 tokens."""
     out = tmp_path_factory.mktemp("check") / "check"
     proc = cli("prune", "--run", grouped_run, "--check", "--criteria", *CRITERIA, "--sparsities", "0.25", "0.5",
-               "--random-seeds", "2", "--max-tokens", "300", "--held-out-tokens", "100000", "--out", out)  # fmt: skip
+               "--random-seeds", "2", "--max-tokens", "300", "--held-out-tokens", "100000", "--batch-size", "64",
+               "--out", out)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads((out / "check.json").read_text())
 
 
 def direct_logprobs(model, docs, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per document the summed log p(next token) over its windows of seq_len, one window at a time, and the count."""
-    total, count = np.zeros(len(docs)), np.zeros(len(docs))
+    """Per document the summed log p(next token) over its windows of seq_len, and the count: every window a row of
+    one right-padded batch (causal: the padding after a window reaches none of its tokens)."""
+    windows = [(i, np.asarray(tokens[s : s + seq_len], np.int64)) for i, (_, tokens) in enumerate(docs)
+               for s in range(0, len(tokens), seq_len) if len(tokens[s : s + seq_len]) > 1]  # fmt: skip
+    batch = torch.zeros(len(windows), seq_len, dtype=torch.long)
+    for row, (_, w) in enumerate(windows):
+        batch[row, : len(w)] = torch.from_numpy(w)
     with torch.no_grad():
-        for i, (_, tokens) in enumerate(docs):
-            for start in range(0, len(tokens), seq_len):
-                w = torch.as_tensor(np.asarray(tokens[start : start + seq_len], np.int64))
-                if len(w) < 2:
-                    continue
-                logp = F.log_softmax(model(w[None]).logits[0, :-1].double(), -1)
-                total[i] += logp.gather(1, w[1:, None]).sum().item()
-                count[i] += len(w) - 1
+        logp = F.log_softmax(model(batch).logits.double(), -1)
+    total, count = np.zeros(len(docs)), np.zeros(len(docs))
+    for row, (i, w) in enumerate(windows):
+        total[i] += logp[row, : len(w) - 1].gather(1, torch.from_numpy(w[1:, None])).sum().item()
+        count[i] += len(w) - 1
     return total, count
 
 
@@ -72,8 +75,8 @@ def test_the_delta_of_an_arm_is_the_pruned_minus_the_unpruned_log_prob_per_token
         assert arm["by_domain"][name]["delta"] == pytest.approx(expected, abs=2e-5), name
     assert any(abs(v["delta"]) > 1e-3 for v in arm["by_domain"].values())  # the pruning changed something
     # the pass's per-document losses are ablation.py's document_losses
-    loss, count = document_losses(lambda t: model(t).logits, docs, 32)
-    got = held_out_pass(model, docs, 32)
+    loss, count = document_losses(lambda t: model(t).logits, docs, 32, batch=200)
+    got = held_out_pass(model, docs, 32, batch_size=200)
     np.testing.assert_allclose(got.loss, loss, rtol=1e-5)
     np.testing.assert_array_equal(got.count, count)
     assert len(got.experts[1]) == count.sum() and got.experts[1].shape[1] == 2
@@ -184,7 +187,8 @@ def test_a_trace_is_reused_and_one_of_the_held_out_documents_refused(grouped_run
     on the validation split, the held-out documents, is refused."""
     out, _ = checked
     proc = cli("prune", "--run", grouped_run, "--check", "--criteria", "frequency", "gate-mass", "--keeps", "8",
-               "--trace", out / "calibration_trace", "--out", tmp_path / "again")  # fmt: skip
+               "--trace", out / "calibration_trace", "--held-out-tokens", "600", "--batch-size", "64",
+               "--out", tmp_path / "again")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "again" / "check.json").read_text())
     assert not (tmp_path / "again" / "calibration_trace").exists() and record["spearman_with_ablation"] is None
