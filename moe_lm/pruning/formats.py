@@ -33,6 +33,7 @@ from moe_lm.pruning.plan import PLAN_FILE, KeepPlan, RoutingShape
 from moe_lm.pruning.safetensors_shards import folder_routing
 
 TRACE_FOLDER = "calibration_trace"
+MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # a pruned copy is the source with the pruned experts' bias at -inf
 Finish = Callable[[Path, str], None]  # (folder, prefix): prune.json and the trace written as <folder>/<prefix><name>
 
 
@@ -82,6 +83,10 @@ class SafetensorsFormat(PrunedFormat):
     def __init__(self, request, source: Path) -> None:
         self.source = Path(source)
         config = hf_folder.read_config(self.source)
+        if config.get("model_type") not in MODEL_TYPES:  # why: what the pruned copy computes is known for these only
+            raise UserError(f"{self.source / 'config.json'}: model_type {config.get('model_type')!r}; moe-lm prune "
+                            f"writes {', '.join(MODEL_TYPES)} folders (sigmoid routers with a selection bias, where "
+                            "removing an expert is masking its score)")  # fmt: skip
         self.check_source(config)
         E, k, groups, used, self.layers = folder_routing(self.source, config, self.fix)
         self.shape = RoutingShape(E, groups, used, k)
@@ -91,6 +96,7 @@ class SafetensorsFormat(PrunedFormat):
             block_size(config, self.source)  # why: names a quantisation moe-lm does not read
 
     def check_out(self, out: Path, force: bool) -> None:
+        refuse_force(self, force)
         pruned_output(self.source, out)
 
     def write(self, plan: KeepPlan, out: Path, finish: Finish) -> None:
@@ -122,6 +128,7 @@ class GGUFFormat(PrunedFormat):
         self.shape = RoutingShape(E, groups, used, k)
 
     def check_out(self, out: Path, force: bool) -> None:
+        refuse_force(self, force)
         pruned_output(self.source, out, file=True)
         for name in (PLAN_FILE, TRACE_FOLDER):
             if os.path.lexists(self.place(out, name)):
@@ -139,3 +146,10 @@ class GGUFFormat(PrunedFormat):
                 path = self.place(out, name)
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
             raise
+
+
+def refuse_force(fmt: PrunedFormat, force: bool) -> None:
+    """--force moves an earlier output aside; a pruned copy is only ever written new (output.py)."""
+    if force:
+        raise UserError(f"--force: a pruned {fmt.what} is always written new, never over anything (an earlier copy "
+                        "included); give a new path and leave out --force")  # fmt: skip

@@ -142,11 +142,7 @@ def prune(req: PruneRequest) -> KeepPlan:
         check_trace(trace, fmt, str(req.subject.label), f"--trace {req.trace}")
     with calibration_folder(req.out) as scratch:
         subject = load_subject(req.subject) if trace is None or req.criterion not in FROM_TRACE else None
-        routing = subject.routing.reroutable() if subject is not None and req.criterion == "ablation" else None
-        if subject is not None and req.criterion == "ablation" and routing is None:
-            raise UserError(f"--criterion ablation: {req.subject.label} is run a layer at a time (streamed from disk), "
-                            f"and ablation masks experts in a model held whole: give a --max-memory it fits in, or "
-                            f"use {', '.join(FROM_TRACE[1:])}")  # fmt: skip
+        routing = held_whole(subject, req) if req.criterion == "ablation" else None  # why before recording
         if trace is None:
             trace = record_calibration(req, subject, scratch)
             check_trace(trace, fmt, str(req.subject.label), "the calibration trace")
@@ -172,6 +168,17 @@ def prune(req: PruneRequest) -> KeepPlan:
         fmt.write(plan, req.out, finish)
     say_written(req, fmt, plan)
     return plan
+
+
+def held_whole(subject, req: PruneRequest):
+    """The model ablation masks experts in: the subject's, held whole in memory; a UserError for one streamed."""
+    routing = subject.routing.reroutable()
+    if routing is None:
+        others = [c for c in usable_criteria(kind_of(req.subject)) if c != "ablation"]
+        raise UserError(f"--criterion ablation: {req.subject.label} is run a layer at a time (streamed from disk), "
+                        "and ablation masks experts in a model held whole: give a --max-memory it fits in, or use "
+                        f"{', '.join(others)}")  # fmt: skip
+    return routing
 
 
 def say_written(req: PruneRequest, fmt: PrunedFormat, plan: KeepPlan) -> None:

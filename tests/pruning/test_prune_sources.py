@@ -123,17 +123,25 @@ def test_a_gguf_file_pruned_runs_in_llama_cpp_as_the_masked_source(ggufs, tiny_d
          "in memory, and a GGUF file is not one: use frequency, gate-mass, random"),
         (["--gguf", "{gguf}", "--criterion", "reap"], "use frequency, gate-mass, random"),
         (["--hf", "{hf}", "--keep", "6", "--criterion", "frequency"], "cannot share equally"),
+        (["--hf", "{hf}", "--criterion", "frequency", "--force"], "--force: a pruned transformers folder is always "
+         "written new"),
+        (["--hf", "{hf}", "--check"], "--check compares pruned models of a moe-lm run in memory: give --run RUN"),
+        (["--hf", "{qwen}", "--criterion", "frequency"], "model_type 'qwen3_moe'; moe-lm prune writes deepseek_v3, "
+         "glm4_moe folders"),
     ],
 )  # fmt: skip
 def test_what_a_kind_cannot_give_is_one_line_exit_2_and_leaves_nothing(ggufs, tiny_data, tmp_path, cli, flags,
                                                                        message):  # fmt: skip
-    flags = [f.format(hf=ggufs / "hf", gguf=ggufs / "f32.gguf") for f in flags]
+    qwen = tmp_path / "qwen"  # a folder of another model type: its config.json is all that is read
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    flags = [f.format(hf=ggufs / "hf", gguf=ggufs / "f32.gguf", qwen=qwen) for f in flags]
     keep = [] if "--keep" in flags else ["--keep", "8"]
     proc = cli("prune", *flags, *keep, "--data", tiny_data.sources[0], "--out", tmp_path / "out")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and __import__("re").search(message, lines[0]), proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["qwen"]
 
 
 def test_the_source_is_never_the_output(ggufs, tiny_data, tmp_path, cli):
@@ -154,7 +162,7 @@ def test_the_source_is_never_the_output(ggufs, tiny_data, tmp_path, cli):
 
 def test_ablation_masks_the_experts_in_transformers_own_routers(ggufs, pruned_hf, tmp_path, cli):
     """Ablation on a transformers folder (from the trace of the first test, its cooking documents): every expert its
-    cost; REAP on that trace is one line, the trace having no norms."""
+    cost; REAP on that trace is one line (the trace has no norms), and so is ablation on the folder streamed."""
     trace = ["--trace", pruned_hf / "calibration_trace", "--domains", "cooking"]
     out = tmp_path / "abl"
     proc = cli("prune", "--hf", ggufs / "hf", *trace, "--criterion", "ablation", "--keep", "12", "--out", out)
@@ -165,4 +173,8 @@ def test_ablation_masks_the_experts_in_transformers_own_routers(ggufs, pruned_hf
         assert np.isfinite(plan.scores[layer]).all() and len(set(plan.scores[layer])) > 8
     reap = cli("prune", "--hf", ggufs / "hf", *trace, "--keep", "12", "--out", tmp_path / "reap")
     assert reap.returncode == 2 and "--criterion reap needs the expert output norms" in reap.stderr
+    streamed = cli("prune", "--hf", ggufs / "hf", *trace, "--criterion", "ablation", "--keep", "12", "--max-memory",
+                   "1MiB", "--out", tmp_path / "streamed")  # fmt: skip
+    assert streamed.returncode == 2 and "is run a layer at a time (streamed from disk)" in streamed.stderr
+    assert "or use frequency, gate-mass, random" in streamed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["abl"]
