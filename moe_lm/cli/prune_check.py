@@ -46,6 +46,8 @@ def checking(args: argparse.Namespace) -> bool:
 
 
 def run_check(args: argparse.Namespace) -> None:
+    if not getattr(args, "run", None):
+        raise UserError("--check takes a moe-lm run (--run RUN): its validation split is the held-out text")
     for flag, value in (("--max-tokens", args.max_tokens), ("--held-out-tokens", args.held_out_tokens),
                         ("--batch-size", args.batch_size), ("--random-seeds", args.random_seeds)):  # fmt: skip
         if value < 1:
