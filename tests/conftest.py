@@ -63,10 +63,14 @@ def pytest_configure(config):
     config._moe_lm_caches = caches
     os.environ.update({name: str(caches / name.lower()) for name in CACHE_VARIABLES})
     # why one thread per worker under pytest-xdist: two workers on two cores each running torch's default pool
-    # (one thread per core) oversubscribe the machine, and OpenMP's spinning threads then slow both down
+    # (one thread per core) oversubscribe the machine, and OpenMP's spinning threads then slow both down; the
+    # processes a test starts (a command, a training subprocess) get the same share through OMP_NUM_THREADS, which
+    # torch reads when it starts: a quick-tour `moe-lm train` took 4x longer with its own two threads beside a worker
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 @pytest.fixture(autouse=True)
