@@ -41,22 +41,28 @@ def route_around(routing: Reroutable, layer: int, experts: Iterable[int]):
 
 
 @torch.no_grad()
+def window_batches(docs: list[tuple[int, np.ndarray]], seq_len: int, batch: int = 16):
+    """`docs` cut into windows of seq_len, those that predict a token in batches: (the windows, their tokens [B, S]
+    right-padded with 0, the mask [B, S - 1] of the positions that predict a real token). Causal models only: the
+    padding comes after every real token, so no real token sees it."""
+    windows = [w for w in document_windows(docs, seq_len) if len(w.tokens) > 1]
+    for i in range(0, len(windows), batch):
+        part = windows[i : i + batch]
+        S = max(len(w.tokens) for w in part)
+        tokens = torch.zeros(len(part), S, dtype=torch.long)
+        mask = torch.zeros(len(part), S - 1, dtype=torch.bool)
+        for b, w in enumerate(part):
+            tokens[b, : len(w.tokens)] = torch.from_numpy(np.asarray(w.tokens, np.int64))
+            mask[b, : len(w.tokens) - 1] = True
+        yield part, tokens, mask
+
+
 def document_losses(forward, docs: list[tuple[int, np.ndarray]], seq_len: int, batch: int = 16):
     """Per document: (summed next-token loss, predicted tokens), `forward(tokens [B, S])` giving the logits.
     Documents are cut into windows of seq_len."""
     loss = np.zeros(len(docs))
     count = np.zeros(len(docs))
-    chunks = list(document_windows(docs, seq_len))
-    for i in range(0, len(chunks), batch):
-        part = [c for c in chunks[i : i + batch] if len(c.tokens) > 1]
-        if not part:
-            continue
-        S = max(len(c.tokens) for c in part)
-        tokens = torch.zeros(len(part), S, dtype=torch.long)
-        mask = torch.zeros(len(part), S - 1, dtype=torch.bool)
-        for b, c in enumerate(part):
-            tokens[b, : len(c.tokens)] = torch.from_numpy(np.asarray(c.tokens, np.int64))
-            mask[b, : len(c.tokens) - 1] = True
+    for part, tokens, mask in window_batches(docs, seq_len, batch):
         logits = forward(tokens[:, :-1]).float().cpu()
         ce = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
         for b, c in enumerate(part):

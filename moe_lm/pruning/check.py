@@ -31,11 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moe_lm.analysis.ablation import delta_by_domain
+from moe_lm.analysis.ablation import delta_by_domain, window_batches
 from moe_lm.analysis.budget import budget_documents
 from moe_lm.analysis.documents import Documents
 from moe_lm.analysis.metrics import max_vio_floor
-from moe_lm.analysis.recording import document_windows, record_trace
+from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.requests import RoutingRequest
 from moe_lm.analysis.routing_workflow import budgeted_documents
 from moe_lm.analysis.subjects import RunSubject
@@ -120,16 +120,9 @@ def held_out_pass(model: Transformer, docs: list[tuple[int, np.ndarray]], seq_le
              for layer in layers]  # fmt: skip
     loss, count = np.zeros(len(docs)), np.zeros(len(docs))
     experts: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
-    windows = [w for w in document_windows(docs, seq_len) if len(w.tokens) > 1]
     try:
-        for i in range(0, len(windows), batch_size):
-            part = windows[i : i + batch_size]
-            S = max(len(w.tokens) for w in part)
-            tokens = torch.zeros(len(part), S, dtype=torch.long)
-            mask = torch.zeros(len(part), S - 1, dtype=torch.bool)
-            for b, w in enumerate(part):
-                tokens[b, : len(w.tokens)] = torch.from_numpy(np.asarray(w.tokens, np.int64))
-                mask[b, : len(w.tokens) - 1] = True
+        for part, tokens, mask in window_batches(docs, seq_len, batch_size):
+            S = tokens.shape[1]
             logits = model(tokens[:, :-1]).logits.float()
             ce = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
             for b, w in enumerate(part):
