@@ -53,9 +53,15 @@ def init_distributed() -> None:
             # loader at the start of init_distributed; loaded here, in our folder under our flock, DeepSpeed's call
             # finds it loaded. The flock must not span init_distributed: that waits for the other ranks of this host,
             # which would be waiting for the flock.
-            with library_op_builds(Path(deepspeed.__file__).parent, "deepspeed_shm_comm"):
-                build_shm_op()
+            build_cpu_comm_op()
         deepspeed.init_distributed(verbose=False)
+
+
+def build_cpu_comm_op() -> None:
+    """Build (or load) DeepSpeed's shared-memory communication op for CPU ranks in moe-lm's build folder, one build at
+    a time (moe_lm/ops/extension_builds.py); `make setup` builds it ahead of the first run of several processes."""
+    with library_op_builds(Path(deepspeed.__file__).parent, "deepspeed_shm_comm"):
+        build_shm_op()
 
 
 def shutdown_distributed() -> None:
