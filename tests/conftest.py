@@ -43,12 +43,27 @@ TIERS = {
 }
 
 
+# The files with the longest tests (tests/README.md, "Time"), started first: pytest-xdist hands out whole files in
+# collection order, and the quick tour and the GPU check's dry run, collected near the end, kept one worker busy
+# after the others had finished
+LONGEST_FIRST = ("test_quick_tour.py", "test_gpu_check.py", "experiments/test_runner.py",
+                 "inference/test_speculative.py", "parallel/test_expert_parallel.py", "parallel/test_pipeline.py",
+                 "train/test_faults.py", "train/test_dead_peer.py")  # fmt: skip
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         for fixture, marks in TIERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 for mark in marks:
                     item.add_marker(mark)
+    here = Path(__file__).parent
+
+    def rank(item) -> int:
+        path = Path(item.path).relative_to(here).as_posix() if Path(item.path).is_relative_to(here) else ""
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every file's tests, and the other files, keep their order
 
 
 CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "WANDB_CACHE_DIR")
