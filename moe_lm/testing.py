@@ -54,9 +54,6 @@ def check_model(attention: str, yarn: bool = False, vocab_size: int = 256, q_lor
     """The tiny config at vLLM-friendly sizes (attention head size 32, the CPU kernel's smallest; d 64), grouped
     routing, non-zero routing biases and weights large enough that positions change the logits.
     `q_lora_rank` 0: MLA with a plain query projection."""
-    import torch
-
-    from moe_lm.model import Transformer
 
     rope_scaling = RopeScalingConfig()
     if yarn:  # DeepSeek-V3's shape of YaRN (mscale = mscale_all_dim = 1), at a small scale
@@ -75,6 +72,16 @@ def check_model(attention: str, yarn: bool = False, vocab_size: int = 256, q_lor
         ),
         gqa=GQAConfig(n_kv_heads=2, head_dim=32, partial_rotary_factor=0.5),
     )
+    return check_weights(cfg)
+
+
+def check_weights(cfg: ModelConfig):
+    """A model of `cfg` (seed 0) with a check model's weights: matrices times WEIGHT_SCALE, non-zero routing
+    biases."""
+    import torch
+
+    from moe_lm.model import Transformer
+
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
     with torch.no_grad():

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from moe_lm.config import DataConfig
 from moe_lm.data.tokenizer import load_data_tokenizer
 from moe_lm.interop.gguf import export_gguf
 from moe_lm.interop.hf import export_hf
 from moe_lm.interop.hf_tokenizer import export_tokenizer
 from moe_lm.interop.released_weights import write_fp8_release
-from moe_lm.model import Transformer
-from moe_lm.testing import WEIGHT_SCALE, check_model, replace_moe
+from moe_lm.testing import check_model, check_weights, replace_moe
 from tests.analysis.test_hf_routing import tiny_tokenizer
 from tests.helpers.released import deepseek_v3
 from tests.helpers.released import random_model as random_release_model
@@ -28,14 +25,7 @@ def gguf_sources(folder: Path, data: DataConfig) -> Path:
     """`folder` holding hf/ (the model exported with `data`'s tokenizer), f32.gguf and q8_0.gguf (deepseek2)."""
     tok = load_data_tokenizer(data.out_dir)
     cfg = replace_moe(check_model("mla", vocab_size=VOCAB, q_lora_rank=0).cfg, **SIXTEEN)
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(WEIGHT_SCALE)
-        for router in model.routers():
-            router.e_score_correction_bias.normal_(0.0, 0.05)
+    model = check_weights(cfg)
     export_hf(model, folder / "hf", tok.doc_start_id, tok.eos_id)
     export_tokenizer(data.out_dir, folder / "hf", max_len=cfg.max_seq_len)
     for kind in ("f32", "q8_0"):
