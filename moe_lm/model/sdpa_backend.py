@@ -13,6 +13,7 @@ Equal head dims never pad. Only the causal forward of whole sequences chooses (m
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -46,11 +47,13 @@ def mla_choice(device_type: str, dtype: torch.dtype, qk: int, v: int) -> Choice:
     into the graph); a dict it reads, and the training loop fills it before the first compiled step."""
     key = (device_type, dtype, qk, v)
     if key not in _CHOSEN:
-        _CHOSEN[key] = _choose(*key)
+        # why: the trials run eagerly, should a compiled forward be the first to ask; torch.compiler.disable imports
+        # torch._dynamo (2 s at the start of every process that never compiles), which a compiled forward has loaded
+        choose = torch.compiler.disable(_choose) if "torch._dynamo" in sys.modules else _choose
+        _CHOSEN[key] = choose(*key)
     return _CHOSEN[key]
 
 
-@torch.compiler.disable  # why: the trials run eagerly, should a compiled forward be the first to ask
 def _choose(device_type: str, dtype: torch.dtype, qk: int, v: int) -> Choice:
     for backend, pad in ORDER.get(device_type, [(SDPBackend.MATH, False)]):
         pad = pad and v < qk

@@ -23,8 +23,9 @@ def run(trained_run) -> Path:
 
 
 def test_offline_loading_never_imports_deepspeed(run, process, tmp_path):
-    """load_model works in a process where deepspeed cannot be imported, and gives the engine's weights (the
-    subject is a fresh interpreter's imports: a process of its own)."""
+    """load_model works in a process where deepspeed cannot be imported, and gives the engine's weights; an eager
+    forward never loads torch's compiler (torch._dynamo: 2 s at the start of every command) (the subject is a fresh
+    interpreter's imports: a process of its own)."""
     script = textwrap.dedent(
         f"""
         import sys
@@ -35,12 +36,13 @@ def test_offline_loading_never_imports_deepspeed(run, process, tmp_path):
         from moe_lm.routing import trace
         cfg, model, tag = load_model({str(run)!r})
         torch.save(model.state_dict(), {str(tmp_path / "offline.pt")!r})
-        print(tag)
+        model(torch.tensor([[1, 2, 3]]))
+        print(tag, "torch._dynamo" in sys.modules)
         """
     )
     out = process.python(script, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "step_00000002"
+    assert out.stdout.strip() == "step_00000002 False"
     _, model, _ = load_model(run)
     offline = torch.load(tmp_path / "offline.pt")
     assert offline.keys() == model.state_dict().keys()
