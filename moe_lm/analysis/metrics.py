@@ -52,6 +52,23 @@ def domain_expert_counts(experts: np.ndarray, domain: np.ndarray, n_domains: int
     return counts
 
 
+def reap_saliency(
+    experts: np.ndarray, weights: np.ndarray, norms: np.ndarray, n_experts: int, group: np.ndarray | None = None,
+    n_groups: int = 1,
+) -> np.ndarray:
+    """REAP's saliency (arXiv 2510.13999) per group of rows and expert [G, E]: over the (token, slot) pairs of the
+    group that chose expert j, the mean of g_j(t) * ||f_j(t)||_2 (the gate weight the combine applies times the
+    expert's output norm before it); 0 where no pair chose j. `group`: [N] row -> group (None: one group)."""
+    K = experts.shape[1]
+    g = np.zeros(experts.shape[0], np.int64) if group is None else np.asarray(group, np.int64)
+    cell = (np.repeat(g, K) * n_experts + np.asarray(experts, np.int64).ravel())
+    size = n_groups * n_experts
+    count = np.bincount(cell, minlength=size).astype(np.float64)
+    mass = np.bincount(cell, weights=(np.asarray(weights, np.float64) * np.asarray(norms, np.float64)).ravel(),
+                       minlength=size)  # fmt: skip
+    return np.divide(mass, count, out=np.zeros(size), where=count > 0).reshape(n_groups, n_experts)
+
+
 def domain_shares(experts: np.ndarray, domain: np.ndarray, n_domains: int, n_experts: int) -> dict[str, np.ndarray]:
     """Per domain and expert [Dm, E]:
     token_share: share of the domain's tokens whose top-k contains e (rows sum to K; uniform K/E);

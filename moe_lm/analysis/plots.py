@@ -54,6 +54,24 @@ def relative_load_heatmap(
     return fig
 
 
+def saliency_heatmap(saliency: np.ndarray, domains: list[str], layer: int, of: int | None = None):
+    """REAP's saliency of each expert on each domain's tokens, each row over its own maximum (what `moe-lm prune
+    --criterion reap --domains D` ranks by: within a row, the brightest are kept first)."""
+    n_domains, E = saliency.shape
+    top = saliency.max(axis=1, keepdims=True)
+    shown = np.divide(saliency, top, out=np.zeros_like(saliency), where=top > 0)
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * E), 0.5 * n_domains + 1.6))
+    im = ax.imshow(shown, aspect="auto", cmap="magma", vmin=0, vmax=1)
+    ax.set_yticks(range(n_domains), domains)
+    ax.set_xticks(range(E))
+    ax.set_xlabel("expert")
+    ax.set_title(f"Layer {layer}: REAP saliency per domain{_some(n_domains, of)}\n(mean gate x output norm of the "
+                 "tokens routed to it; a row over its max)", fontsize=10)  # fmt: skip
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    return fig
+
+
 def _some(shown: int, of: int | None) -> str:
     """A title's note when a figure draws some of the domains."""
     return (

@@ -57,6 +57,21 @@ def layer_metrics(trace: Trace, layer: int, min_count: int, n_boot: int, shuffle
             experts, trace.token, trace.n_experts, min_count
         ),
         "coactivation": metrics.coactivation(experts, trace.n_experts).tolist(),
+        **saliency(trace, layer, experts),
+    }
+
+
+def saliency(trace: Trace, layer: int, experts: np.ndarray) -> dict:
+    """REAP's saliency per expert ("saliency", [E]) and per domain and expert ("domain_saliency", [D, E]): what
+    `moe-lm prune --criterion reap` ranks experts by (docs/pruning.md); {} for a trace without the experts' output
+    norms (another kind of subject, or recorded before them)."""
+    norms, weights = trace.norms(layer), trace.weights(layer)
+    if norms is None or weights is None:
+        return {}
+    E, D = trace.n_experts, len(trace.domains)
+    return {
+        "saliency": metrics.reap_saliency(experts, weights, norms, E)[0].tolist(),
+        "domain_saliency": metrics.reap_saliency(experts, weights, norms, E, trace.domain, D).tolist(),
     }
 
 

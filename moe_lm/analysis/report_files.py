@@ -79,8 +79,9 @@ def drawn_domains(tokens_per_domain: list[int], most: int) -> list[int]:
 
 
 def draw_layer(result: dict, layer: int, figs: Path) -> None:
-    """One MoE layer's figures: expert shares per domain, relative load (each of at most BAR_DOMAINS and
-    HEATMAP_DOMAINS domains, the title saying so when there are more), co-activation."""
+    """One MoE layer's figures: expert shares per domain, relative load and REAP saliency (where the trace has the
+    output norms) per domain (each of at most BAR_DOMAINS and HEATMAP_DOMAINS domains, the title saying so when
+    there are more), co-activation."""
     meta, lm = result["trace"], result["layers"][str(layer)]
     domains, K, tokens = meta["domains"], meta["k"], meta["tokens_per_domain"]
     bars = drawn_domains(tokens, BAR_DOMAINS)
@@ -102,6 +103,13 @@ def draw_layer(result: dict, layer: int, figs: Path) -> None:
         ),
         figs / f"relative_load_L{layer}.png",
     )
+    if "domain_saliency" in lm:
+        plots.save(
+            plots.saliency_heatmap(
+                np.array(lm["domain_saliency"])[rows], [domains[d] for d in rows], layer, of=len(domains)
+            ),
+            figs / f"saliency_L{layer}.png",
+        )
     plots.save(plots.coactivation_heatmap(np.array(lm["coactivation"]), layer, K), figs / f"coactivation_L{layer}.png")
 
 
@@ -143,18 +151,21 @@ def routing_html(result: dict, samples: list[dict], tok: Tokenizer, min_count: i
 
 def write_tidy(result: dict, path: Path) -> None:
     """One row per layer x domain x expert: the domain's tokens, token-slots to the expert, its token share (a
-    domain's sum to K), assignment share (sum to 1) and relative load (mean 1), for re-plotting elsewhere."""
+    domain's sum to K), assignment share (sum to 1), relative load (mean 1) and REAP saliency (empty where the trace
+    has no output norms), for re-plotting elsewhere."""
     domains, K = result["trace"]["domains"], result["trace"]["k"]
     tokens = result["trace"]["tokens_per_domain"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["layer", "domain", "expert", "domain_tokens", "token_slots", "token_share", "assignment_share",
-                    "relative_load"])  # fmt: skip
+                    "relative_load", "reap_saliency"])  # fmt: skip
         for layer, lm in result["layers"].items():
+            salient = lm.get("domain_saliency")
             for d, name in enumerate(domains):
                 for e, share in enumerate(lm["domain_token_share"][d]):
                     slots = round(share * tokens[d])
-                    w.writerow([layer, name, e, tokens[d], slots, share, share / K, lm["domain_relative_load"][d][e]])
+                    w.writerow([layer, name, e, tokens[d], slots, share, share / K, lm["domain_relative_load"][d][e],
+                                "" if salient is None else salient[d][e]])  # fmt: skip
 
 
 def coverage_table(meta: dict) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moe_lm.analysis.ablation import document_losses
+from moe_lm.analysis.metrics import reap_saliency
 from moe_lm.errors import UserError
 from moe_lm.pruning.masked import removed
 from moe_lm.routing.trace import Trace
@@ -64,16 +65,13 @@ def trace_scores(trace: Trace, criterion: str, domains: list[str] | None = None,
 def layer_scores(trace: Trace, layer: int, criterion: str, rows: np.ndarray) -> np.ndarray:
     """[E] scores of one MoE layer over the trace rows `rows`."""
     E = trace.n_experts
-    experts = np.asarray(trace.experts(layer))[rows].ravel()
-    count = np.bincount(experts, minlength=E).astype(np.float64)
+    experts = np.asarray(trace.experts(layer))[rows]
     if criterion == "frequency":
-        return count
-    weights = np.asarray(trace.weights(layer))[rows].ravel().astype(np.float64)
+        return np.bincount(experts.ravel(), minlength=E).astype(np.float64)
+    weights = np.asarray(trace.weights(layer))[rows]
     if criterion == "gate-mass":
-        return np.bincount(experts, weights=weights, minlength=E)
-    norms = np.asarray(trace.norms(layer))[rows].ravel().astype(np.float64)
-    saliency = np.bincount(experts, weights=weights * norms, minlength=E)
-    return np.divide(saliency, count, out=np.zeros(E), where=count > 0)
+        return np.bincount(experts.ravel(), weights=weights.ravel().astype(np.float64), minlength=E)
+    return reap_saliency(experts, weights, np.asarray(trace.norms(layer))[rows], E)[0]
 
 
 def trace_documents(trace: Trace, domains: list[str] | None = None) -> list[tuple[int, np.ndarray]]:

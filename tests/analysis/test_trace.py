@@ -112,7 +112,8 @@ def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, cli
     )
     figs = {p.name for p in (out / "figures").glob("*.png")}
     for layer in (1,):
-        assert {f"domain_experts_L{layer}.png", f"relative_load_L{layer}.png", f"coactivation_L{layer}.png"} <= figs
+        assert {f"domain_experts_L{layer}.png", f"relative_load_L{layer}.png", f"coactivation_L{layer}.png",
+                f"saliency_L{layer}.png"} <= figs  # fmt: skip
     assert {"repetition.png", "load_over_training.png", "agreement.png"} <= figs
     assert any(name.startswith("token_") for name in figs)
     m = json.loads((out / "metrics.json").read_text())
@@ -138,6 +139,21 @@ def test_analyze_routing_writes_every_figure_the_page_and_the_json(tiny_run, cli
         assert sum(float(r["token_share"]) for r in mine) == pytest.approx(2)  # k
         assert sum(int(r["token_slots"]) for r in mine) == 2 * m["trace"]["tokens_per_domain"][d]
         assert [float(r["relative_load"]) for r in mine] == pytest.approx(layer["domain_relative_load"][d])
+        assert [float(r["reap_saliency"]) for r in mine] == pytest.approx(layer["domain_saliency"][d])
+    # REAP's saliency per expert and domain, against its definition: the mean gate x output norm of the (token,
+    # slot) pairs that chose the expert, a loop over the trace's rows
+    trace = Trace(out / "trace")
+    experts, weights, norms = trace.experts(1), trace.weights(1), trace.norms(1)
+    total, pairs = np.zeros((4, 8)), np.zeros((4, 8))  # row 3: every domain
+    for t in range(trace.n):
+        for k in range(trace.k):
+            for row in (int(trace.domain[t]), 3):
+                total[row, experts[t, k]] += float(weights[t, k]) * float(norms[t, k])
+                pairs[row, experts[t, k]] += 1
+    want = np.divide(total, pairs, out=np.zeros_like(total), where=pairs > 0)
+    np.testing.assert_allclose(layer["domain_saliency"], want[:3], rtol=1e-9)
+    np.testing.assert_allclose(layer["saliency"], want[3], rtol=1e-9)
+    assert (pairs[3] > 0).sum() >= 6 and max(layer["saliency"]) > 0
 
 
 def test_analyze_routing_on_the_users_own_files(tiny_run, cli, tmp_path):
