@@ -53,7 +53,11 @@ def domain_expert_counts(experts: np.ndarray, domain: np.ndarray, n_domains: int
 
 
 def reap_saliency(
-    experts: np.ndarray, weights: np.ndarray, norms: np.ndarray, n_experts: int, group: np.ndarray | None = None,
+    experts: np.ndarray,
+    weights: np.ndarray,
+    norms: np.ndarray,
+    n_experts: int,
+    group: np.ndarray | None = None,
     n_groups: int = 1,
 ) -> np.ndarray:
     """REAP's saliency (arXiv 2510.13999) per group of rows and expert [G, E]: over the (token, slot) pairs of the
@@ -61,7 +65,7 @@ def reap_saliency(
     expert's output norm before it); 0 where no pair chose j. `group`: [N] row -> group (None: one group)."""
     K = experts.shape[1]
     g = np.zeros(experts.shape[0], np.int64) if group is None else np.asarray(group, np.int64)
-    cell = (np.repeat(g, K) * n_experts + np.asarray(experts, np.int64).ravel())
+    cell = np.repeat(g, K) * n_experts + np.asarray(experts, np.int64).ravel()
     size = n_groups * n_experts
     count = np.bincount(cell, minlength=size).astype(np.float64)
     mass = np.bincount(cell, weights=(np.asarray(weights, np.float64) * np.asarray(norms, np.float64)).ravel(),
