@@ -1,10 +1,11 @@
 """Prune routed experts: keep the most salient of each MoE layer and write the smaller model in the source's format.
 
-    moe-lm prune --run runs/tiny --sparsity 0.5 --out runs/tiny-pruned                  # REAP on the validation split
-    moe-lm prune --run runs/tiny --keep 12 --criterion frequency --out runs/tiny-f12
-    moe-lm prune --run runs/tiny --sparsity 0.25 --data corpus/ --domains code --out runs/tiny-code   # serve code
-    moe-lm prune --run runs/tiny --sparsity 0.5 --trace analysis/tiny/trace --out runs/tiny-p50       # a trace again
-    moe-lm prune --run runs/tiny --sparsity 0.25 --criterion ablation --max-tokens 5000 --out runs/tiny-abl
+    moe-lm prune --run runs/e16 --sparsity 0.5 --out runs/e16-pruned                  # REAP on the validation split
+    moe-lm prune --run runs/e16 --keep 12 --criterion frequency --out runs/e16-f12
+    moe-lm prune --run runs/e16 --sparsity 0.25 --data corpus/ --domains code --out runs/e16-code   # serve code
+    moe-lm prune --run runs/e16 --sparsity 0.5 --trace analysis/e16/trace --out runs/e16-p50       # a trace again
+    moe-lm prune --run runs/e16 --sparsity 0.25 --criterion ablation --max-tokens 5000 --out runs/e16-abl
+    moe-lm prune --run runs/tour --sparsity 0.25 --ungroup --out runs/tour-p25     # 8 experts in 4 groups of 2
     moe-lm prune --hf path/to/DeepSeek-V3 --data corpus/ --criterion frequency --keep 128 --out dsv3-128   # FP8 too
     moe-lm prune --gguf model-Q4_K_M.gguf --data corpus/ --criterion gate-mass --sparsity 0.25 --out m-p25.gguf
 
@@ -13,7 +14,8 @@ Each MoE layer's routed experts are scored on calibration documents (--data, or 
 tokens of --domains only where given: reap (mean gate x output norm over the tokens routed to the expert),
 frequency (tokens routed), gate-mass (sum of gates), ablation (the loss increase when the expert alone is removed:
 the reference, one pass of the documents per expert) or random (seeded, the control). Every layer keeps the same
-number, every expert group the same share (group-limited routing stays valid); shared experts are never pruned.
+number, every expert group the same share (group-limited routing stays valid; --ungroup drops the groups where they
+cannot); shared experts are never pruned.
 Removing an expert is masking its router score before selection, group scores included: the pruned run's logits are
 the source's under that mask. Writes a run into --out (never the source): checkpoints/<the source's tag>/ with the
 kept experts only, the config with the new model.moe.n_routed_experts, prune.json (the plan: every expert's score,
@@ -60,6 +62,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-size", type=int, default=default_of(PruneRequest, "batch_size"), metavar="N",
                     help="sequences per forward pass")  # fmt: skip
     ap.add_argument("--seed", type=int, default=default_of(PruneRequest, "seed"), help="the random criterion's seed")
+    ap.add_argument("--ungroup", action="store_true", help="the pruned model routes without expert groups (n_group "
+                    "1): any count of at least top-k may be kept, each layer's best over all its experts (where the "
+                    "groups cannot keep the same number; --check measures what dropping them alone costs)")  # fmt: skip
     add_check_arguments(ap, how_many)  # --check: the pruned models checked on held-out text, nothing pruned written
 
 

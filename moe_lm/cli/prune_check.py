@@ -1,7 +1,7 @@
 """`moe-lm prune --check`: its flags and its run (moe_lm/pruning/check.py), apart from prune's own.
 
-moe-lm prune --run runs/tiny --check --sparsities 0.125 0.25 0.5 --out analysis/tiny-prune-check
-moe-lm prune --run runs/tiny --check --keeps 12 8 --criteria reap frequency random --out analysis/check
+moe-lm prune --run runs/e16 --check --sparsities 0.125 0.25 0.5 --out analysis/e16-prune-check
+moe-lm prune --run runs/e16 --check --keeps 12 8 --criteria reap frequency random --out analysis/check
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from moe_lm.model import Transformer
 from moe_lm.pruning.criteria import CRITERIA, FROM_TRACE, ablation_scores, trace_documents, trace_scores
 from moe_lm.pruning.plan import KeepPlan, keep_count
 from moe_lm.pruning.pruned import decoder_moe_layers, pruned_model
-from moe_lm.pruning.run import TRACE_FOLDER, check_source, routing_shape
+from moe_lm.pruning.run import TRACE_FOLDER, check_source, plan_shape, routing_shape, ungrouped
 from moe_lm.routing.stats import expert_counts, max_vio
 from moe_lm.routing.torch_routing import transformer_routing
 from moe_lm.routing.trace import Trace
@@ -80,6 +80,7 @@ class CheckRequest:
     seed: int = 0
     random_seeds: int = 3
     n_boot: int = 1000
+    ungroup: bool = False  # the pruned models route without expert groups; that alone is checked as an arm too
 
 
 def check_criteria(criteria) -> tuple[str, ...]:
@@ -242,7 +243,8 @@ def check_prune(req: CheckRequest) -> dict:
     out = Path(req.out)
     cfg = run_config(req.subject)
     check_source(cfg, req.subject.label)
-    shape = routing_shape(cfg)
+    source_shape = routing_shape(cfg)
+    shape = plan_shape(source_shape, req.ungroup, req.subject.label)
     criteria = check_criteria(req.criteria)
     if req.sparsities:
         check_sparsities(req.sparsities)
@@ -275,7 +277,7 @@ def check_prune(req: CheckRequest) -> dict:
     floors = {n: max_vio_floor(n_predicted, n, shape.k, trials=50) for n in [shape.n_experts, *n_keeps]}
     base_routing = {str(layer): {"maxvio": max_vio(expert_counts(base.experts[layer], shape.n_experts)),
                                  "maxvio_floor": floors[shape.n_experts]} for layer in base.experts}  # fmt: skip
-    arms = []
+    arms = [groups_dropped_arm(model, cfg, base, held, domain, domains, seq_len, floors, req)] if req.ungroup else []
     for criterion in criteria:
         for n_keep in n_keeps:
             plans = [KeepPlan.from_scores(s, n_keep, shape.n_group) for (c, _), s in scores.items() if c == criterion]
@@ -284,7 +286,8 @@ def check_prune(req: CheckRequest) -> dict:
     agreement, best = agreement_with_ablation(scores)
     record = {
         "subject": {"run": str(run), "tag": tag},
-        "n_experts": shape.n_experts, "k": shape.k, "n_group": shape.n_group,
+        "n_experts": shape.n_experts, "k": shape.k, "n_group": source_shape.n_group,
+        **ungrouped(source_shape, req.ungroup),
         "held_out": {"documents": held_what, "n_documents": len(held), "tokens_predicted": n_predicted,
                      "domains": domains, "seq_len": seq_len, "max_tokens": req.held_out_tokens},
         "calibration": {"trace": str(req.trace) if req.trace else TRACE_FOLDER,
@@ -370,6 +373,18 @@ def check_arm(criterion: str, plans: list[KeepPlan], model, cfg, base: Pass, hel
     return row
 
 
+GROUPS_DROPPED = "none, groups dropped"  # the arm of --ungroup that removes no expert
+
+
+def groups_dropped_arm(model, cfg, base: Pass, held, domain, domains, seq_len: int, floors: dict,
+                       req: CheckRequest) -> dict:  # fmt: skip
+    """What dropping the expert groups alone changes (--ungroup): every expert kept, routed without groups."""
+    E = routing_shape(cfg).n_experts
+    every = {layer: np.zeros(E) for layer in base.experts}
+    return check_arm(GROUPS_DROPPED, [KeepPlan.from_scores(every, E, 1)], model, cfg, base, held, domain, domains,
+                     seq_len, floors, req)  # fmt: skip
+
+
 def agreement_with_ablation(scores: dict) -> tuple[dict | None, str | None]:
     """Per criterion (each random seed apart) the Spearman ρ per layer with ablation's scores, and the criterion
     other than ablation whose mean ρ is highest (random: the mean over its seeds); (None, None) without ablation."""
@@ -421,7 +436,7 @@ def check_markdown(record: dict) -> str:
         "",
         "Δ: the pruned model's mean log-prob per token minus the unpruned model's on the same windows (nats; below 0:"
         " worse), its 95 % interval a bootstrap over documents. random: the mean over seeds "
-        f"{', '.join(map(str, record['random_seeds']))}, with the seeds' standard deviation.",
+        f"{', '.join(map(str, record['random_seeds']))}, with the seeds' standard deviation.{_ungrouped(record)}",
         "",
         "| criterion | sparsity | kept | domain | Δ log-prob / token | 95 % interval | documents | seeds' sd |",
         "|---|---|---|---|---|---|---|---|",
@@ -464,6 +479,14 @@ def check_markdown(record: dict) -> str:
                 f"| {name} | " + " | ".join(_f(rho[x], "+.3f") for x in layers) + f" | {_f(rho['mean'], '+.3f')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _ungrouped(record: dict) -> str:
+    if not (groups := record.get("ungrouped")):
+        return ""
+    return (f" Pruned with --ungroup: every pruned model routes without the source's {groups['n_group']} expert "
+            f"groups (the best {groups['topk_group']} used); `{GROUPS_DROPPED}` keeps every expert, so its Δ is what "
+            "dropping the groups alone costs.")  # fmt: skip
 
 
 def check_figure(record: dict):

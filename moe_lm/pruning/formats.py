@@ -100,7 +100,8 @@ class SafetensorsFormat(PrunedFormat):
         pruned_output(self.source, out)
 
     def write(self, plan: KeepPlan, out: Path, finish: Finish) -> None:
-        self.writer(self.source, out, plan.kept, extras=lambda stage: finish(stage, ""))
+        ungroup = plan.n_group != self.shape.n_group
+        self.writer(self.source, out, plan.kept, extras=lambda stage: finish(stage, ""), ungroup=ungroup)
 
 
 class FP8ReleaseFormat(SafetensorsFormat):
@@ -136,7 +137,7 @@ class GGUFFormat(PrunedFormat):
                                 "file); give a new file name (nothing was written)")  # fmt: skip
 
     def write(self, plan: KeepPlan, out: Path, finish: Finish) -> None:
-        prune_gguf(self.source, out, plan.kept)
+        prune_gguf(self.source, out, plan.kept, ungroup=plan.n_group != self.shape.n_group)
         try:
             finish(out.parent, f"{out.name}.")
         except BaseException:  # why: a GGUF file without its plan beside it is not what was asked; both are ours

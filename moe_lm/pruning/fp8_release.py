@@ -23,11 +23,16 @@ FIX = "download or convert the release again"
 
 
 def prune_fp8_release(
-    source: Path, out: Path, keep: Mapping[int, Sequence[int]], extras: Callable[[Path], None] | None = None
+    source: Path,
+    out: Path,
+    keep: Mapping[int, Sequence[int]],
+    extras: Callable[[Path], None] | None = None,
+    ungroup: bool = False,
 ) -> Path:
     """`source` (a DeepSeek FP8 release folder) written to the new folder `out` with only the routed experts `keep`
     names ({MoE layer: ascending expert ids}, the same number in every layer), renumbered 0..E'-1; `extras(folder)`
-    writes more files into it before it is put in place (prune.json); returns `out`."""
+    writes more files into it before it is put in place (prune.json); `ungroup`: without expert groups (n_group and
+    topk_group 1 in config.json); returns `out`."""
     source, out = Path(source), Path(out)
     config = read_config(source)
     if block_size(config, source) is None:  # why first: another quantisation is refused here, by name
@@ -35,4 +40,4 @@ def prune_fp8_release(
                         "float32 folder is pruned by moe_lm.pruning.hf_folder.prune_hf_folder")  # fmt: skip
     weights = ReleasedWeights(source, config)
     weights.check(weights.names())  # each FP8 weight's scale present, its grid fitting (headers only)
-    return prune_folder(source, out, keep, config, FIX, extras)
+    return prune_folder(source, out, keep, config, FIX, extras, ungroup)

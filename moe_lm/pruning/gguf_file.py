@@ -4,7 +4,8 @@
 Per MoE block N (a block with a router, `blk.N.ffn_gate_inp.weight`):
     blk.N.ffn_{gate,up,down}_exps.*  (any `*_exps` tensor)  the kept experts' slices, as raw bytes
     blk.N.ffn_gate_inp.*, blk.N.exp_probs_b.*               the kept experts' rows / entries, as raw bytes
-    `{arch}.expert_count`                                    the kept number; the group keys unchanged
+    `{arch}.expert_count`                                    the kept number; the group keys unchanged (1 when
+                                                             pruned with --ungroup: no group limitation)
 Everything else (tokenizer, metadata, attention, shared experts) is copied as it is.
 
 Why raw bytes, whatever the type: ggml lists a tensor's dimensions innermost first, and the stacked experts are
@@ -39,16 +40,17 @@ EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_\w+_exps\.\w+$")  # [..., E]: the stacke
 FIX = "give a file `moe-lm export --gguf` or llama.cpp's converter wrote, or convert the model again"
 
 
-def prune_gguf(source: Path, out: Path, keep: Mapping[int, Sequence[int]]) -> Path:
+def prune_gguf(source: Path, out: Path, keep: Mapping[int, Sequence[int]], ungroup: bool = False) -> Path:
     """`source` (a GGUF MoE file) written to the new file `out` with only the routed experts `keep` names ({MoE
-    block: ascending expert ids}, the same number in every block), renumbered 0..E'-1; returns `out`."""
+    block: ascending expert ids}, the same number in every block), renumbered 0..E'-1; `ungroup`: without expert
+    groups (expert_group_count and expert_group_used_count 1); returns `out`."""
     gguf = require("gguf", "gguf", "pruning a GGUF file")
     source, out = Path(source), Path(out)
     header = read_gguf_header(source)  # why first: every length checked before gguf-py's reader trusts them
-    kept = _checked(header, keep)
+    kept = _checked(header, keep, ungroup)
     place = pruned_output(source, out, file=True)
     with place.staged(_pruned_bytes(header, kept)) as target:
-        _write(gguf, gguf.GGUFReader(str(source)), target, header.arch, kept)
+        _write(gguf, gguf.GGUFReader(str(source)), target, header.arch, kept, ungroup)
     return out
 
 
@@ -72,12 +74,12 @@ def gguf_routing(header: GGUFHeader) -> tuple[int, int, int, int, list[int]]:
     return E, k, groups, used, layers
 
 
-def _checked(header: GGUFHeader, keep: Mapping[int, Sequence[int]]) -> KeptExperts:
+def _checked(header: GGUFHeader, keep: Mapping[int, Sequence[int]], ungroup: bool) -> KeptExperts:
     """`keep` checked against the file's MoE keys and blocks, and every tensor pruned here holding one slice per
     expert on its outermost axis; a one-line UserError naming the file otherwise."""
     path, arch = header.path, header.arch
     E, k, groups, used, layers = gguf_routing(header)
-    kept = checked_keep(keep, layers, E, k, groups, used, path)
+    kept = checked_keep(keep, layers, E, k, *((1, 1) if ungroup else (groups, used)), path)
     for t in header.tensors:
         m = ROUTER.match(t.name) or EXPERTS.match(t.name)
         if m and int(m[1]) in kept.ids and t.shape[-1] != E:
@@ -99,15 +101,19 @@ def _pruned_bytes(header: GGUFHeader, kept: KeptExperts) -> int:
     return total
 
 
-def _write(gguf, reader, target: Path, arch: str, kept: KeptExperts) -> None:
-    """`reader`'s file written to `target` with only the kept experts: its keys (expert_count changed), then each
-    tensor's bytes, a tensor in memory at a time (the unchanged ones straight from the source's memory map)."""
+def _write(gguf, reader, target: Path, arch: str, kept: KeptExperts, ungroup: bool) -> None:
+    """`reader`'s file written to `target` with only the kept experts: its keys (expert_count changed, the group keys
+    1 with `ungroup`), then each tensor's bytes, a tensor in memory at a time (the unchanged ones straight from the
+    source's memory map)."""
     w = gguf.GGUFWriter(str(target), arch=arch)
+    changed = {f"{arch}.expert_count": kept.count}
+    if ungroup:
+        changed |= {f"{arch}.expert_group_count": 1, f"{arch}.expert_group_used_count": 1}
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue  # written by the writer itself
         kind = f.types[0]
-        value = kept.count if name == f"{arch}.expert_count" else f.contents()
+        value = changed.get(name, f.contents())
         if name == "general.alignment":
             w.data_alignment = int(value)  # why: the writer pads the data by it, not by the key it copies
         w.add_key_value(name, value, kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)

@@ -37,14 +37,19 @@ def read_config(folder: Path) -> dict:
 
 
 def prune_hf_folder(
-    source: Path, out: Path, keep: Mapping[int, Sequence[int]], extras: Callable[[Path], None] | None = None
+    source: Path,
+    out: Path,
+    keep: Mapping[int, Sequence[int]],
+    extras: Callable[[Path], None] | None = None,
+    ungroup: bool = False,
 ) -> Path:
     """`source` (a transformers folder) written to the new folder `out` with only the routed experts `keep` names
     ({MoE layer: ascending expert ids}, the same number in every layer), renumbered 0..E'-1; `extras(folder)`
-    writes more files into it before it is put in place (prune.json); returns `out`."""
+    writes more files into it before it is put in place (prune.json); `ungroup`: without expert groups (n_group and
+    topk_group 1 in config.json); returns `out`."""
     source, out = Path(source), Path(out)
     config = read_config(source)
     if config.get("quantization_config"):
         raise UserError(f"{source / 'config.json'} declares quantised weights (quantization_config); an FP8 release is "
                         "pruned by moe_lm.pruning.fp8_release.prune_fp8_release")  # fmt: skip
-    return prune_folder(source, out, keep, config, FIX, extras)
+    return prune_folder(source, out, keep, config, FIX, extras, ungroup)

@@ -7,6 +7,10 @@ ascending order: group g's kept experts are then the contiguous ids [g m, (g + 1
 topk_group unchanged (E' = n_group m). That needs m >= 2 when n_group > 1 (a group of one has no top-2 to score it)
 and m topk_group >= k (a token must find k experts in its best groups). Shared experts are never pruned.
 
+Where the groups cannot stay equal (8 experts in 4 groups of 2 keep none but all of them), `--ungroup` drops them:
+the plan ranks each layer's experts as one group and the pruned model routes without group limitation (n_group 1,
+topk_group 1); what that alone changes is measured beside the pruned arms (check.py).
+
 A plan is written beside the pruned model as prune.json (`to_json` / `from_json`): the criterion, the sparsity, the
 domains it was measured on, the source, and per layer the kept ids and every expert's score.
 """
@@ -30,6 +34,10 @@ class RoutingShape:
     n_group: int
     topk_group: int
     k: int
+
+    def ungrouped(self) -> RoutingShape:
+        """The routing of a pruned model that drops the expert groups (`--ungroup`): one group, all of it used."""
+        return RoutingShape(self.n_experts, 1, 1, self.k)
 
     def valid_keep(self, n_keep: int) -> bool:
         """Whether keeping `n_keep` experts of each layer leaves group-limited top-k routing valid (and removes one)."""
@@ -65,7 +73,10 @@ def keep_count(shape: RoutingShape, sparsity: float | None = None, keep: int | N
         why = f"{m} per group, and the topk_group={shape.topk_group} best groups must hold the {shape.k} chosen"
     else:
         return n_keep
-    raise UserError(f"{asked} routed experts, {why}{_nearest(shape, n_keep)}")
+    ungroup = ""
+    if shape.n_group > 1 and shape.ungrouped().valid_keep(n_keep):
+        ungroup = f"; or keep {n_keep} with --ungroup (the pruned model then routes without expert groups)"
+    raise UserError(f"{asked} routed experts, {why}{_nearest(shape, n_keep)}{ungroup}")
 
 
 def _nearest(shape: RoutingShape, n_keep: int) -> str:

@@ -22,9 +22,12 @@ ROUTED = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj",
 
 
 def pruned_config(cfg: Config, plan: KeepPlan) -> Config:
-    """`cfg` with the plan's routed experts per layer and no MTP modules; a layout the new count allows (ep_size
-    the largest common divisor of the old one and the new count, one pipeline stage: the writer's plain layout)."""
-    moe = dataclasses.replace(cfg.model.moe, n_routed_experts=plan.n_keep)
+    """`cfg` with the plan's routed experts per layer and no MTP modules, routing without expert groups where the
+    plan dropped them (`--ungroup`: n_group 1, topk_group 1); a layout the new count allows (ep_size the largest
+    common divisor of the old one and the new count, one pipeline stage: the writer's plain layout)."""
+    moe = cfg.model.moe
+    groups = {} if plan.n_group == moe.n_group else {"n_group": plan.n_group, "topk_group": 1}
+    moe = dataclasses.replace(moe, n_routed_experts=plan.n_keep, **groups)
     model = dataclasses.replace(cfg.model, moe=moe, mtp=dataclasses.replace(cfg.model.mtp, depth=0))
     parallel = dataclasses.replace(cfg.parallel, ep_size=math.gcd(cfg.parallel.ep_size, plan.n_keep), pp_size=1)
     pruned = dataclasses.replace(cfg, model=model, parallel=parallel)

@@ -59,6 +59,7 @@ class PruneRequest:
     batch_size: int = default_of(RoutingRequest, "batch_size")
     seed: int = 0
     force: bool = False
+    ungroup: bool = False  # the pruned model routes without expert groups (plan.py): any count of at least top-k
 
 
 def routing_shape(cfg: Config) -> RoutingShape:
@@ -135,7 +136,8 @@ def prune(req: PruneRequest) -> KeepPlan:
     """The pruned model `req` asks for, written to `req.out` in the source's format; returns its plan."""
     fmt = pruned_format(req.subject)
     fmt.check_out(req.out, req.force)  # why first: a bad --out fails before any model is loaded
-    n_keep = keep_count(fmt.shape, req.sparsity, req.keep)  # a count that cannot be kept fails at once
+    shape = plan_shape(fmt.shape, req.ungroup, str(req.subject.label))
+    n_keep = keep_count(shape, req.sparsity, req.keep)  # a count that cannot be kept fails at once
     trace = Trace(req.trace) if req.trace else None
     check_criterion(req, kind_of(req.subject), trace)
     if trace is not None:
@@ -157,8 +159,9 @@ def prune(req: PruneRequest) -> KeepPlan:
             scores = ablation_scores(routing.forward, routing.routers, routing.n_experts, docs, seq_len)
         subject = routing = None  # why: the writer may load the source again; one copy of a large model at a time
         about = {"criterion": req.criterion, "sparsity": 1 - n_keep / fmt.shape.n_experts, "domains": domains,
-                 "source": fmt.about(), "calibration": calibration(trace, req, fmt), "seed": req.seed}  # fmt: skip
-        plan = KeepPlan.from_scores(scores, n_keep, fmt.shape.n_group, about).with_untraced(fmt.layers)
+                 "source": fmt.about(), "calibration": calibration(trace, req, fmt), "seed": req.seed,
+                 **ungrouped(fmt.shape, req.ungroup)}  # fmt: skip
+        plan = KeepPlan.from_scores(scores, n_keep, shape.n_group, about).with_untraced(fmt.layers)
 
         def finish(folder: Path, prefix: str) -> None:
             (folder / f"{prefix}{PLAN_FILE}").write_text(json.dumps(plan.to_json(), indent=1) + "\n")
@@ -168,6 +171,20 @@ def prune(req: PruneRequest) -> KeepPlan:
         fmt.write(plan, req.out, finish)
     say_written(req, fmt, plan)
     return plan
+
+
+def plan_shape(shape: RoutingShape, ungroup: bool, label: str) -> RoutingShape:
+    """The routing a plan keeps valid: the source's, or one group with --ungroup (a UserError where it has none)."""
+    if not ungroup:
+        return shape
+    if shape.n_group == 1:
+        raise UserError(f"--ungroup: {label} routes without expert groups already (n_group 1); leave it out")
+    return shape.ungrouped()
+
+
+def ungrouped(shape: RoutingShape, ungroup: bool) -> dict:
+    """prune.json's record of dropped groups: the source's, which the pruned model no longer has."""
+    return {"ungrouped": {"n_group": shape.n_group, "topk_group": shape.topk_group}} if ungroup else {}
 
 
 def held_whole(subject, req: PruneRequest):
@@ -188,6 +205,9 @@ def say_written(req: PruneRequest, fmt: PrunedFormat, plan: KeepPlan) -> None:
     if untraced := plan.about.get("untraced"):
         print(f"  layers {', '.join(untraced)} (MTP / NextN: no calibration token routes through them) keep the ids "
               f"of layer {next(iter(untraced.values()))}, the last traced one")  # fmt: skip
+    if groups := plan.about.get("ungrouped"):
+        print(f"  routes without expert groups (--ungroup; the source: {groups['n_group']} groups, the best "
+              f"{groups['topk_group']} used)")  # fmt: skip
     print(f"wrote the pruned {fmt.what} {req.out} (read it as {fmt.flag} {req.out}; the plan: "
           f"{fmt.place(Path(req.out), PLAN_FILE)})")  # fmt: skip
 

@@ -58,13 +58,15 @@ def folder_routing(source: Path, config: dict, fix: str) -> tuple[int, int, int,
 
 
 def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], config: dict, fix: str,
-                 extras: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
+                 extras: Callable[[Path], None] | None = None, ungroup: bool = False) -> Path:  # fmt: skip
     """`source` (its safetensors beside `config`, its config.json) written to the new folder `out` with only the kept
     experts (module docstring); `fix` ends the errors about the source; `extras(folder)` writes more files into the
-    folder before it is put in place (moe-lm prune's prune.json). Returns `out`."""
+    folder before it is put in place (moe-lm prune's prune.json); `ungroup`: the copy routes without expert groups
+    (n_group and topk_group 1), so any `keep` of at least top-k experts a layer is valid. Returns `out`."""
     E, top_k, n_group, topk_group, layers = folder_routing(source, config, fix)
+    groups = {"n_group": 1, "topk_group": 1} if ungroup else {}
     files = SafetensorsFolder(source, fix)
-    kept = checked_keep(keep, layers, E, top_k, n_group, topk_group, source / "config.json")
+    kept = checked_keep(keep, layers, E, top_k, *((1, 1) if ungroup else (n_group, topk_group)), source / "config.json")
     plans = {file: _shard_plan(files, names, kept, fix) for file, names in _by_file(files).items()}
     others = _other_files(source, set(plans))
     needed = sum(n for plan in plans.values() for *_, ranges in plan for _, n in ranges)
@@ -81,7 +83,8 @@ def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], con
             index["metadata"] = {**(index.get("metadata") or {}), "total_size": total}
             index["weight_map"] = dict(sorted(weight_map.items()))
             (stage / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        (stage / "config.json").write_text(json.dumps({**config, "n_routed_experts": kept.count}, indent=2) + "\n")
+        config = {**config, "n_routed_experts": kept.count, **groups}
+        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for path in others:
             _copy(path, stage / path.name)
         if extras is not None:

@@ -161,12 +161,49 @@ def test_the_command_writes_its_table_report_and_figure(checked):
     assert record["calibration"]["documents"].endswith("(training split)")
 
 
+def test_ungrouped_arms_and_what_dropping_the_groups_alone_costs(grouped_run, checked, tmp_path, cli):
+    """--ungroup: 7 of 16 kept (no equal share of the 4 groups) by frequency over each whole layer; the arm that
+    drops the groups and removes nothing, and the pruned arm, each against a model built here: the source's weights
+    routed without groups (n_group 1), the removed experts' bias at -inf."""
+    import dataclasses
+
+    from moe_lm.model import Transformer
+
+    out, _ = checked
+    proc = cli("prune", "--run", grouped_run, "--check", "--criteria", "frequency", "--keeps", "7", "--ungroup",
+               "--trace", out / "calibration_trace", "--held-out-tokens", "100000", "--batch-size", "64",
+               "--out", tmp_path / "ungrouped")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "ungrouped" / "check.json").read_text())
+    assert record["ungrouped"] == {"n_group": 4, "topk_group": 2}
+    assert [(a["criterion"], a["n_keep"]) for a in record["arms"]] == [("none, groups dropped", 16), ("frequency", 7)]
+    assert "dropping the groups alone costs" in (tmp_path / "ungrouped" / "check.md").read_text()
+    cfg, model, _ = load_model(grouped_run)
+    shard = load_split(cfg.data.out_dir, "val")
+    docs = [(int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs)]
+    domain = np.array([d for d, _ in docs])
+    base, n = direct_logprobs(model, docs, 32)
+    frequency = np.array(record["scores"]["frequency"]["1"])
+    kept = sorted(np.lexsort((np.arange(16), -frequency))[:7].tolist())  # the 7 most chosen, ties to the lower id
+    for arm, removed in zip(record["arms"], ([], [e for e in range(16) if e not in kept]), strict=True):
+        moe = dataclasses.replace(cfg.model.moe, n_group=1, topk_group=1)
+        reference = Transformer(dataclasses.replace(cfg.model, moe=moe)).eval()
+        reference.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            reference.layers[1].mlp.gate.e_score_correction_bias[removed] = float("-inf")
+        got, _ = direct_logprobs(reference, docs, 32)
+        for d, name in enumerate(shard.domains):
+            expected = (got[domain == d] - base[domain == d]).sum() / n[domain == d].sum()
+            assert arm["by_domain"][name]["delta"] == pytest.approx(expected, abs=2e-5), (arm["criterion"], name)
+    assert any(v["top1_changed"] > 0 for v in record["arms"][0]["routing"].values())  # the groups mattered
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--sparsities", "0.25", "1"], "--sparsities 1: each must be a fraction between 0 and 1"),
         (["--sparsities", "0.5", "--criteria", "reap", "magic"], "--criteria magic: not a criterion"),
-        (["--keeps", "10"], "cannot share equally"),
+        (["--keeps", "10"], "cannot share equally.*or keep 10 with --ungroup"),
         (["--sparsities", "0.5", "--no-held-out"], "no held-out documents"),
     ],
 )

@@ -84,6 +84,27 @@ def test_a_pruned_folder_loads_in_transformers_as_the_source_with_the_pruned_exp
         assert torch.equal(gate.e_score_correction_bias, source_gate.e_score_correction_bias[kept])
 
 
+KEEP7 = {1: [0, 2, 5, 7, 8, 9, 13], 2: [1, 3, 4, 6, 10, 11, 15]}  # 7 of 16: no equal share of the 4 groups
+
+
+def test_an_ungrouped_folder_loads_in_transformers_as_the_source_ungrouped_and_masked(exported, tmp_path):
+    """--ungroup: transformers' own routers of the copy (n_group and topk_group 1) give the source routed without
+    groups, the pruned experts masked; with its groups the masked source differs (the groups are dropped, seen)."""
+    with pytest.raises(UserError, match="same number"):
+        prune_hf_folder(exported, tmp_path / "grouped", KEEP7)
+    out = prune_hf_folder(exported, tmp_path / "pruned", KEEP7, ungroup=True)
+    pruned = load(out)
+    assert (pruned.config.n_routed_experts, pruned.config.n_group, pruned.config.topk_group) == (7, 1, 1)
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    ungrouped = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32, n_group=1,
+                                                                  topk_group=1).eval()  # fmt: skip
+    with torch.no_grad():
+        reference = masked(ungrouped, KEEP7, 16)(tokens).logits
+        torch.testing.assert_close(pruned(tokens).logits, reference, atol=1e-5, rtol=0)
+        grouped = masked(load(exported), KEEP7, 16)(tokens).logits
+    assert (grouped - reference).abs().max() > 1e-3
+
+
 def test_keeping_every_expert_gives_the_source(exported, tmp_path):
     out = prune_hf_folder(exported, tmp_path / "all", {1: list(range(16)), 2: list(range(16))})
     tokens = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(1))
@@ -220,6 +241,17 @@ def masked_gguf(source: Path, out: Path, keep: dict[int, list[int]]) -> Path:
     return out
 
 
+def ungrouped_gguf(path: Path) -> Path:
+    """`path` patched in place to route without expert groups (expert_group_count and _used_count 1)."""
+    reader = gguf.GGUFReader(path, "r+")
+    arch = reader.fields["general.architecture"].contents()
+    for key in (f"{arch}.expert_group_count", f"{arch}.expert_group_used_count"):
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = 1
+    reader.data.flush()
+    return path
+
+
 def run_llama_cpp(path: Path, tokens: np.ndarray):
     """(routing, logits [T, vocab]) of one sequence in llama.cpp."""
     import llama_cpp
@@ -250,6 +282,23 @@ def test_a_pruned_gguf_runs_in_llama_cpp_as_the_source_with_the_pruned_experts_m
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
     source, _ = run_llama_cpp(ggufs / f"{kind}.gguf", tokens)
     assert any(not np.isin(source.experts[layer], kept).all() for layer, kept in KEEP.items())
+
+
+def test_an_ungrouped_gguf_runs_in_llama_cpp_as_the_source_ungrouped_and_masked(ggufs, tmp_path):
+    """--ungroup: llama.cpp's own routing of the copy (group keys 1) is the source's without groups, masked."""
+    pytest.importorskip("llama_cpp")
+    out = prune_gguf(ggufs / "f32.gguf", tmp_path / "pruned.gguf", KEEP7, ungroup=True)
+    fields = gguf.GGUFReader(out).fields
+    assert [fields[f"deepseek2.{k}"].contents() for k in ("expert_count", "expert_group_count",
+                                                          "expert_group_used_count")] == [7, 1, 1]  # fmt: skip
+    reference = ungrouped_gguf(masked_gguf(ggufs / "f32.gguf", tmp_path / "masked.gguf", KEEP7))
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 100)
+    (ours, logits), (theirs, expected) = run_llama_cpp(out, tokens), run_llama_cpp(reference, tokens)
+    for layer, kept in KEEP7.items():
+        assert np.array_equal(np.asarray(kept)[ours.experts[layer]], theirs.experts[layer]), layer
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
+    _, grouped = run_llama_cpp(masked_gguf(ggufs / "f32.gguf", tmp_path / "grouped.gguf", KEEP7), tokens)
+    assert np.abs(grouped - expected).max() > 1e-3  # the group keys were read: dropping them is seen
 
 
 def test_a_quantised_gguf_is_sliced_byte_for_byte(ggufs, tmp_path):

@@ -72,3 +72,28 @@ def test_too_few_in_the_best_groups_for_k():
     with pytest.raises(UserError, match="topk_group=1 best groups must hold the 3"):
         keep_count(shape, keep=16)
     assert keep_count(shape, keep=24) == 24
+
+
+def test_a_count_the_groups_cannot_share_is_kept_without_the_groups_when_asked():
+    """8 experts in 4 groups of 2 (the tiny preset's routing) keep none but all of them with their groups; the error
+    says --ungroup keeps the count, and the ungrouped routing (one group, all of it used) takes any count >= k."""
+    tiny = RoutingShape(n_experts=8, n_group=4, topk_group=2, k=2)
+    for keep in (7, 6, 4):
+        with pytest.raises(UserError, match=f"no count can be pruned.*or keep {keep} with --ungroup") as e:
+            keep_count(tiny, keep=keep)
+        assert "\n" not in str(e.value)
+        assert keep_count(tiny.ungrouped(), keep=keep) == keep
+    assert tiny.ungrouped() == RoutingShape(8, 1, 1, 2) and keep_count(tiny.ungrouped(), 0.125) == 7
+    with pytest.raises(UserError, match="fewer than the 2") as e:
+        keep_count(tiny.ungrouped(), keep=1)
+    assert "--ungroup" not in str(e.value)
+    plan = KeepPlan.from_scores({1: np.array([5.0, 4, 3, 2, 1, 0, 7, 6])}, 3, 1)  # the best over the whole layer
+    assert plan.kept == {1: (0, 6, 7)} and plan.n_group == 1
+
+
+def test_ungroup_of_a_source_without_groups_is_refused():
+    from moe_lm.pruning.run import plan_shape
+
+    with pytest.raises(UserError, match="--ungroup: runs/x routes without expert groups already"):
+        plan_shape(RoutingShape(8, 1, 1, 2), True, "runs/x")
+    assert plan_shape(SHAPE, False, "runs/x") == SHAPE and plan_shape(SHAPE, True, "runs/x").n_group == 1

@@ -3,6 +3,7 @@ gives the source's logits under the mask, a trace is reused, and bad input is on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from moe_lm.checkpoint.format import load_model
+from moe_lm.model import Transformer
 from moe_lm.pruning.plan import KeepPlan
 from moe_lm.routing.trace import Trace
 
@@ -55,6 +57,30 @@ def test_a_recorded_trace_is_reused_and_a_domain_chosen(grouped_run, pruned, tmp
     counts = np.bincount(np.asarray(trace.experts(1))[cooking].ravel(), minlength=16)
     assert plan.scores[1] == tuple(float(c) for c in counts) and plan.about["domains"] == ["cooking"]
     assert load_model(out)[0].model.moe.n_routed_experts == 12
+
+
+def test_ungroup_keeps_a_count_the_groups_cannot_share_and_routes_without_them(grouped_run, pruned, tmp_path, cli):
+    """--keep 7 of 16 in 4 groups is refused, naming --ungroup; with it the pruned run routes without groups
+    (n_group 1, said in prune.json and on the console) and gives the source routed so, the removed experts masked."""
+    refused = cli("prune", "--run", grouped_run, "--keep", "7", "--out", tmp_path / "no")
+    assert refused.returncode == 2 and "or keep 7 with --ungroup" in refused.stderr
+    out = tmp_path / "u7"
+    proc = cli("prune", "--run", grouped_run, "--keep", "7", "--criterion", "frequency", "--ungroup",
+               "--trace", pruned / "calibration_trace", "--out", out)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "routes without expert groups (--ungroup; the source: 4 groups, the best 2 used)" in proc.stdout
+    plan = KeepPlan.from_json(json.loads((out / "prune.json").read_text()))
+    assert plan.n_group == 1 and plan.about["ungrouped"] == {"n_group": 4, "topk_group": 2}
+    cfg, model, _ = load_model(out)
+    assert (cfg.model.moe.n_routed_experts, cfg.model.moe.n_group, cfg.model.moe.topk_group) == (7, 1, 1)
+    source_cfg, source, _ = load_model(grouped_run)
+    moe = dataclasses.replace(source_cfg.model.moe, n_group=1, topk_group=1)
+    reference = Transformer(dataclasses.replace(source_cfg.model, moe=moe)).eval()
+    reference.load_state_dict(source.state_dict())
+    with torch.no_grad():
+        reference.layers[1].mlp.gate.e_score_correction_bias[plan.removed(1)] = float("-inf")
+        tokens = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

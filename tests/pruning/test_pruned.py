@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,30 @@ def test_pruned_logits_are_the_unpruned_models_with_the_removed_experts_bias_at_
     torch.testing.assert_close(masked, expected, rtol=0, atol=0)
     assert not torch.allclose(before, expected, atol=1e-3)  # the removal changed something: the test can see it
     assert torch.equal(model(tokens).logits, before)  # `removed` put the biases back
+
+
+def test_ungrouped_pruned_logits_are_the_ungrouped_models_with_the_removed_experts_bias_at_minus_inf():
+    """--ungroup: 7 of 16 kept (no equal share of 4 groups), the pruned model routing without groups, equals the
+    unpruned weights routed without groups (n_group 1) with the removed experts' bias at -inf."""
+    cfg, model = grouped_model(2)
+    rng = np.random.default_rng(0)
+    layers = [i for i in model.moe_layer_ids() if i < model.cfg.n_layers]
+    plan = KeepPlan.from_scores({layer: rng.random(16) for layer in layers}, 7, 1)
+    pruned = pruned_model(model, cfg, plan)
+    assert (pruned.cfg.moe.n_routed_experts, pruned.cfg.moe.n_group, pruned.cfg.moe.topk_group) == (7, 1, 1)
+    ungrouped = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, n_group=1, topk_group=1))
+    reference = Transformer(ungrouped).eval()
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 97, (4, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for layer, router in zip(reference.moe_layer_ids(), reference.routers(), strict=True):
+            router.e_score_correction_bias[plan.removed(layer)] = float("-inf")
+        expected = reference(tokens).logits
+        torch.testing.assert_close(pruned(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+        with removed(dict(zip(model.moe_layer_ids(), model.routers(), strict=True)),
+                     {layer: plan.removed(layer) for layer in plan.layers}):  # fmt: skip
+            grouped_masked = model(tokens).logits
+    assert not torch.allclose(grouped_masked, expected, atol=1e-3)  # the groups mattered: dropping them is seen
 
 
 def test_pruned_routers_choose_only_among_kept_experts_renumbered_in_order():
