@@ -19,6 +19,7 @@ import io
 import os
 import random
 import shutil
+import signal
 import tempfile
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -81,6 +82,10 @@ def pytest_configure(config):
     # (one thread per core) oversubscribe the machine, and OpenMP's spinning threads then slow both down; the
     # processes a test starts (a command, a training subprocess) get the same share through OMP_NUM_THREADS, which
     # torch reads when it starts: a quick-tour `moe-lm train` took 4x longer with its own two threads beside a worker
+    # why: a suite started in the background (`nohup make test &`, a CI runner's shell) inherits SIGINT ignored, and
+    # so would every process it starts; the Ctrl-C tests need it delivered, as a user's terminal delivers it
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)

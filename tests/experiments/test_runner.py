@@ -57,10 +57,17 @@ def base(tmp_path_factory, tiny_data):
     return folder / "base.yaml"
 
 
-def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch, cli, process):
-    runs_root = tmp_path / "runs"
-    exp = load_experiment(definition(tmp_path, base, measures=["routing"]))
-    runs = run_experiment(exp, runs_root, log=lambda s: None)
+@pytest.fixture(scope="module")
+def pilot(base, tmp_path_factory, process):
+    """The two-arm, two-seed experiment trained and evaluated once (four runs, each a process of its own): the first
+    run_experiment of its runs root, which the tests below read (and share, as experiments share runs)."""
+    folder = tmp_path_factory.mktemp("pilot")
+    exp = load_experiment(definition(folder, base, measures=["routing"]))
+    return exp, folder / "runs", run_experiment(exp, folder / "runs", log=lambda s: None)
+
+
+def test_runs_are_cached_shared_and_reported(pilot, base, tmp_path, monkeypatch, cli):
+    exp, runs_root, runs = pilot
     assert [(r.arm, r.seed, r.cached) for r in runs] == [("k2", 0, False), ("k1", 0, False), ("k2", 1, False),
                                                          ("k1", 1, False)]  # fmt: skip
     assert len({r.folder for r in runs}) == 4 and all((r.folder / "final_eval.npz").is_file() for r in runs)
@@ -125,9 +132,10 @@ def test_runs_are_cached_shared_and_reported(base, tmp_path, monkeypatch, cli, p
     monkeypatch.setattr(runner, "evaluation_code", lambda: "0" * 16)  # other evaluation code: evaluated again
     assert resolve_run(exp, "k2", 0, runs_root).folder == runs[0].folder and not runner.is_done(runs[0], exp)
     monkeypatch.undo()
-    runs[1].result = {**runs[1].result, "inputs": {**runs[1].result["inputs"], "data_fingerprint": "elsewhere"}}
+    elsewhere = {**runs[1].result, "inputs": {**runs[1].result["inputs"], "data_fingerprint": "elsewhere"}}
+    mixed = [runs[0], dataclass_replace(runs[1], result=elsewhere), *runs[2:]]
     with pytest.raises(RunError, match=r"different data or code.*data elsewhere.*: k1/0"):
-        write_report(exp, runs, tmp_path / "mixed", n_boot=10)
+        write_report(exp, mixed, tmp_path / "mixed", n_boot=10)
 
 
 def test_an_attempt_killed_before_its_first_checkpoint_is_set_aside_and_run_again(base, tmp_path, process):
@@ -164,11 +172,11 @@ def test_a_run_in_use_is_refused_and_never_moved(base, tmp_path, process):
     assert not list((tmp_path / "runs").glob("*.prev-*"))
 
 
-def test_final_evaluation_equals_a_direct_computation(base, tmp_path, process):
+def test_final_evaluation_equals_a_direct_computation(pilot, base, tmp_path):
     """The batched, padded whole-split evaluation against one window at a time; and prefix scoring counts only the
     positions from score_from on."""
     exp = load_experiment(definition(tmp_path, base, seeds=1))
-    (run,) = run_experiment(dataclass_replace(exp, arms={"k2": []}), tmp_path / "runs", log=lambda s: None)
+    (run,) = run_experiment(dataclass_replace(exp, arms={"k2": []}), pilot[1], log=lambda s: None)  # the pilot's
     cfg, model, _ = load_model(run.folder)
     shard = load_split(cfg.data.out_dir, "val")
     nll = n = 0.0
