@@ -28,7 +28,8 @@ def hf_routing(hf_model: nn.Module) -> TorchRouting:
     """A transformers MoE causal LM (eval mode) as a RoutedModel: its gates (`model.layers.<l>.mlp.gate`) by layer,
     their experts and top-k, and its logits, its layers called as the streamed analysis calls them
     (interop/hf_layers.py, `hf_forward`: SDPA, causal). The gates return weights and indices, not their selection
-    scores, so its trace has no decision margins."""
+    scores, so its trace has no decision margins; the experts' output norms it has, from hooks on each layer's
+    `mlp.experts` (expert_norms.py)."""
     kind = hf_model.config.model_type
     if kind not in SUPPORTED:
         raise DataError(f"model_type {kind!r} is not supported for routing analytics; supported: {SUPPORTED}")
@@ -40,8 +41,9 @@ def hf_routing(hf_model: nn.Module) -> TorchRouting:
     hf_model.config._attn_implementation = "sdpa"  # causal without a mask (what hf_forward gives it)
     forward = hf_forward(hf_model)
     device = next(hf_model.parameters()).device
+    experts = {layer: hf_model.get_submodule(f"model.layers.{layer}.mlp.experts") for layer in gates}
     return TorchRouting(lambda t: forward(t.to(device)), dict(sorted(gates.items())), first.num_experts, first.top_k,
-                        margins=False, reroute=gate_rerouter(kind))  # fmt: skip
+                        margins=False, reroute=gate_rerouter(kind), experts=experts, ranked=False)  # fmt: skip
 
 
 def declared(config, *keys: str):

@@ -1,7 +1,7 @@
 """A PyTorch model as a `RoutedModel`: its routers' choices through forward hooks (recorder.py) and each token's
 log-prob from its logits. Our Transformer (`transformer_routing`) and a transformers MoE model (the hf subject kind,
 moe_lm/analysis/hf_routing.py) are both one: a forward function, the routers by MoE layer id, and the two numbers
-the trace needs; ours also the norms of its experts' outputs (expert_norms.py)."""
+the trace needs, and the norms of their experts' outputs (expert_norms.py)."""
 
 from __future__ import annotations
 
@@ -24,18 +24,20 @@ class TorchRouting(BatchRouted):
     padding cannot reach a real token); `routers`: the modules whose outputs say what was chosen, by MoE layer id
     (those on the inference path: MTP modules do not run); `margins`: whether the routers' outputs carry the
     selection scores (ours do; transformers' gates return weights and indices only); `reroute`: the routers' rule
-    with experts dropped (around.py), by which `moe-lm ablate` routes around them (`reroutable`); `experts`: our
-    Experts modules by MoE layer id, whose output norms the trace then carries (None: a model without them)."""
+    with experts dropped (around.py), by which `moe-lm ablate` routes around them (`reroutable`); `experts`: the
+    experts modules by MoE layer id (ours, or transformers'), whose output norms the trace then carries (None: not
+    recorded), in the recorder's order (`ranked`: the router's own; else largest gate weight first)."""
 
     def __init__(self, forward: Callable, routers: dict[int, nn.Module], n_experts: int, k: int, margins: bool,
-                 reroute: Rerouter, experts: dict[int, nn.Module] | None = None) -> None:  # fmt: skip
+                 reroute: Rerouter, experts: dict[int, nn.Module] | None = None,
+                 ranked: bool = True) -> None:  # fmt: skip
         self.forward, self.routers, self.reroute = forward, routers, reroute
         self.layers, self.n_experts, self.k = sorted(routers), n_experts, k
         self.gives = frozenset(
             {"weights", "logprob", *(["margins"] if margins else []), *(["norms"] if experts else [])}
         )
         self.recorder = RoutingRecorder(routers, margins=margins, parts=True)  # cleared before each forward
-        self.norms = ExpertNormRecorder(experts) if experts else None
+        self.norms = ExpertNormRecorder(experts, ranked) if experts else None
 
     def __enter__(self) -> TorchRouting:
         self.recorder.__enter__()
@@ -61,9 +63,11 @@ class TorchRouting(BatchRouted):
             valid[b, : len(w.tokens)] = True
         self.recorder.last.clear()
         self.recorder.margins.clear()
+        if self.norms is not None:
+            self.norms.clear()
         logits = self.forward(tokens)
         real = valid.flatten()
-        norms = {layer: self.norms.last[layer][real].numpy() for layer in self.layers} if self.norms else None
+        norms = {layer: self.norms.take(layer)[real].numpy() for layer in self.layers} if self.norms else None
         return Routed(
             {layer: self.recorder.last[layer][0][real].numpy() for layer in self.layers},
             {layer: self.recorder.last[layer][1][real].numpy() for layer in self.layers},

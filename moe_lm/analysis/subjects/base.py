@@ -120,7 +120,8 @@ class SubjectKind(ABC):
     (the command-line flag naming one, e.g. `--gguf FILE`), `settings` (flags of its own, e.g. llama.cpp's threads),
     `needs_data` (no documents of its own: `--data` is required), `refuses_data` (why `--data` is refused, for a
     kind that routes only its own documents; empty: taken), `reroutable` (its routing is a PyTorch model's, whose
-    routers `moe-lm ablate` can route around), `gives` (what its traces hold besides the experts), `looks_like`
+    routers `moe-lm ablate` can route around), `gives` (what its traces hold besides the experts; a folder streamed
+    from disk, all of it but the output norms), `looks_like`
     (what --compare recognises, in a few words). Its hooks say the rest; those with a default are optional."""
 
     name: str

@@ -79,7 +79,9 @@ class HFKind(SubjectKind):
     settings = (DTYPE, DEVICE, MAX_MEMORY)
     looks_like = "a transformers folder (with config.json)"
     reroutable = True
-    gives = frozenset({"weights", "logprob"})  # transformers' gates return weights and indices, not their scores
+    # transformers' gates return weights and indices, not their scores; the experts' output norms come from hooks on
+    # the experts of a model held in memory (a folder streamed from disk a layer at a time records none yet)
+    gives = frozenset({"weights", "logprob", "norms"})
 
     def from_flags(self, spec: str, settings: Settings) -> HFSubject:
         return HFSubject(spec, dtype=settings[DTYPE], device=settings[DEVICE], seq_len=settings[SEQ_LEN],
