@@ -22,8 +22,8 @@ kept experts only, the config with the new model.moe.n_routed_experts, prune.jso
 the kept ids) and calibration_trace/ (when recorded here). --hf (a DeepseekV3/Glm4Moe transformers folder, or
 DeepSeek's FP8 release, streamed) and --gguf are recorded as `moe-lm analyze` records them and written as a new folder
 or file of their own format, prune.json and the trace in the folder or beside the file (<out>.prune.json); reap needs
-the experts' output norms, which moe-lm records from its runs and from transformers models held in memory (not
-streamed, not a GGUF file), and ablation a model held in memory (not a GGUF file). docs/pruning.md.
+the experts' output norms, which moe-lm records from its runs, GGUF files and transformers models held in memory (not
+streamed), and ablation a model held in memory (not a GGUF file). docs/pruning.md.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ answer yes to it computes up to that node and hands it over:
                         outputs: weights_scaled > weights_norm > weights_softmax > weights
     ffn_moe_probs_biased / ffn_moe_probs   [E, T] the selection scores (with and without the selection-only bias),
                         for each decision's margin (a near tie can flip under any rounding)
+    ffn_moe_down(_biased)  [n_embd, k, T] each chosen expert's output before its gate weight multiplies it (the
+                        down projection, and its bias where the architecture has one): REAP's ‖f_j(x)‖₂ per slot
 The router weights (`ffn_gate_inp`) are never quantised by llama.cpp, so whatever changes the choices of a quantised
 file comes from the layers below each router.
 
@@ -45,7 +47,9 @@ from moe_lm.routing.routed_model import BatchRouted, Routed, Window
 from moe_lm.routing.stats import decision_margins
 
 EXTRA = "llama"  # pip install -e '.[llama]': llama-cpp-python, built from source
-WANT = re.compile(rb"^ffn_moe_(topk|weights|weights_softmax|weights_norm|weights_scaled|probs|probs_biased)-(\d+)$")
+WANT = re.compile(
+    rb"^ffn_moe_(topk|weights|weights_softmax|weights_norm|weights_scaled|probs|probs_biased|down|down_biased)-(\d+)$"
+)
 FINAL = ("weights_scaled", "weights_norm", "weights_softmax", "weights")  # the last stage present is applied
 GGML_TYPE_F32 = 0
 
@@ -127,7 +131,7 @@ class GGUFModel(BatchRouted):
     (moe_lm/routing/routed_model.py) recorded a batch at a time. `route(tokens)` runs one sequence,
     `route_batch(windows)` several (what its recording calls). `close()` frees it (the tokenizer with it)."""
 
-    gives = frozenset({"weights", "margins", "logprob"})
+    gives = frozenset({"weights", "margins", "logprob", "norms"})
 
     def __init__(
         self, path: str | Path, threads: int = 1, faithful: bool = True, n_ctx: int = 1024, record: bool = True
@@ -231,6 +235,7 @@ class GGUFModel(BatchRouted):
             {layer: np.concatenate([r.weights[layer] for r in routed]) for layer in self.layers},
             {layer: np.concatenate([r.margins[layer] for r in routed]) for layer in self.layers},
             np.concatenate([r.logprob for r in routed]),
+            {layer: np.concatenate([r.norms[layer] for r in routed]) for layer in self.layers},
         )
 
     # ---- the callback -----------------------------------------------------------------------------------------
@@ -294,7 +299,7 @@ class GGUFModel(BatchRouted):
         for kind, layer, array in self._got:
             parts.setdefault((kind, layer), []).append(array)
         joined = {key: np.concatenate(arrays) for key, arrays in parts.items()}
-        experts, weights, margins = {}, {}, {}
+        experts, weights, margins, norms = {}, {}, {}, {}
         for layer in self.layers:
             idx = joined.get(("topk", layer))
             stage = next((s for s in FINAL if (s, layer) in joined), None)
@@ -304,7 +309,11 @@ class GGUFModel(BatchRouted):
             weights[layer] = joined[(stage, layer)].reshape(T, -1)
             scores = joined.get(("probs_biased", layer), joined.get(("probs", layer)))
             margins[layer] = decision_margins(scores, self.k, self.n_groups, self.groups_used)
-        return Routed(experts, weights, margins, logprob)
+            down = joined.get(("down_biased", layer), joined.get(("down", layer)))  # the last stage before weighting
+            if down is None or len(down) != T * self.k:
+                raise DataError(f"{self.path}: llama.cpp's graph gave no expert outputs for block {layer}")
+            norms[layer] = np.linalg.norm(down.reshape(T, self.k, -1), axis=-1)
+        return Routed(experts, weights, margins, logprob, norms)
 
 
 def next_token_logprobs(logits_TV: np.ndarray, tokens: np.ndarray) -> np.ndarray:

@@ -245,12 +245,7 @@ def check_prune(req: CheckRequest) -> dict:
     check_source(cfg, req.subject.label)
     source_shape = routing_shape(cfg)
     shape = plan_shape(source_shape, req.ungroup, req.subject.label)
-    criteria = check_criteria(req.criteria)
-    if req.sparsities:
-        check_sparsities(req.sparsities)
-    asked = [keep_count(shape, s, None) for s in req.sparsities] if req.sparsities else [
-        keep_count(shape, None, k) for k in req.keeps]  # fmt: skip
-    n_keeps = sorted(set(asked), reverse=True)
+    criteria, n_keeps = check_criteria(req.criteria), checked_keeps(req, shape)
     held, domains, held_what = held_out_documents(cfg, req.held_out_tokens)
     trace = Trace(req.trace) if req.trace else None
     if trace is not None:
@@ -308,6 +303,16 @@ def check_prune(req: CheckRequest) -> dict:
 
     save(check_figure(record), out / "check.png")
     return record
+
+
+def checked_keeps(req: CheckRequest, shape) -> list[int]:
+    """The kept counts of `req`'s sparsities (or keeps), largest first; a UserError for one the routing cannot keep."""
+    if req.sparsities:
+        check_sparsities(req.sparsities)
+        asked = [keep_count(shape, s, None) for s in req.sparsities]
+    else:
+        asked = [keep_count(shape, None, k) for k in req.keeps]
+    return sorted(set(asked), reverse=True)
 
 
 def score_name(criterion: str, seed: int | None) -> str:

@@ -69,6 +69,9 @@ def test_llama_cpp_chooses_moe_lms_experts_for_every_token_at_full_precision(exp
         assert m["flips"] == m["flips_near_ties"] == 0 and m["order_differs"] == 0, (layer, m)
         assert m["top1_agreement"]["mean"] == 1.0 and m["topk_overlap"]["mean"] == 1.0
     assert a["logprob"]["all"]["max_abs"] < 2e-5, a["logprob"]
+    for layer in ours.layers:  # each chosen expert's output norm: llama.cpp's down projection against moe-lm's experts
+        theirs_norms, ours_norms = (np.asarray(t.norms(layer), np.float32) for t in (theirs, ours))
+        np.testing.assert_allclose(theirs_norms, ours_norms, rtol=2e-3, atol=1e-4)
     # the weights at full width (the trace keeps float16): llama.cpp's final stage, normalised and scaled
     tokens = docs[0][1][: model.cfg.max_seq_len]
     routed = gguf_model.route(tokens)

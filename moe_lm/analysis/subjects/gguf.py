@@ -60,7 +60,7 @@ class GGUFKind(SubjectKind):
     flag = Flag(("--gguf",), {"metavar": "FILE", "help": "a GGUF MoE model, run in llama.cpp (the llama extra)"})
     settings = (THREADS, LLAMA_DEFAULTS)
     looks_like = "a GGUF file"
-    gives = frozenset({"weights", "margins", "logprob"})
+    gives = frozenset({"weights", "margins", "logprob", "norms"})
 
     def from_flags(self, spec: str, settings: Settings) -> GGUFSubject:
         return GGUFSubject(spec, threads=settings[THREADS], llama_defaults=settings[LLAMA_DEFAULTS],
