@@ -4,6 +4,7 @@ starts in milliseconds instead of importing it all again."""
 
 import deepspeed  # noqa: F401
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (a training step loads it: DeepSpeed's engine asks whether it is compiling)
 from deepspeed.accelerator import get_accelerator
 
 import moe_lm.cli.train  # noqa: F401  (the training loop, DeepSpeed's engine and the research variants)
