@@ -44,12 +44,17 @@ TIERS = {
 }
 
 
-# The files with the longest tests (tests/README.md, "Time"), started first: pytest-xdist hands out whole files in
-# collection order, and the quick tour and the GPU check's dry run, collected near the end, kept one worker busy
-# after the others had finished
+# The files that take longest (tests/README.md, "Time"), longest first: pytest-xdist hands out whole files in
+# collection order, and a long file collected near the end (the quick tour, the GPU check's dry run, tests/train/'s)
+# kept one worker busy after the others had finished
 LONGEST_FIRST = ("test_quick_tour.py", "test_gpu_check.py", "experiments/test_runner.py",
-                 "inference/test_speculative.py", "parallel/test_expert_parallel.py", "parallel/test_pipeline.py",
-                 "train/test_faults.py", "train/test_dead_peer.py")  # fmt: skip
+                 "inference/test_speculative.py", "parallel/test_expert_parallel.py", "train/test_faults.py",
+                 "parallel/test_pipeline.py", "train/test_dead_peer.py", "train/test_train.py",
+                 "interop/test_llama_cpp.py", "interop/test_evaluate.py", "pruning/test_prune_sources.py",
+                 "analysis/test_streamed_faults.py", "analysis/test_streamed.py", "analysis/test_engine_routes.py",
+                 "cli/test_output_folders.py", "cli/test_console.py", "train/test_pretrained.py",
+                 "train/test_recompute.py", "planning/test_comm_plan.py", "bench/test_benchmarks.py",
+                 "pruning/test_check.py", "pruning/test_formats.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
