@@ -44,12 +44,13 @@ TIERS = {
 }
 
 
-# The files that take longest (tests/README.md, "Time"), longest first: pytest-xdist hands out whole files in
-# collection order, and a long file collected near the end (the quick tour, the GPU check's dry run, tests/train/'s)
-# kept one worker busy after the others had finished
+# The files that take longest (tests/README.md, "Time"), first: pytest-xdist hands out whole files in collection
+# order, and a long file collected near the end (the quick tour, the GPU check's dry run, tests/train/'s) kept one
+# worker busy after the others had finished. It starts by dealing files round-robin (a file to each worker in turn),
+# so the launch half's four longest are ordered for two workers: expert parallel + dead peer, pipeline + faults
 LONGEST_FIRST = ("test_quick_tour.py", "test_gpu_check.py", "experiments/test_runner.py",
-                 "inference/test_speculative.py", "parallel/test_expert_parallel.py", "train/test_faults.py",
-                 "parallel/test_pipeline.py", "train/test_dead_peer.py", "train/test_train.py",
+                 "inference/test_speculative.py", "parallel/test_expert_parallel.py", "parallel/test_pipeline.py",
+                 "train/test_dead_peer.py", "train/test_faults.py", "train/test_train.py",
                  "interop/test_llama_cpp.py", "interop/test_evaluate.py", "pruning/test_prune_sources.py",
                  "analysis/test_streamed_faults.py", "analysis/test_streamed.py", "analysis/test_engine_routes.py",
                  "cli/test_output_folders.py", "cli/test_console.py", "train/test_pretrained.py",
