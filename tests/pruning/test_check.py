@@ -161,6 +161,14 @@ def test_the_command_writes_its_table_report_and_figure(checked):
     assert record["calibration"]["documents"].endswith("(training split)")
 
 
+def check_from_trace(cli, run, checked, out, *flags) -> dict:
+    """`prune --check` of `run` scored from the shared check's calibration trace, into `out`: its check.json."""
+    proc = cli("prune", "--run", run, "--check", "--trace", checked[0] / "calibration_trace", "--batch-size", "64",
+               "--out", out, *flags)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "check.json").read_text())
+
+
 def test_ungrouped_arms_and_what_dropping_the_groups_alone_costs(grouped_run, checked, tmp_path, cli):
     """--ungroup: 7 of 16 kept (no equal share of the 4 groups) by frequency over each whole layer; the arm that
     drops the groups and removes nothing, and the pruned arm, each against a model built here: the source's weights
@@ -169,12 +177,8 @@ def test_ungrouped_arms_and_what_dropping_the_groups_alone_costs(grouped_run, ch
 
     from moe_lm.model import Transformer
 
-    out, _ = checked
-    proc = cli("prune", "--run", grouped_run, "--check", "--criteria", "frequency", "--keeps", "7", "--ungroup",
-               "--trace", out / "calibration_trace", "--held-out-tokens", "100000", "--batch-size", "64",
-               "--out", tmp_path / "ungrouped")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads((tmp_path / "ungrouped" / "check.json").read_text())
+    record = check_from_trace(cli, grouped_run, checked, tmp_path / "ungrouped", "--criteria", "frequency", "--keeps",
+                              "7", "--ungroup", "--held-out-tokens", "100000")  # fmt: skip
     assert record["ungrouped"] == {"n_group": 4, "topk_group": 2}
     assert [(a["criterion"], a["n_keep"]) for a in record["arms"]] == [("none, groups dropped", 16), ("frequency", 7)]
     assert "dropping the groups alone costs" in (tmp_path / "ungrouped" / "check.md").read_text()
@@ -223,11 +227,8 @@ def test_a_trace_is_reused_and_one_of_the_held_out_documents_refused(grouped_run
     """--trace scores from a recorded trace (nothing recorded again; without ablation, no Spearman); a trace recorded
     on the validation split, the held-out documents, is refused."""
     out, _ = checked
-    proc = cli("prune", "--run", grouped_run, "--check", "--criteria", "frequency", "gate-mass", "--keeps", "8",
-               "--trace", out / "calibration_trace", "--held-out-tokens", "600", "--batch-size", "64",
-               "--out", tmp_path / "again")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    record = json.loads((tmp_path / "again" / "check.json").read_text())
+    record = check_from_trace(cli, grouped_run, checked, tmp_path / "again", "--criteria", "frequency", "gate-mass",
+                              "--keeps", "8", "--held-out-tokens", "600")  # fmt: skip
     assert not (tmp_path / "again" / "calibration_trace").exists() and record["spearman_with_ablation"] is None
     assert [(a["criterion"], a["n_keep"]) for a in record["arms"]] == [("frequency", 8), ("gate-mass", 8)]
     assert "Not measured" in (tmp_path / "again" / "check.md").read_text()
