@@ -55,6 +55,13 @@ def init_distributed() -> None:
             # which would be waiting for the flock.
             build_cpu_comm_op()
         deepspeed.init_distributed(verbose=False)
+        if cpu:
+            # why: each rank's op creates its /dev/shm buffer, then spins in C (holding the GIL, so deaf to SIGTERM)
+            # until it has mapped every other rank's. A rank that got through first and failed at once (a config
+            # or data error) removed the buffers on its way out while a slower rank still looked for them: that
+            # rank spun until the launcher's SIGKILL 30 s later, forever under a launcher that sends none. After
+            # this barrier every buffer is mapped and removing them is safe.
+            dist.barrier()
 
 
 def build_cpu_comm_op() -> None:

@@ -578,6 +578,10 @@ def test_a_failed_distributed_run_leaves_no_shared_memory_buffers(tiny_data, tmp
     dump_config(cfg, tmp_path / "cfg.yaml")
     port = str(launcher.free_port())
     proc = launcher.run(launcher.deepspeed(2, port, "launch/train.py", "--config", tmp_path / "cfg.yaml"), timeout=300)
-    assert proc.returncode != 0 and "tokenized with 300 pieces" in proc.stdout
+    # every rank ended in its own words (the check's error, or the launcher's SIGTERM once the other had failed):
+    # none was left spinning in DeepSpeed's shared-memory start-up, looking for a buffer the failed rank had
+    # removed, deaf to SIGTERM until the launcher's SIGKILL 30 s later
+    said = proc.stdout.count("tokenized with 300 pieces") + proc.stdout.count("terminated (SIGTERM)")
+    assert proc.returncode != 0 and "tokenized with 300 pieces" in proc.stdout and said == 2, proc.stdout[-3000:]
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     assert not (tmp_path / "run").exists()
