@@ -181,6 +181,34 @@ def test_evaluate_refuses_bad_output_and_exports_without_a_start_token(trained, 
     assert proc.returncode == 2 and "no such lm-eval task" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_lm_evals_own_tasks_are_indexed_only_when_the_users_tasks_name_one(tmp_path):
+    """Indexing lm-eval's 14,683 task files costs ~15 s per call: tasks given as YAML files or in --include-path
+    skip it unless a name they reach (a group's members, nested groups, through `include`) is not among them."""
+    from lm_eval.tasks import TaskManager
+
+    from moe_lm.interop.lm_eval import needs_lm_evals_tasks
+
+    files = {
+        "a.yaml": "task: mine_a\ntag: [mine_tag]\ndataset_path: json\ndoc_to_text: !function utils.text\n",
+        "b.yaml": "include: a.yaml\ntask: mine_b\n",
+        "g.yaml": "group: mine_g\ntask: [mine_a, {task: mine_b, num_fewshot: 2}]\n",
+        "nested.yaml": "group: mine_nested\ntask:\n  - group: mine_g\n    aggregate_metric_list: []\n",
+        "builtin.yaml": "group: mine_builtin\ntask: [mine_a, arc_easy]\n",
+        "deep.yaml": "group: mine_deep\ntask: [mine_builtin]\n",
+        "inline.yaml": "group: mine_inline\ntask:\n  - group: not_indexed\n    task: [mine_a]\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    own = TaskManager(include_path=str(tmp_path), include_defaults=False).task_index
+    for specs in (["mine_a"], ["mine_b", "mine_g"], ["mine_nested"], ["mine_tag"], [str(tmp_path / "g.yaml")]):
+        assert not needs_lm_evals_tasks(specs, own), specs
+    for specs in (["mine_builtin"], ["mine_deep"], ["mine_inline"], ["mine_a", "arc_easy"], ["mine_*"],
+                  [str(tmp_path / "builtin.yaml")], [str(tmp_path / "deep.yaml")]):  # fmt: skip
+        assert needs_lm_evals_tasks(specs, own), specs
+    (tmp_path / "broken.yaml").write_text("include: missing.yaml\ntask: x\n")  # lm-eval names the problem
+    assert needs_lm_evals_tasks([str(tmp_path / "broken.yaml")], {})
+
+
 def test_lm_eval_ids_without_the_start_token_are_refused(trained):
     """The check every evaluation runs first: a model that lm-eval would feed no start token is an error."""
     from lm_eval.models.huggingface import HFLM
