@@ -19,11 +19,13 @@ cannot); shared experts are never pruned.
 Removing an expert is masking its router score before selection, group scores included: the pruned run's logits are
 the source's under that mask. Writes a run into --out (never the source): checkpoints/<the source's tag>/ with the
 kept experts only, the config with the new model.moe.n_routed_experts, prune.json (the plan: every expert's score,
-the kept ids) and calibration_trace/ (when recorded here). --hf (a DeepseekV3/Glm4Moe transformers folder, or
+the kept ids) and calibration_trace/ (when recorded here). --hf (a DeepseekV3/Glm4Moe/Qwen3Moe transformers folder, or
 DeepSeek's FP8 release, streamed) and --gguf are recorded as `moe-lm analyze` records them and written as a new folder
 or file of their own format, prune.json and the trace in the folder or beside the file (<out>.prune.json); reap needs
 the experts' output norms, which moe-lm records from its runs, GGUF files and transformers models held in memory (not
-streamed), and ablation a model held in memory (not a GGUF file). docs/pruning.md.
+streamed), and ablation a model held in memory (not a GGUF file). --check writes no pruned model: each criterion at
+each sparsity is scored on held-out text against the unpruned model, for a run or a transformers folder held in
+memory. docs/pruning.md.
 """
 
 from __future__ import annotations
@@ -83,9 +85,6 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if checking(args):
-        if args.run is None:  # why: --check prunes the run's own model in memory (moe_lm/pruning/check.py)
-            raise UserError("--check compares pruned models of a moe-lm run in memory: give --run RUN (a transformers "
-                            "folder or a GGUF file is pruned with --keep or --sparsity and --criterion)")  # fmt: skip
         return run_check(args)
     check_flags(args)
     kinds = prunable_kinds()

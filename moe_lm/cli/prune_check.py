@@ -2,6 +2,7 @@
 
 moe-lm prune --run runs/e16 --check --sparsities 0.125 0.25 0.5 --out analysis/e16-prune-check
 moe-lm prune --run runs/e16 --check --keeps 12 8 --criteria reap frequency random --out analysis/check
+moe-lm prune --hf qwen3moe --check --data train.jsonl --held-out-data val.jsonl --sparsities 0.25 0.5 --out check
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moe_lm.analysis.documents import Documents
 from moe_lm.analysis.subjects import KINDS
 from moe_lm.checkpoint.format import parse_run
 from moe_lm.cli import output_folder
@@ -20,9 +22,13 @@ from moe_lm.pruning.check import CHECK_CRITERIA, CHECK_FILES, CheckRequest, chec
 
 def add_check_arguments(ap: argparse.ArgumentParser, how_many) -> None:
     """--check and its flags; `how_many`: prune's --sparsity/--keep group, which --sparsities/--keeps join."""
-    ap.add_argument("--check", action="store_true", help="write no pruned run: check each of --criteria at each of "
-                    "--sparsities on the run's validation split (held out; calibration: the training split, --data or "
-                    "--trace) against the unpruned model, into --out (check.json, check.md, check.png)")  # fmt: skip
+    ap.add_argument("--check", action="store_true", help="write no pruned model: check each of --criteria at each "
+                    "of --sparsities on held-out text (a run's validation split, or --held-out-data; calibration: "
+                    "--data, --trace or a run's training split) against the unpruned model, into --out (check.json, "
+                    "check.md, check.png); of a run or a transformers folder")  # fmt: skip
+    ap.add_argument("--held-out-data", nargs="+", metavar="SOURCE", help="--check: the held-out documents (as "
+                    "--data: files, folders, parquet, hf:NAME, with --text-field and --domain-field); a transformers "
+                    "folder needs them, a run's default is its validation split")  # fmt: skip
     how_many.add_argument("--sparsities", type=float, nargs="+", metavar="F", help="--check: the sparsities checked")
     how_many.add_argument("--keeps", type=int, nargs="+", metavar="N", help="--check: the kept counts checked")
     ap.add_argument("--criteria", nargs="+", metavar="NAME", help="--check: the criteria checked (default: "
@@ -38,7 +44,8 @@ def checking(args: argparse.Namespace) -> bool:
     if args.check:
         return True
     given = [flag for flag, value in (("--sparsities", args.sparsities), ("--keeps", args.keeps),
-                                      ("--criteria", args.criteria)) if value]  # fmt: skip
+                                      ("--criteria", args.criteria), ("--held-out-data", args.held_out_data))
+             if value]  # fmt: skip
     if given:
         raise UserError(f"{given[0]} is --check's: add --check (or give --sparsity / --keep and --criterion to write "
                         "one pruned run)")  # fmt: skip
@@ -46,8 +53,13 @@ def checking(args: argparse.Namespace) -> bool:
 
 
 def run_check(args: argparse.Namespace) -> None:
-    if not getattr(args, "run", None):
-        raise UserError("--check takes a moe-lm run (--run RUN): its validation split is the held-out text")
+    kinds = [KINDS["run"], KINDS["hf"]]
+    if not args.run and not args.hf:
+        raise UserError("--check runs each pruned model: give a moe-lm run (--run) or a transformers folder (--hf); a "
+                        "GGUF file is pruned with --sparsity or --keep and --criterion")  # fmt: skip
+    if args.hf and not args.held_out_data:
+        raise UserError("--check of a transformers folder needs --held-out-data: the documents each pruned model is "
+                        "scored on (none of the calibration --data)")  # fmt: skip
     for flag, value in (("--max-tokens", args.max_tokens), ("--held-out-tokens", args.held_out_tokens),
                         ("--batch-size", args.batch_size), ("--random-seeds", args.random_seeds)):  # fmt: skip
         if value < 1:
@@ -62,12 +74,11 @@ def run_check(args: argparse.Namespace) -> None:
                         "them from --data)")  # fmt: skip
     if args.trace and not (args.trace / "meta.json").is_file():
         raise UserError(f"--trace {args.trace}: not a recorded trace (no meta.json); give analyze's trace/ folder")
-    source, out = parse_run(args.run).run.resolve(), Path(args.out).resolve()
+    source, out = (parse_run(args.run).run if args.run else Path(args.hf)).resolve(), Path(args.out).resolve()
     if out == source or out in source.parents:
-        raise UserError(f"--out {args.out}: is the source run or holds it; give a new folder")
+        raise UserError(f"--out {args.out}: is the source or holds it; give a new folder")
+    settings = check_subject(args, kinds, documents_given=bool(args.trace))
     folder = output_folder(args, "prune-check")
-    kinds = [KINDS["run"]]
-    settings = check_subject(args, kinds)
     from moe_lm.pruning.check import check_prune
 
     with folder.staged() as staging:
@@ -75,6 +86,7 @@ def run_check(args: argparse.Namespace) -> None:
             CheckRequest, args, subject=subject_request(args, kinds, settings), out=staging, criteria=criteria,
             sparsities=tuple(sparsities) if sparsities else None, keeps=tuple(keeps) if keeps else None,
             documents=documents_request(args), domains=tuple(args.domains) if args.domains else None,
+            held_out=Documents(tuple(args.held_out_data or ()), args.text_field, args.domain_field),
             n_boot=default_of(CheckRequest, "n_boot"),
         ))  # fmt: skip
     best = record["tracks_ablation_best"]

@@ -1,9 +1,10 @@
-"""The check of pruned models (`moe-lm prune --check`): for each criterion and sparsity, the pruned model built in
-memory (pruned.py; nothing written per arm) scored on the same held-out windows as the unpruned model.
+"""The check of pruned models (`moe-lm prune --check`): for each criterion and sparsity, the pruned model (a run's
+built in memory, a transformers folder's written and loaded back: checked.py) scored on the same held-out windows as
+the unpruned model.
 
     calibration documents (the run's training split, --data, or --trace) --> trace --> each criterion's scores
-        --> per sparsity a KeepPlan --> the pruned model --> the held-out windows (the run's validation split)
-        --> per domain the log-prob change per token (document bootstrap), and the pruned model's routing
+        --> per sparsity a KeepPlan --> the pruned model --> the held-out windows (the run's validation split, or
+        --held-out-data) --> per domain the log-prob change per token (document bootstrap), and its routing
 
 What each number is:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -32,28 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from moe_lm.analysis.ablation import delta_by_domain, window_batches
-from moe_lm.analysis.budget import budget_documents
 from moe_lm.analysis.documents import Documents
 from moe_lm.analysis.metrics import max_vio_floor
 from moe_lm.analysis.recording import record_trace
 from moe_lm.analysis.requests import RoutingRequest
 from moe_lm.analysis.routing_workflow import budgeted_documents
-from moe_lm.analysis.subjects import RunSubject
-from moe_lm.analysis.subjects.loaded import OwnDocuments, Subject
-from moe_lm.analysis.subjects.run import run_config, validation_split
-from moe_lm.checkpoint.format import load_model
-from moe_lm.config import Config
-from moe_lm.data.prepare import load_split
-from moe_lm.data.tokenizer import load_data_tokenizer
-from moe_lm.errors import DataError, UserError
+from moe_lm.analysis.subjects import SubjectRequest
+from moe_lm.analysis.subjects.loaded import Subject
+from moe_lm.errors import UserError
 from moe_lm.flags import default_of
-from moe_lm.model import Transformer
+from moe_lm.pruning.checked import CheckedModel, checked_model
 from moe_lm.pruning.criteria import CRITERIA, FROM_TRACE, ablation_scores, trace_documents, trace_scores
 from moe_lm.pruning.plan import KeepPlan, keep_count
-from moe_lm.pruning.pruned import decoder_moe_layers, pruned_model
-from moe_lm.pruning.run import TRACE_FOLDER, check_source, plan_shape, routing_shape, ungrouped
+from moe_lm.pruning.run import TRACE_FOLDER, plan_shape, ungrouped
+from moe_lm.routing.recorder import RoutingRecorder
 from moe_lm.routing.stats import expert_counts, max_vio
-from moe_lm.routing.torch_routing import transformer_routing
+from moe_lm.routing.torch_routing import TorchRouting
 from moe_lm.routing.trace import Trace
 
 CHECK_FILES = ("check.json", "check.md", "check.png")
@@ -64,9 +60,10 @@ CHECK_CRITERIA = ("reap", "frequency", "gate-mass", "random", "ablation")
 class CheckRequest:
     """`moe-lm prune --check`: each of `criteria` at each of `sparsities` (or `keeps`), scored on the calibration
     documents (`trace`, else `documents`, else the run's training split, under `max_tokens`; of `domains` only) and
-    checked on the run's validation split (under `held_out_tokens`), into `out`."""
+    checked on the held-out documents (`held_out`, else the run's validation split, under `held_out_tokens`), into
+    `out`."""
 
-    subject: RunSubject
+    subject: SubjectRequest  # a run, or a transformers folder held in memory (checked.py)
     out: Path
     criteria: tuple[str, ...] = CHECK_CRITERIA
     sparsities: tuple[float, ...] | None = None
@@ -74,6 +71,7 @@ class CheckRequest:
     domains: tuple[str, ...] | None = None
     trace: Path | None = None
     documents: Documents = Documents()
+    held_out: Documents = Documents()  # --held-out-data; empty: the run's validation split
     max_tokens: int = default_of(RoutingRequest, "max_tokens")
     held_out_tokens: int = default_of(RoutingRequest, "max_tokens")
     batch_size: int = default_of(RoutingRequest, "batch_size")
@@ -111,30 +109,25 @@ class Pass:
 
 
 @torch.no_grad()
-def held_out_pass(model: Transformer, docs: list[tuple[int, np.ndarray]], seq_len: int, batch_size: int = 16) -> Pass:
-    """`model` over `docs` cut into windows of `seq_len` (right-padded batches; causal, so padding reaches no real
-    token), its routers' choices read from their outputs."""
-    layers = decoder_moe_layers(model)
-    routers = dict(zip(model.moe_layer_ids(), model.routers(), strict=True))
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [routers[layer].register_forward_hook(lambda m, i, out, layer=layer: seen.__setitem__(layer, out[1]))
-             for layer in layers]  # fmt: skip
+def held_out_pass(routing: TorchRouting, docs: list[tuple[int, np.ndarray]], seq_len: int, batch_size: int = 16
+                  ) -> Pass:  # fmt: skip
+    """`routing`'s model over `docs` cut into windows of `seq_len` (right-padded batches; causal, so padding reaches
+    no real token), its routers' choices read from their outputs."""
+    recorder = RoutingRecorder(routing.routers, parts=True)  # why parts: a transformers layer routes a part at a time
     loss, count = np.zeros(len(docs)), np.zeros(len(docs))
-    experts: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
-    try:
+    experts: dict[int, list[np.ndarray]] = {layer: [] for layer in routing.layers}
+    with recorder:
         for part, tokens, mask in window_batches(docs, seq_len, batch_size):
+            recorder.last.clear()
             S = tokens.shape[1]
-            logits = model(tokens[:, :-1]).logits.float()
+            logits = routing.forward(tokens[:, :-1]).float().cpu()
             ce = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
             for b, w in enumerate(part):
                 loss[w.doc] += ce[b].sum().item()
                 count[w.doc] += mask[b].sum().item()
-            for layer in layers:
-                chosen = seen[layer].reshape(len(part), S - 1, -1)
-                experts[layer].append(chosen[mask].cpu().numpy())
-    finally:
-        for hook in hooks:
-            hook.remove()
+            for layer in routing.layers:
+                chosen = recorder.last[layer][0].reshape(len(part), S - 1, -1)
+                experts[layer].append(chosen[mask].numpy())
     return Pass(loss, count, {layer: np.concatenate(v) for layer, v in experts.items()})
 
 
@@ -194,35 +187,6 @@ def spearman_by_layer(scores: dict[int, np.ndarray], reference: dict[int, np.nda
 # ------------------------------------------------------------------------------------------ documents
 
 
-def training_split(cfg: Config) -> OwnDocuments:
-    """The run's training split, with its domains: the calibration documents unless --data or --trace is given."""
-
-    def read():
-        shard = load_split(cfg.data.out_dir, "train")
-        stream = ((int(shard.doc_domain[d]), np.asarray(shard.document(d))) for d in range(shard.n_docs))
-        return stream, list(shard.domains)
-
-    return OwnDocuments(f"{cfg.data.out_dir} (training split)", read)
-
-
-def held_out_documents(cfg: Config, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], list[str], str]:
-    """The run's validation split under `max_tokens` (equal shares per domain), its domains and what it is; a
-    UserError when it holds no document."""
-    split = validation_split(cfg)
-    try:
-        stream, domains = split.read()
-        docs, _ = budget_documents(stream, domains, max_tokens)
-    except (DataError, OSError) as e:
-        raise UserError(
-            f"no held-out documents: the validation split of {cfg.data.out_dir} cannot be read ({e})"
-        ) from None
-    docs = [(d, tokens) for d, tokens in docs if len(tokens) > 1]
-    if not docs:
-        raise UserError(f"no held-out documents: the validation split of {cfg.data.out_dir} is empty (prepare the "
-                        "data with a val_fraction above 0)")  # fmt: skip
-    return docs, domains, split.what
-
-
 def check_disjoint(calibration: list[tuple[int, np.ndarray]], held_out: list[tuple[int, np.ndarray]], what: str):
     """A UserError when a calibration document is a held-out one (equal, or one the start of the other)."""
     starts = {tuple(tokens[:16].tolist()): tokens for _, tokens in held_out}
@@ -241,46 +205,47 @@ def check_prune(req: CheckRequest) -> dict:
     """The check `req` asks for, written into `req.out` (check.json, check.md, check.png; calibration_trace/ when
     recorded here); returns check.json's record."""
     out = Path(req.out)
-    cfg = run_config(req.subject)
-    check_source(cfg, req.subject.label)
-    source_shape = routing_shape(cfg)
+    checked = checked_model(req.subject, out / ".scratch")
+    source_shape = checked.shape
     shape = plan_shape(source_shape, req.ungroup, req.subject.label)
     criteria, n_keeps = check_criteria(req.criteria), checked_keeps(req, shape)
-    held, domains, held_what = held_out_documents(cfg, req.held_out_tokens)
     trace = Trace(req.trace) if req.trace else None
     if trace is not None:
-        check_given_trace(trace, shape, held_what, req)
+        check_given_trace(trace, shape, req)
 
-    run, tag = req.subject.run
-    cfg, model, tag = load_model(run, tag)
-    model.eval()
-    seq_len = min(req.subject.seq_len or cfg.train.seq_len, cfg.model.max_seq_len)
+    subject = checked.load()
+    routing, seq_len = subject.routing, subject.seq_len
+    held, domains, held_what = checked.held_out(req.held_out, req.held_out_tokens)
+    if trace is not None and trace.provenance.get("data") == held_what:
+        raise UserError(f"--trace {req.trace}: recorded on the held-out documents of the check: give a trace of other "
+                        "documents, or leave out --trace")  # fmt: skip
     if trace is None:
-        trace = record_calibration(req, cfg, model, {"run": str(run), "tag": tag}, seq_len, out / TRACE_FOLDER)
-    if trace.layers != decoder_moe_layers(model):
+        trace = record_calibration(req, subject, out / TRACE_FOLDER)
+    if trace.layers != routing.layers:
         raise UserError(f"--trace {req.trace}: its MoE layers {trace.layers} are not {req.subject.label}'s "
-                        f"{decoder_moe_layers(model)}: give a trace recorded from it")  # fmt: skip
+                        f"{routing.layers}: give a trace recorded from it")  # fmt: skip
     wanted = list(req.domains) if req.domains else None
     calibration = trace_documents(trace, wanted)
     check_disjoint(calibration, held, str(trace.provenance.get("data")))
     seeds = [req.seed + i for i in range(req.random_seeds)]
-    scores = criteria_scores(criteria, trace, model, calibration, wanted, seeds, trace.meta.get("windows") or seq_len)
+    scores = criteria_scores(criteria, trace, routing, calibration, wanted, seeds, trace.meta.get("windows") or seq_len)
 
     domain = np.array([d for d, _ in held])
-    base = held_out_pass(model, held, seq_len, req.batch_size)
+    base = held_out_pass(routing, held, seq_len, req.batch_size)
     n_predicted = int(base.count.sum())
     floors = {n: max_vio_floor(n_predicted, n, shape.k, trials=50) for n in [shape.n_experts, *n_keeps]}
     base_routing = {str(layer): {"maxvio": max_vio(expert_counts(base.experts[layer], shape.n_experts)),
                                  "maxvio_floor": floors[shape.n_experts]} for layer in base.experts}  # fmt: skip
-    arms = [groups_dropped_arm(model, cfg, base, held, domain, domains, seq_len, floors, req)] if req.ungroup else []
+    arm = ArmContext(checked, base, held, domain, domains, seq_len, floors, req)
+    arms = [groups_dropped_arm(arm, source_shape.n_experts)] if req.ungroup else []
     for criterion in criteria:
         for n_keep in n_keeps:
             plans = [KeepPlan.from_scores(s, n_keep, shape.n_group) for (c, _), s in scores.items() if c == criterion]
-            arms.append(check_arm(criterion, plans, model, cfg, base, held, domain, domains, seq_len, floors, req))
+            arms.append(check_arm(criterion, plans, arm))
             arms[-1]["seeds"] = seeds if criterion == "random" else None
     agreement, best = agreement_with_ablation(scores)
     record = {
-        "subject": {"run": str(run), "tag": tag},
+        "subject": checked.about(),
         "n_experts": shape.n_experts, "k": shape.k, "n_group": source_shape.n_group,
         **ungrouped(source_shape, req.ungroup),
         "held_out": {"documents": held_what, "n_documents": len(held), "tokens_predicted": n_predicted,
@@ -297,6 +262,7 @@ def check_prune(req: CheckRequest) -> dict:
         "tracks_ablation_best": best,
         "n_boot": req.n_boot, "seed": req.seed, "random_seeds": seeds,
     }  # fmt: skip
+    shutil.rmtree(out / ".scratch", ignore_errors=True)
     (out / "check.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "check.md").write_text(check_markdown(record))
     from moe_lm.analysis.plots import save  # why here: matplotlib only when a figure is drawn
@@ -319,31 +285,26 @@ def score_name(criterion: str, seed: int | None) -> str:
     return criterion if seed is None else f"random (seed {seed})"
 
 
-def check_given_trace(trace: Trace, shape, held_what: str, req: CheckRequest) -> None:
-    """A UserError for a --trace of another model's routing, or one recorded on the held-out documents."""
+def check_given_trace(trace: Trace, shape, req: CheckRequest) -> None:
+    """A UserError for a --trace of another model's routing."""
     if (trace.n_experts, trace.k) != (shape.n_experts, shape.k):
         raise UserError(f"--trace {req.trace}: routed {trace.n_experts} experts, top-{trace.k}; {req.subject.label} "
                         f"has {shape.n_experts}, top-{shape.k}: give a trace recorded from it")  # fmt: skip
-    if trace.provenance.get("data") == held_what:
-        raise UserError(f"--trace {req.trace}: recorded on the validation split, the held-out documents of the check: "
-                        "give a trace of other documents, or leave out --trace (the training split)")  # fmt: skip
 
 
-def record_calibration(req: CheckRequest, cfg: Config, model: Transformer, about: dict, seq_len: int, folder: Path):
+def record_calibration(req: CheckRequest, subject: Subject, folder: Path) -> Trace:
     """The calibration documents' routing (--data, else the run's training split, under --max-tokens spread equally
     over the domains) recorded into `folder` as `moe-lm analyze` records a trace, with the experts' output norms."""
-    routing = transformer_routing(model)
-    subject = Subject(routing, load_data_tokenizer(cfg.data.out_dir), seq_len, cfg.model.vocab_size, about,
-                      documents=training_split(cfg))  # fmt: skip
     docs, domains, provenance = budgeted_documents(subject, req)
-    provenance = {**provenance, **about}
-    trace = record_trace(routing, docs, folder, domains, seq_len, req.batch_size, provenance=provenance,
-                         progress="calibration routing")  # fmt: skip
+    provenance = {**provenance, **subject.provenance}
+    trace = record_trace(subject.routing, docs, folder, domains, subject.seq_len, req.batch_size,
+                         provenance=provenance, progress="calibration routing")  # fmt: skip
     print(f"recorded {trace.n:,} calibration tokens in {trace.meta['n_docs']} documents")
     return trace
 
 
-def criteria_scores(criteria, trace: Trace, model: Transformer, calibration, wanted, seeds: list[int], seq_len: int):
+def criteria_scores(criteria, trace: Trace, routing: TorchRouting, calibration, wanted, seeds: list[int],
+                    seq_len: int):  # fmt: skip
     """(criterion, seed or None) -> per MoE layer the [E] scores on the calibration trace (random: one per seed)."""
     scores: dict[tuple[str, int | None], dict[int, np.ndarray]] = {}
     for criterion in criteria:
@@ -352,27 +313,42 @@ def criteria_scores(criteria, trace: Trace, model: Transformer, calibration, wan
         elif criterion in FROM_TRACE:
             scores[(criterion, None)] = trace_scores(trace, criterion, wanted)
         else:
-            routers = {i: model.layers[i].mlp.gate for i in decoder_moe_layers(model)}
-            print(f"ablation: {len(routers)} layers x {trace.n_experts} experts, each over {len(calibration)} "
+            print(f"ablation: {len(routing.layers)} layers x {trace.n_experts} experts, each over {len(calibration)} "
                   "calibration documents")  # fmt: skip
-            scores[(criterion, None)] = ablation_scores(lambda t: model(t).logits, routers, trace.n_experts,
-                                                        calibration, seq_len)  # fmt: skip
+            scores[(criterion, None)] = ablation_scores(routing.forward, routing.routers, trace.n_experts, calibration,
+                                                        seq_len, reroute=routing.reroute)  # fmt: skip
     return scores
 
 
-def check_arm(criterion: str, plans: list[KeepPlan], model, cfg, base: Pass, held, domain, domains, seq_len: int,
-              floors: dict, req: CheckRequest) -> dict:  # fmt: skip
-    """One criterion at one kept count (random: a plan per seed), each pruned model built in memory and scored on
-    the held-out windows against `base`."""
+@dataclasses.dataclass(frozen=True)
+class ArmContext:
+    """What every arm is scored against: the model pruned, the unpruned model's pass over the held-out documents,
+    their domains, the window length, the MaxVio floors by kept count, the request."""
+
+    checked: CheckedModel
+    base: Pass
+    held: list[tuple[int, np.ndarray]]
+    domain: np.ndarray
+    domains: list[str]
+    seq_len: int
+    floors: dict
+    req: CheckRequest
+
+
+def check_arm(criterion: str, plans: list[KeepPlan], at: ArmContext) -> dict:
+    """One criterion at one kept count (random: a plan per seed), each pruned model scored on the held-out windows
+    against the unpruned model's pass."""
     results, passes = [], []
+    req = at.req
     for plan in plans:
-        arm = held_out_pass(pruned_model(model, cfg, plan), held, seq_len, req.batch_size)
+        with at.checked.pruned(plan) as pruned:
+            arm = held_out_pass(pruned, at.held, at.seq_len, req.batch_size)
         passes.append(arm)
-        results.append(arm_result(base, arm, plan, domain, domains, req.n_boot, req.seed, floors))
+        results.append(arm_result(at.base, arm, plan, at.domain, at.domains, req.n_boot, req.seed, at.floors))
     n_keep = plans[0].n_keep
     row = {"criterion": criterion, "n_keep": n_keep, "sparsity": 1 - n_keep / plans[0].n_experts, **results[0]}
     if criterion == "random":
-        row.update(random_summary(base, passes, results, domain, domains, req))
+        row.update(random_summary(at.base, passes, results, at.domain, at.domains, req))
     worst = min(v["delta"] for v in row["by_domain"].values())
     print(f"{criterion} keeping {n_keep} of {plans[0].n_experts}: Δ log-prob per token, worst domain {worst:+.4f}")
     return row
@@ -381,13 +357,10 @@ def check_arm(criterion: str, plans: list[KeepPlan], model, cfg, base: Pass, hel
 GROUPS_DROPPED = "none, groups dropped"  # the arm of --ungroup that removes no expert
 
 
-def groups_dropped_arm(model, cfg, base: Pass, held, domain, domains, seq_len: int, floors: dict,
-                       req: CheckRequest) -> dict:  # fmt: skip
+def groups_dropped_arm(at: ArmContext, n_experts: int) -> dict:
     """What dropping the expert groups alone changes (--ungroup): every expert kept, routed without groups."""
-    E = routing_shape(cfg).n_experts
-    every = {layer: np.zeros(E) for layer in base.experts}
-    return check_arm(GROUPS_DROPPED, [KeepPlan.from_scores(every, E, 1)], model, cfg, base, held, domain, domains,
-                     seq_len, floors, req)  # fmt: skip
+    every = {layer: np.zeros(n_experts) for layer in at.base.experts}
+    return check_arm(GROUPS_DROPPED, [KeepPlan.from_scores(every, n_experts, 1)], at)
 
 
 def agreement_with_ablation(scores: dict) -> tuple[dict | None, str | None]:
@@ -433,7 +406,7 @@ def _f(v, fmt: str = "+.4f") -> str:
 def check_markdown(record: dict) -> str:
     held, cal = record["held_out"], record["calibration"]
     lines = [
-        f"# Pruning check: {record['subject']['run']} ({record['subject']['tag']})",
+        f"# Pruning check: {subject_name(record['subject'])}",
         "",
         f"Held out: {held['documents']}, {held['n_documents']} documents, {held['tokens_predicted']:,} predicted "
         f"tokens, windows of {held['seq_len']}. Calibration (the scores): {cal['documents']}, {cal['tokens']:,} "
@@ -484,6 +457,11 @@ def check_markdown(record: dict) -> str:
                 f"| {name} | " + " | ".join(_f(rho[x], "+.3f") for x in layers) + f" | {_f(rho['mean'], '+.3f')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def subject_name(subject: dict) -> str:
+    """check.json's subject in words: a run with its checkpoint's tag, or a transformers folder."""
+    return f"{subject['run']} ({subject['tag']})" if "run" in subject else f"{subject['hf']} (transformers)"
 
 
 def _ungrouped(record: dict) -> str:

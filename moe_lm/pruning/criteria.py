@@ -85,9 +85,11 @@ def trace_documents(trace: Trace, domains: list[str] | None = None) -> list[tupl
     return [(int(domain[a]), token[a:b].astype(np.int64)) for a, b in zip(starts, ends, strict=True) if keep[a]]
 
 
-def ablation_scores(forward: Callable, routers: dict, n_experts: int, docs, seq_len: int, progress=None):
-    """Per MoE layer id of `routers` (ours), [E]: the mean token loss on `docs` with that expert alone removed, minus
-    the loss with all of them. `forward(tokens [B, S]) -> logits`; `progress(layer, expert)` is told each step."""
+def ablation_scores(forward: Callable, routers: dict, n_experts: int, docs, seq_len: int, progress=None,
+                    reroute=None):  # fmt: skip
+    """Per MoE layer id of `routers`, [E]: the mean token loss on `docs` with that expert alone removed (masked.py;
+    `reroute`: the rule of routers without a selection bias), minus the loss with all of them.
+    `forward(tokens [B, S]) -> logits`; `progress(layer, expert)` is told each step."""
     base_loss, count = document_losses(forward, docs, seq_len)
     base = base_loss.sum() / max(count.sum(), 1)
     scores = {}
@@ -96,7 +98,7 @@ def ablation_scores(forward: Callable, routers: dict, n_experts: int, docs, seq_
         for e in range(n_experts):
             if progress is not None:
                 progress(layer, e)
-            with removed(routers, {layer: [e]}):
+            with removed(routers, {layer: [e]}, reroute):
                 loss, _ = document_losses(forward, docs, seq_len)
             scores[layer][e] = loss.sum() / max(count.sum(), 1) - base
     return scores

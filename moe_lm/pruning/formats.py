@@ -3,7 +3,7 @@
 
     format        the source                                the pruned model                 prune.json, the trace
     run           a moe-lm run's checkpoint                 a pruned run folder (run.py)     in it
-    transformers  a DeepseekV3/Glm4Moe safetensors folder   a new folder (hf_folder.py)      in it
+    transformers  a DeepseekV3/Glm4Moe/Qwen3Moe folder      a new folder (hf_folder.py)      in it
     fp8-release   DeepSeek's FP8 release                    a new release (fp8_release.py)   in it
     gguf          a GGUF file                               a new file (gguf_file.py)        <out>.prune.json,
                                                                                              <out>.calibration_trace/
@@ -33,7 +33,10 @@ from moe_lm.pruning.plan import PLAN_FILE, KeepPlan, RoutingShape
 from moe_lm.pruning.safetensors_shards import folder_routing
 
 TRACE_FOLDER = "calibration_trace"
-MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # a pruned copy is the source with the pruned experts' bias at -inf
+# the types whose pruned copy computes the source with the pruned experts masked before selection: sigmoid routers
+# with a selection bias (the pruned experts' bias at -inf), and Qwen3-MoE's softmax with its top-k renormalised
+# (the softmax over the kept experts alone, renormalised, gives the kept experts' weights of the masked softmax)
+MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3_moe")
 Finish = Callable[[Path, str], None]  # (folder, prefix): prune.json and the trace written as <folder>/<prefix><name>
 
 
@@ -74,7 +77,8 @@ class PrunedFormat(ABC):
 
 
 class SafetensorsFormat(PrunedFormat):
-    """A transformers folder (`moe-lm export`, save_pretrained: DeepseekV3, Glm4Moe) pruned into a new folder."""
+    """A transformers folder (`moe-lm export`, save_pretrained: DeepseekV3, Glm4Moe, Qwen3Moe) pruned into a new
+    folder."""
 
     format_name, what, flag = "transformers", "transformers folder", "--hf"
     writer = staticmethod(hf_folder.prune_hf_folder)
@@ -85,8 +89,13 @@ class SafetensorsFormat(PrunedFormat):
         config = hf_folder.read_config(self.source)
         if config.get("model_type") not in MODEL_TYPES:  # why: what the pruned copy computes is known for these only
             raise UserError(f"{self.source / 'config.json'}: model_type {config.get('model_type')!r}; moe-lm prune "
-                            f"writes {', '.join(MODEL_TYPES)} folders (sigmoid routers with a selection bias, where "
-                            "removing an expert is masking its score)")  # fmt: skip
+                            f"writes {', '.join(MODEL_TYPES)} folders (routers where removing an expert is masking "
+                            "its score)")  # fmt: skip
+        if config.get("model_type") == "qwen3_moe" and not config.get("norm_topk_prob"):
+            raise UserError(f"{self.source / 'config.json'}: norm_topk_prob is false, so each chosen expert's weight "
+                            "is its softmax share of every expert: a pruned copy would weigh the kept experts more "
+                            "than the source does with the pruned ones masked; moe-lm prune writes Qwen3-MoE "
+                            "folders with norm_topk_prob true (as Qwen3's releases have it)")  # fmt: skip
         self.check_source(config)
         E, k, groups, used, self.layers = folder_routing(self.source, config, self.fix)
         self.shape = RoutingShape(E, groups, used, k)

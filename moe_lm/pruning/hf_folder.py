@@ -1,11 +1,12 @@
 """A transformers checkpoint folder with routed experts removed: what `moe_lm.interop.hf.export_hf` writes
 (DeepseekV3ForCausalLM for MLA models, Glm4MoeForCausalLM for GQA ones, the routed experts one tensor per expert as
-save_pretrained lays them out) and any DeepSeek-V3-layout safetensors folder (the stacked [E, ...] layout too),
+save_pretrained lays them out), any folder of that layout (the stacked [E, ...] layout too) and a Qwen3-MoE's,
 written as a new folder that transformers loads as it is (safetensors_shards.py says what changes).
 
 The pruned model computes what the source computes with the pruned experts' `e_score_correction_bias` at -inf
 (kept_experts.py says why; the tests check it in transformers, groups included: its DeepseekV3TopkRouter and
-Glm4MoeTopkRouter score groups from the biased scores, `scores + e_score_correction_bias`).
+Glm4MoeTopkRouter score groups from the biased scores, `scores + e_score_correction_bias`), or, for Qwen3-MoE's
+softmax router with its top-k renormalised, with their logits at -inf (formats.py checks the type).
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ def prune(req: PruneRequest) -> KeepPlan:
             seq_len = trace.meta.get("windows") or subject.seq_len
             print(f"ablation: {len(routing.layers)} layers x {routing.n_experts} experts, each over {len(docs)} "
                   "documents")  # fmt: skip
-            scores = ablation_scores(routing.forward, routing.routers, routing.n_experts, docs, seq_len)
+            scores = ablation_scores(routing.forward, routing.routers, routing.n_experts, docs, seq_len,
+                                     reroute=routing.reroute)  # fmt: skip
         subject = routing = None  # why: the writer may load the source again; one copy of a large model at a time
         about = {"criterion": req.criterion, "sparsity": 1 - n_keep / fmt.shape.n_experts, "domains": domains,
                  "source": fmt.about(), "calibration": calibration(trace, req, fmt), "seed": req.seed,

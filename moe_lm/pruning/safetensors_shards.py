@@ -10,7 +10,8 @@ COPY_BYTES (no shard is held in memory). Per MoE layer N (a layer with a router,
     mlp.gate.weight, .e_score_correction_bias   the kept experts' rows / entries (row-major: one byte range each)
 Everything else (attention, dense layers, shared experts, norms, embeddings) is copied unchanged. Each source shard
 becomes the shard of the same name (one left empty is not written), `model.safetensors.index.json` is rewritten with
-the new weight map and total size, config.json gets the new `n_routed_experts`, and the other files (tokenizer,
+the new weight map and total size, config.json gets the new expert count (`n_routed_experts`; Qwen3-MoE's
+`num_experts` or `num_local_experts`), and the other files (tokenizer,
 generation config, code, READMEs) are copied, except hidden ones and other weight files (.bin, .pt, .pth, .gguf).
 """
 
@@ -35,6 +36,10 @@ ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate\.\w+$")
 EXPERT = re.compile(r"^(.*(?:^|\.)layers\.(\d+)\.mlp\.experts\.)(\d+)(\..+)$")
 STACKED = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.[A-Za-z_]\w*$")
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# config.json's count of routed experts, by model type (formats.py says which types a pruned copy is exact for):
+# Qwen3-MoE's releases name it num_experts, transformers 5 writes num_local_experts
+EXPERT_COUNT = {"deepseek_v3": ("n_routed_experts",), "glm4_moe": ("n_routed_experts",),
+                "qwen3_moe": ("num_experts", "num_local_experts")}  # fmt: skip
 Range = tuple[int, int]  # (offset in the source file, bytes)
 
 
@@ -46,15 +51,23 @@ def moe_layers(names: list[str]) -> list[int]:
 def folder_routing(source: Path, config: dict, fix: str) -> tuple[int, int, int, int, list[int]]:
     """(routed experts, experts per token, expert groups, groups used, the MoE layers: MTP ones included) of a
     DeepSeek-V3-layout folder, from its config.json (`config`) and its safetensors headers; a one-line UserError."""
-    E, top_k = config.get("n_routed_experts"), config.get("num_experts_per_tok")
+    count = expert_count_key(config)
+    E, top_k = config.get(count), config.get("num_experts_per_tok")
     if type(E) is not int or E < 1 or type(top_k) is not int:
-        raise UserError(f"{source / 'config.json'} has no n_routed_experts and num_experts_per_tok: not a "
-                        "DeepSeek-V3-layout MoE checkpoint (deepseek_v3, glm4_moe)")  # fmt: skip
+        raise UserError(f"{source / 'config.json'} has no {count} and num_experts_per_tok: not a MoE checkpoint "
+                        f"of the types prune writes ({', '.join(EXPERT_COUNT)})")  # fmt: skip
     n_group = config.get("n_group") or 1
     layers = moe_layers(SafetensorsFolder(source, fix).names())
     if not layers:
         raise UserError(f"{source}: no routed experts (no model.layers.N.mlp.gate.weight in its safetensors); {fix}")
     return E, top_k, n_group, config.get("topk_group") or n_group, layers
+
+
+def expert_count_key(config: dict) -> str:
+    """The key of config.json's routed-expert count: the first of its type's names it holds (DeepSeek-V3's name for a
+    type not listed)."""
+    names = EXPERT_COUNT.get(config.get("model_type"), ("n_routed_experts",))
+    return next((name for name in names if name in config), names[0])
 
 
 def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], config: dict, fix: str,
@@ -83,7 +96,7 @@ def prune_folder(source: Path, out: Path, keep: Mapping[int, Sequence[int]], con
             index["metadata"] = {**(index.get("metadata") or {}), "total_size": total}
             index["weight_map"] = dict(sorted(weight_map.items()))
             (stage / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        config = {**config, "n_routed_experts": kept.count, **groups}
+        config = {**config, expert_count_key(config): kept.count, **groups}
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for path in others:
             _copy(path, stage / path.name)

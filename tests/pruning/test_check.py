@@ -14,7 +14,7 @@ import scipy.stats
 import torch
 import torch.nn.functional as F
 
-import moe_lm.pruning.check as check
+import moe_lm.pruning.checked as checked_model
 from moe_lm.analysis.ablation import document_losses
 from moe_lm.analysis.subjects.loaded import OwnDocuments
 from moe_lm.checkpoint.format import load_model
@@ -22,6 +22,7 @@ from moe_lm.data.prepare import load_split
 from moe_lm.pruning.check import arm_result, held_out_pass, spearman, spearman_by_layer
 from moe_lm.pruning.plan import KeepPlan
 from moe_lm.pruning.pruned import pruned_model
+from moe_lm.routing.torch_routing import transformer_routing
 
 CRITERIA, KEEPS = ("random", "ablation"), (12, 8)
 
@@ -76,7 +77,7 @@ def test_the_delta_of_an_arm_is_the_pruned_minus_the_unpruned_log_prob_per_token
     assert any(abs(v["delta"]) > 1e-3 for v in arm["by_domain"].values())  # the pruning changed something
     # the pass's per-document losses are ablation.py's document_losses
     loss, count = document_losses(lambda t: model(t).logits, docs, 32, batch=200)
-    got = held_out_pass(model, docs, 32, batch_size=200)
+    got = held_out_pass(transformer_routing(model), docs, 32, batch_size=200)
     np.testing.assert_allclose(got.loss, loss, rtol=1e-5)
     np.testing.assert_array_equal(got.count, count)
     assert len(got.experts[1]) == count.sum() and got.experts[1].shape[1] == 2
@@ -105,7 +106,8 @@ def test_an_arms_interval_is_a_bootstrap_over_documents():
     rng = np.random.default_rng(0)
     docs = [(i % 2, rng.integers(0, 97, 40)) for i in range(8)]
     plan = KeepPlan.from_scores({layer: rng.random(16) for layer in (1, 2)}, 8, 4)
-    base, arm = held_out_pass(model, docs, 16), held_out_pass(pruned_model(model, cfg, plan), docs, 16)
+    base = held_out_pass(transformer_routing(model), docs, 16)
+    arm = held_out_pass(transformer_routing(pruned_model(model, cfg, plan)), docs, 16)
     result = arm_result(base, arm, plan, np.array([d for d, _ in docs]), ["a", "b"], n_boot=200)
     for v in result["by_domain"].values():
         assert v["ci95"][0] <= v["delta"] <= v["ci95"][1] and v["ci95"][0] < v["ci95"][1] and v["documents"] == 4
@@ -215,7 +217,7 @@ def test_bad_input_is_one_line_exit_2(grouped_run, tmp_path, cli, monkeypatch, f
     if "--no-held-out" in flags:
         flags = [f for f in flags if f != "--no-held-out"]
         empty = OwnDocuments("nothing (validation split)", lambda: (iter([]), ["cooking"]))
-        monkeypatch.setattr(check, "validation_split", lambda cfg: empty)
+        monkeypatch.setattr(checked_model, "validation_split", lambda cfg: empty)
     out = tmp_path / "out"
     proc = cli("prune", "--run", grouped_run, "--check", "--out", out, "--max-tokens", "300", *flags)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -238,5 +240,5 @@ def test_a_trace_is_reused_and_one_of_the_held_out_documents_refused(grouped_run
     meta["provenance"]["data"] = meta["provenance"]["data"].replace("(training split)", "(validation split)")
     (held_out / "meta.json").write_text(json.dumps(meta))
     proc = cli("prune", "--run", grouped_run, "--check", "--keeps", "8", "--trace", held_out, "--out", tmp_path / "x")
-    assert proc.returncode == 2 and "recorded on the validation split" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "recorded on the held-out documents" in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

@@ -178,6 +178,67 @@ def test_outputs_that_are_not_new_are_refused_and_a_full_disk_is_one_line(export
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # nothing half-written left behind
 
 
+# ---- a Qwen3-MoE folder: a softmax router ---------------------------------------------------------------------------
+
+QWEN_KEEP = {0: [0, 2, 3, 6, 7], 1: [1, 2, 4, 5, 7], 2: [0, 1, 3, 4, 5]}  # 5 of 8 experts, top-2, no groups
+
+
+def softmax_masked(model, keep: dict[int, list[int]], n_experts: int):
+    """Qwen3-MoE with the experts `keep` leaves out unselectable, its gate written out here: the logits of the pruned
+    experts at -inf before the softmax, then the top-k renormalised (norm_topk_prob)."""
+    for layer, kept in keep.items():
+        gate = model.model.layers[layer].mlp.gate
+        gone = [e for e in range(n_experts) if e not in kept]
+
+        def forward(hidden, gate=gate, gone=gone):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = logits.index_fill(-1, torch.tensor(gone), float("-inf")).softmax(-1, dtype=torch.float)
+            weights, experts = probs.topk(gate.top_k, dim=-1)
+            return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), experts
+
+        gate.forward = forward
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from tests.helpers.released import qwen3_moe
+    from tests.helpers.released import random_model as random_hf_model
+
+    folder = tmp_path_factory.mktemp("qwen3") / "source"
+    random_hf_model(qwen3_moe()).save_pretrained(folder)
+    return folder
+
+
+def test_a_pruned_qwen3_moe_folder_loads_in_transformers_as_the_source_with_the_pruned_experts_masked(qwen3, tmp_path):
+    """A softmax router: the pruned copy's softmax over the kept experts, renormalised over its top-k, gives what the
+    source gives with the pruned experts' logits at -inf."""
+    pruned = load(prune_hf_folder(qwen3, tmp_path / "pruned", QWEN_KEEP))
+    assert pruned.config.num_experts == 5
+    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = softmax_masked(load(qwen3), QWEN_KEEP, 8)(tokens).logits
+        source = load(qwen3)(tokens).logits
+        torch.testing.assert_close(pruned(tokens).logits, reference, atol=1e-5, rtol=0)
+        every = load(prune_hf_folder(qwen3, tmp_path / "all", {i: list(range(8)) for i in QWEN_KEEP}))
+        assert torch.equal(every(tokens).logits, source)  # a 0 % prune is the source
+    assert (source - reference).abs().max() > 1e-2  # the pruned experts mattered: the check is not vacuous
+
+
+def test_a_qwen3_moe_folder_without_renormalised_top_k_is_refused(qwen3, tmp_path):
+    """Without norm_topk_prob a chosen expert's weight is its share of every expert's softmax: no pruned copy computes
+    the masked source, so prune says so in one line."""
+    from moe_lm.pruning.formats import SafetensorsFormat
+
+    source = tmp_path / "plain"
+    shutil.copytree(qwen3, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    with pytest.raises(UserError) as e:
+        SafetensorsFormat(None, source)
+    assert "norm_topk_prob is false" in one_line(e)
+
+
 # ---- a DeepSeek FP8 release ----------------------------------------------------------------------------------------
 
 

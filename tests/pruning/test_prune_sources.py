@@ -163,23 +163,30 @@ def test_a_gguf_file_pruned_runs_in_llama_cpp_as_the_masked_source(ggufs, tiny_d
         (["--hf", "{hf}", "--keep", "6", "--criterion", "frequency"], "cannot share equally"),
         (["--hf", "{hf}", "--criterion", "frequency", "--force"], "--force: a pruned transformers folder is always "
          "written new"),
-        (["--hf", "{hf}", "--check"], "--check compares pruned models of a moe-lm run in memory: give --run RUN"),
-        (["--hf", "{qwen}", "--criterion", "frequency"], "model_type 'qwen3_moe'; moe-lm prune writes deepseek_v3, "
-         "glm4_moe folders"),
+        (["--hf", "{hf}", "--check"], "--check of a transformers folder needs --held-out-data"),
+        (["--gguf", "{gguf}", "--check"], "--check runs each pruned model: give a moe-lm run \\(--run\\) or a "
+         "transformers folder"),
+        (["--hf", "{olmoe}", "--criterion", "frequency"], "model_type 'olmoe'; moe-lm prune writes deepseek_v3, "
+         "glm4_moe, qwen3_moe folders"),
+        (["--hf", "{qwen}", "--criterion", "frequency"], "norm_topk_prob is false, so each chosen expert's weight is "
+         "its softmax share of every expert"),
     ],
 )  # fmt: skip
 def test_what_a_kind_cannot_give_is_one_line_exit_2_and_leaves_nothing(ggufs, tiny_data, tmp_path, cli, flags,
                                                                        message):  # fmt: skip
-    qwen = tmp_path / "qwen"  # a folder of another model type: its config.json is all that is read
-    qwen.mkdir()
-    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
-    flags = [f.format(hf=ggufs / "hf", gguf=ggufs / "f32.gguf", qwen=qwen) for f in flags]
+    configs = {"olmoe": {"model_type": "olmoe", "num_experts": 8},
+               "qwen": {"model_type": "qwen3_moe", "num_experts": 8, "norm_topk_prob": False}}  # fmt: skip
+    for name, config in configs.items():  # folders prune does not write: their config.json is all that is read
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    flags = [f.format(hf=ggufs / "hf", gguf=ggufs / "f32.gguf", olmoe=tmp_path / "olmoe", qwen=tmp_path / "qwen")
+             for f in flags]  # fmt: skip
     keep = [] if "--keep" in flags else ["--keep", "8"]
     proc = cli("prune", *flags, *keep, "--data", tiny_data.sources[0], "--out", tmp_path / "out")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and __import__("re").search(message, lines[0]), proc.stderr
-    assert [p.name for p in tmp_path.iterdir()] == ["qwen"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["olmoe", "qwen"]
 
 
 def test_the_source_is_never_the_output(ggufs, tiny_data, tmp_path, cli):

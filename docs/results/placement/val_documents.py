@@ -4,6 +4,7 @@ split's order grouped by domain, as JSON lines {"text", "domain"}. With the data
 the checkpoint) every document gives exactly the split's ids, so the trace holds the tokens runs/d256's does.
 
     python docs/results/placement/val_documents.py d256_val_documents.jsonl
+    python docs/results/placement/val_documents.py d256_train_documents.jsonl train    # another split
 """
 
 import hashlib
@@ -24,14 +25,14 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:16]
 
 
-def main(out: str) -> None:
-    meta, val = read_meta(DATA), load_split(DATA, "val")
+def main(out: str, split: str = "val") -> None:
+    meta, val = read_meta(DATA), load_split(DATA, split)
     names = val.doc_names()
     # why by (name, hash): names repeat (several packages' LICENSE); the manifest records each document's hash
     corpus = iter_default_corpus(meta["signature"]["max_mb_per_domain"], ReadReport())
     texts = {(d.name, sha(d.text)): d for d in corpus}
     with open(f"{DATA}/manifest.json") as f:
-        entries = [e for e in json.load(f)["documents"] if e["split"] == "val"]
+        entries = [e for e in json.load(f)["documents"] if e["split"] == split]
     assert [e["name"] for e in entries] == names
     tok = load_data_tokenizer(DATA)
     same = 0
@@ -44,4 +45,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
