@@ -13,6 +13,7 @@ import torch
 from moe_lm.analysis.stream_plan import Unit
 from moe_lm.analysis.stream_work import WorkFolder
 from moe_lm.interop.hf_layers import HFCheckpoint, experts_deferred, windows_at_once
+from moe_lm.routing.expert_norms import slot_norms
 from moe_lm.routing.recorder import gate_choices
 from moe_lm.routing.routed_model import Window
 
@@ -56,21 +57,23 @@ def run_layer(layer, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint, ro
                 state.part(b, "y")[rows] = kept["y"]
                 state.keep_expert_input(b, rows, kept["t"], kept["idx"], kept["w"])
             if moe and unit.whole:
-                state.finish_batch(b, experts(*state.expert_input(b)).view(state.shapes[b]))
+                t, idx, w = state.expert_input(b)
+                state.norms(b)[:] = slot_norms(experts, t, idx)  # one more pass: the module combines the slots
+                state.finish_batch(b, experts(t, idx, w).view(state.shapes[b]))
             elif moe:
                 state.part(b, "e")[:] = 0  # the experts' sum, added to chunk by chunk
 
 
 def run_experts(weights, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint) -> int:
     """A chunk of layer `unit.layer`'s routed experts, each over every token of a batch that chose it, added into
-    their sum in increasing expert order, as transformers' experts module does over the batch in a whole layer;
-    the (token, expert) rows run."""
+    their sum in increasing expert order, as transformers' experts module does over the batch in a whole layer, each
+    output's norm before its weight kept (`WorkFolder.norms`); the (token, expert) rows run."""
     gate_up, down = weights
     act = ck.activation()
     rows = 0
     for b in range(len(padded)):
         t, idx, w = state.expert_input(b)
-        final = state.part(b, "e").view(-1, t.shape[-1])
+        final, norms = state.part(b, "e").view(-1, t.shape[-1]), state.norms(b)
         mask = torch.nn.functional.one_hot(idx, num_classes=ck.n_experts + 1).permute(2, 1, 0)
         for j, e in enumerate(unit.experts):
             if not mask[e].any():
@@ -79,6 +82,7 @@ def run_experts(weights, unit: Unit, state: WorkFolder, padded, ck: HFCheckpoint
             rows += len(token_idx)
             g, u = torch.nn.functional.linear(t[token_idx], gate_up[j]).chunk(2, dim=-1)
             h = torch.nn.functional.linear(act(g) * u, down[j])
+            norms[token_idx, top_k_pos] = h.float().norm(dim=-1)
             h = h * w[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, h.to(final.dtype))
     return rows

@@ -1,6 +1,7 @@
 """The work folder of a streamed analysis (moe_lm/analysis/streamed.py): `.<out>.stream/` beside the report, one
 folder in it per analysis (`<subject>/<model or init>/<key>`, the key a hash of everything the analysis computes
-from), holding the hidden states, a layer's parts, each finished layer's choices and `progress.json`.
+from), holding the hidden states, a layer's parts, each finished layer's choices and its chosen experts' output
+norms, and `progress.json`.
 
 moe-lm's own: a README in each analysis's folder says so, and a path of that name that is not moe-lm's is refused,
 never written into (`stream_work`). A command removes the folders of the analyses it ran when it ends, or keeps
@@ -31,8 +32,8 @@ PROGRESS = "progress.json"
 MARK = "moe-lm streamed analysis: work files, removed when the analysis ends"
 MAPPED = ("hidden_0", "hidden_1", "part_h", "part_y", "part_t", "part_e")  # the memory-mapped files, .bin
 # what an analysis writes into its folder: the only names it ever removes
-OURS = re.compile(r"README|progress\.json(\.partial)?|(hidden_[01]|part_[hyte])\.bin|(experts|weights)_L\d+\.npy"
-                  r"(\.partial)?")  # fmt: skip
+OURS = re.compile(r"README|progress\.json(\.partial)?|(hidden_[01]|part_[hyte])\.bin|(experts|weights|norms)_L\d+"
+                  r"\.npy(\.partial)?")  # fmt: skip
 # why a list kept here: the analyses are opened deep inside a command (a subject's loader), and the command removes
 # the folders of its own analyses when it ends, and no other (kept_for_resume empties it as a command starts)
 _OPENED: list[Path] = []
@@ -144,12 +145,14 @@ def _remove(folders: list[Path], top: Path, made: bool) -> None:
 
 class WorkFolder:
     """One analysis's files (in `base / key`): the hidden states (two files taking turns: `in` is the input of the
-    layer being run, `out` its output), the parts a chunked layer keeps between its units, each MoE layer's choices,
-    and `progress.json` (which layers are finished and which hidden file holds their output)."""
+    layer being run, `out` its output), the parts a chunked layer keeps between its units, each MoE layer's choices
+    and its chosen experts' output norms, and `progress.json` (which layers are finished and which hidden file holds
+    their output)."""
 
     def __init__(self, base: Path, key: str, padded, dim: int, dtype: torch.dtype) -> None:
         self.folder, self.key, self.dtype, self.dim = Path(base) / key, key, dtype, dim
         self.shapes = [tuple(t.shape) + (dim,) for t, _ in padded]
+        self.lengths = [lengths for _, lengths in padded]
         self.offsets = np.cumsum([0] + [int(np.prod(s)) for s in self.shapes]).tolist()
         self.elem = torch.tensor([], dtype=dtype).element_size()
         self.tokens = sum(s[0] * s[1] for s in self.shapes)
@@ -162,6 +165,7 @@ class WorkFolder:
         self._tensors: dict[str, torch.Tensor] = {}
         self._inputs: dict[int, list[tuple]] = {}  # batch -> its windows' (experts, weights), in order
         self._choices: dict[tuple[int, int, int], tuple] = {}  # (layer, batch, first window) -> choices
+        self._norms: dict[int, torch.Tensor] = {}  # batch -> its chosen experts' output norms, as `norms` says
 
     def _start(self) -> dict:
         """The folder made (or what an earlier start left in it removed), its README, the work files at their full
@@ -226,6 +230,13 @@ class WorkFolder:
         idx, w = (torch.cat(parts) for parts in zip(*self._inputs[b], strict=True))
         return self.part(b, "t").view(-1, self.dim), idx, w
 
+    def norms(self, b: int) -> torch.Tensor:
+        """Batch b's output norm of each chosen expert before its weight, [B * S, K] float32 in the gate's own slot
+        order (as `expert_input` holds the choices), filled in as the experts run; kept until the layer ends."""
+        if b not in self._norms:
+            self._norms[b] = torch.zeros(self.shapes[b][0] * self.shapes[b][1], self._inputs[b][0][0].shape[1])
+        return self._norms[b]
+
     def finish_batch(self, b: int, experts: torch.Tensor | None = None) -> None:
         """Batch b's layer output from its parts, as the layer adds them (experts_deferred); the experts' sum given,
         or the one added up chunk by chunk."""
@@ -245,11 +256,20 @@ class WorkFolder:
         if keys:
             self._save(f"experts_L{layer}.npy", np.concatenate([self._choices[k][0] for k in keys]))
             self._save(f"weights_L{layer}.npy", np.concatenate([self._choices[k][1] for k in keys]))
+            self._save(f"norms_L{layer}.npy", np.concatenate([self._ranked_norms(b) for b in sorted(self._norms)]))
             for k in keys:
                 del self._choices[k]
         self.progress = {**self.progress, "done": self.progress["done"] + [layer], "turn": 1 - self.progress["turn"]}
         self._write(self.progress)
         self._inputs.clear()
+        self._norms.clear()
+
+    def _ranked_norms(self, b: int) -> np.ndarray:
+        """Batch b's norms as its choices are kept: largest weight first (recorder.gate_choices), padding left out."""
+        _, w = (torch.cat(parts) for parts in zip(*self._inputs[b], strict=True))
+        norms = self._norms[b].gather(-1, w.float().argsort(dim=-1, descending=True, stable=True))
+        S = self.shapes[b][1]
+        return norms[torch.cat([torch.arange(i * S, i * S + n) for i, n in enumerate(self.lengths[b])])].numpy()
 
     def _save(self, name: str, array: np.ndarray) -> None:
         """`array` saved whole under `name` or not at all (written aside, then renamed): a disk that fills up leaves
@@ -263,5 +283,6 @@ class WorkFolder:
             raise
         os.replace(tmp, self.folder / name)
 
-    def routing(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.load(self.folder / f"experts_L{layer}.npy"), np.load(self.folder / f"weights_L{layer}.npy")
+    def routing(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A finished layer's (experts, weights, output norms), each [tokens, K] in the trace's order."""
+        return tuple(np.load(self.folder / f"{name}_L{layer}.npy") for name in ("experts", "weights", "norms"))

@@ -6,7 +6,8 @@ larger than memory"): a RoutedModel (moe_lm/routing/routed_model.py) that record
 
 Every window's hidden states live in files beside the report (memory-mapped: in memory where it has room), two of
 them taking turns, so that a layer's input is intact until its output is complete. Each finished layer is noted
-with what it chose (`progress.json`, `experts_L*.npy`; the work folder: stream_work.py): the same command resumes
+with what it chose and its chosen experts' output norms, REAP's ‖f_j(t)‖ (`progress.json`, `experts_L*.npy`,
+`norms_L*.npy`; the work folder: stream_work.py): the same command resumes
 from the first unfinished layer. The next unit of weights is read while this one computes. The plan and the rates it
 is timed by: stream_plan.py; the layer and expert passes: stream_passes.py.
 
@@ -36,6 +37,7 @@ from moe_lm.interop.hf_layers import HFCheckpoint
 from moe_lm.routing.routed_model import OpenBar, TraceSink, Window, window_columns
 
 LOGITS_BYTES = 64 * 2**20  # the head's logits made at once
+WORK_FORMAT = 2  # what a finished layer keeps: 2, its choices and its chosen experts' output norms
 
 
 class StreamedModel:
@@ -55,7 +57,7 @@ class StreamedModel:
         self.layers = [i for i in checkpoint.moe_layers if i <= self.last]
         cfg = checkpoint.config
         self.n_experts, self.k = checkpoint.n_experts, cfg.num_experts_per_tok
-        self.gives = frozenset({"weights", "logprob"} if self.last == checkpoint.n_layers - 1 else {"weights"})
+        self.gives = frozenset({"weights", "norms", *(["logprob"] if self.last == checkpoint.n_layers - 1 else [])})
         self.units = plan_units(checkpoint, self.last, budget)
 
     # ---- the RoutedModel contract ---------------------------------------------------------------------------------
@@ -93,8 +95,8 @@ class StreamedModel:
             self._embed(state, padded)
         timing = self._run_units(todo, state, padded, initial=len(done))
         for layer in self.layers:
-            experts, weights = state.routing(layer)
-            sink.write_layer(layer, experts, weights)
+            experts, weights, norms = state.routing(layer)
+            sink.write_layer(layer, experts, weights, norms=norms)
         logprob = self._logprobs(state, padded, batches) if "logprob" in self.gives else None
         if logprob is None:
             print(f"log-probs not recorded: --layers stops at layer {self.last} of {self.ck.n_layers - 1}")
@@ -130,8 +132,9 @@ class StreamedModel:
         downloaded again or another model copied over it is other weights), dtype, last layer, seed, and every batch's
         shape, window lengths and tokens (the same tokens in windows of another length are another analysis)."""
         h = hashlib.sha256()
+        # why WORK_FORMAT: a folder an earlier version left (finished layers without their norms) is started over
         h.update(json.dumps([str(self.ck.folder.resolve()), _files_identity(self.ck), str(self.ck.dtype), self.last,
-                             self.seed]).encode())  # fmt: skip
+                             self.seed, WORK_FORMAT]).encode())  # fmt: skip
         for tokens, lengths in padded:
             h.update(json.dumps([list(tokens.shape), lengths]).encode())
             h.update(tokens.numpy().tobytes())

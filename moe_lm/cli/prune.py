@@ -22,10 +22,10 @@ kept experts only, the config with the new model.moe.n_routed_experts, prune.jso
 the kept ids) and calibration_trace/ (when recorded here). --hf (a DeepseekV3/Glm4Moe/Qwen3Moe transformers folder, or
 DeepSeek's FP8 release, streamed) and --gguf are recorded as `moe-lm analyze` records them and written as a new folder
 or file of their own format, prune.json and the trace in the folder or beside the file (<out>.prune.json); reap needs
-the experts' output norms, which moe-lm records from its runs, GGUF files and transformers models held in memory (not
-streamed), and ablation a model held in memory (not a GGUF file). --check writes no pruned model: each criterion at
-each sparsity is scored on held-out text against the unpruned model, for a run or a transformers folder held in
-memory. docs/pruning.md.
+the experts' output norms, which moe-lm records from every kind (a transformers folder streamed from disk too), and
+ablation a model held in memory (not a GGUF file, nor a folder streamed from disk). --check writes no pruned model:
+each criterion at each sparsity is scored on held-out text against the unpruned model, for a run or a transformers
+folder held in memory. docs/pruning.md.
 """
 
 from __future__ import annotations

@@ -146,7 +146,6 @@ def prune(req: PruneRequest) -> KeepPlan:
         subject = load_subject(req.subject) if trace is None or req.criterion not in FROM_TRACE else None
         routing = held_whole(subject, req) if req.criterion == "ablation" else None  # why before recording
         if trace is None:
-            check_recorded(subject, req)
             trace = record_calibration(req, subject, scratch)
             check_trace(trace, fmt, str(req.subject.label), "the calibration trace")
         domains = list(req.domains) if req.domains else None
@@ -199,16 +198,6 @@ def held_whole(subject, req: PruneRequest):
                         "and ablation masks experts in a model held whole: give a --max-memory it fits in, or use "
                         f"{', '.join(others)}")  # fmt: skip
     return routing
-
-
-def check_recorded(subject, req: PruneRequest) -> None:
-    """A UserError, before the calibration is recorded, where the loaded subject's routing records fewer columns than
-    the criterion needs: the output norms of a folder streamed from disk a layer at a time."""
-    if missing := NEEDS.get(req.criterion, set()) - subject.routing.gives:
-        others = [c for c in usable_criteria(kind_of(req.subject)) if not NEEDS.get(c, set()) & missing]
-        raise UserError(f"--criterion {req.criterion}: {req.subject.label} is run a layer at a time (streamed from "
-                        f"disk), which records no expert {', '.join(sorted(missing))} yet: give a --max-memory it fits "
-                        f"in, or use {', '.join(c for c in others if c != 'ablation')}")  # fmt: skip
 
 
 def say_written(req: PruneRequest, fmt: PrunedFormat, plan: KeepPlan) -> None:

@@ -80,8 +80,7 @@ def test_the_hf_kind_streamed_from_disk_routes_as_it_does_whole(tiny_run, cli, t
     streamed = load_subject(request)
     assert isinstance(streamed.routing, RoutedModel) and streamed.routing.reroutable() is None
     assert whole.routing.reroutable() is not None  # a model held whole is one `moe-lm ablate` routes around
-    # streamed, every column the kind declares but the experts' output norms (the streamed passes record none yet)
-    assert streamed.routing.gives == kind.gives - {"norms"}
+    assert streamed.routing.gives == kind.gives  # streamed, every column the kind declares, the output norms too
     assert streamed.routing.windows_per_pass(16, 1024, 129_280) == 16
     same_shape(kind.shape(request), streamed)
     docs = [(0, np.asarray(load_data_tokenizer_ids(tiny_run) * 3))]

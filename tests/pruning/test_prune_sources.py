@@ -86,6 +86,23 @@ def test_a_transformers_models_norms_are_its_own_experts_outputs(ggufs, pruned_h
         assert (np.diff(w, axis=1) <= 0).all()  # the weights the norms were ordered by: largest first
 
 
+def test_reap_of_a_folder_streamed_from_disk_is_reap_of_the_folder_held_in_memory(ggufs, pruned_hf, tiny_data,
+                                                                                   tmp_path, cli):  # fmt: skip
+    """A folder streamed a layer at a time records its experts' output norms from its own expert passes: the same
+    saliency as the model held in memory records by its hooks (float16 norms), and the same plan."""
+    trace = pruned_hf / "calibration_trace"
+    whole = cli("prune", "--hf", ggufs / "hf", "--trace", trace, "--criterion", "reap", "--keep", "8", "--out",
+                tmp_path / "whole")  # fmt: skip
+    streamed = cli("prune", "--hf", ggufs / "hf", "--data", tiny_data.sources[0], "--criterion", "reap", "--keep", "8",
+                   "--max-tokens", "300", "--max-memory", "1MiB", "--out", tmp_path / "streamed")  # fmt: skip
+    assert whole.returncode == 0 and streamed.returncode == 0, whole.stderr[-2000:] + streamed.stderr[-2000:]
+    assert "streamed" in streamed.stdout
+    a, b = plan_of(tmp_path / "whole" / "prune.json"), plan_of(tmp_path / "streamed" / "prune.json")
+    for layer in a.layers:
+        np.testing.assert_allclose(b.scores[layer], a.scores[layer], rtol=2e-3)
+    assert a.kept == b.kept
+
+
 def test_a_nextn_layer_the_trace_does_not_reach_keeps_the_last_traced_layers_ids(ggufs, pruned_hf, tmp_path, cli):
     """A folder with an MTP layer after the decoder (transformers does not run it, so no trace reaches it), pruned
     from a trace (no --data needed): it keeps layer 2's ids; the next-token logits are as before."""
@@ -155,9 +172,9 @@ def test_a_gguf_file_pruned_runs_in_llama_cpp_as_the_masked_source(ggufs, tiny_d
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--hf", "{hf}", "--criterion", "reap", "--max-memory", "1MiB"], "--criterion reap: .* is run a layer at a "
-         "time \\(streamed from disk\\), which records no expert norms yet: give a --max-memory it fits in, or use "
-         "frequency, gate-mass, random"),
+        (["--hf", "{hf}", "--criterion", "ablation", "--max-memory", "1MiB"], "--criterion ablation: .* is run a "
+         "layer at a time \\(streamed from disk\\), and ablation masks experts in a model held whole: give a "
+         "--max-memory it fits in, or use reap, frequency, gate-mass, random"),
         (["--gguf", "{gguf}", "--criterion", "ablation"], "--criterion ablation masks experts in a model moe-lm runs "
          "in memory, and a GGUF file is not one: use reap, frequency, gate-mass, random"),
         (["--hf", "{hf}", "--keep", "6", "--criterion", "frequency"], "cannot share equally"),
@@ -222,5 +239,5 @@ def test_ablation_masks_the_experts_in_transformers_own_routers(ggufs, pruned_hf
     streamed = cli("prune", "--hf", ggufs / "hf", *trace, "--criterion", "ablation", "--keep", "12", "--max-memory",
                    "1MiB", "--out", tmp_path / "streamed")  # fmt: skip
     assert streamed.returncode == 2 and "is run a layer at a time (streamed from disk)" in streamed.stderr
-    assert "or use frequency, gate-mass, random" in streamed.stderr
+    assert "or use reap, frequency, gate-mass, random" in streamed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["abl", "reap"]

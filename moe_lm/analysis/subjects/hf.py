@@ -80,7 +80,7 @@ class HFKind(SubjectKind):
     looks_like = "a transformers folder (with config.json)"
     reroutable = True
     # transformers' gates return weights and indices, not their scores; the experts' output norms come from hooks on
-    # the experts of a model held in memory (a folder streamed from disk a layer at a time records none yet)
+    # the experts of a model held in memory, or from the expert passes of a folder streamed from disk
     gives = frozenset({"weights", "logprob", "norms"})
 
     def from_flags(self, spec: str, settings: Settings) -> HFSubject:
