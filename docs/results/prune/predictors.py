@@ -2,7 +2,8 @@
 folder (check.json and the calibration trace it recorded): for every arm (criterion x sparsity; random per seed) and
 domain, the share of the domain's calibration load and of its REAP saliency mass that falls on the experts the arm
 removes (mean over MoE layers), against the arm's held-out Δ log-prob per token for that domain; Spearman's ρ over
-all (arm, domain) pairs, and the same per sparsity.
+all (arm, domain) pairs, and the same per sparsity. First, per layer, how concentrated the saliency is and how much
+the domains' experts overlap, and whether a domain's overlap orders its cost.
 
     python docs/results/prune/predictors.py CHECK_FOLDER > predictors.md
 """
@@ -56,9 +57,37 @@ def rows(check: dict, trace: Trace):
                     mass, plan, d)  # fmt: skip
 
 
+def concentration_and_overlap(check: dict, trace: Trace) -> None:
+    """Per MoE layer: the share of the calibration saliency mass on the layer's most salient half of the experts
+    (concentration), and the mean cosine similarity of two domains' saliency mass over the experts (overlap); then a
+    domain's mean overlap with the others against its mean Δ under the criteria other than random, per sparsity."""
+    _, mass = domain_masses(trace)
+    D = len(trace.domains)
+    per_domain = np.zeros(D)
+    print("| layer | saliency mass on the top half of the experts | mean cosine of two domains' saliency mass |")
+    print("|---|---|---|")
+    for layer, m in mass.items():
+        total = np.sort(m.sum(0))[::-1]
+        p = m / np.linalg.norm(m, axis=1, keepdims=True)
+        cos = p @ p.T
+        per_domain += (cos.sum(1) - 1) / (D - 1) / len(mass)
+        print(f"| {layer} | {total[: len(total) // 2].sum() / total.sum():.3f} | "
+              f"{cos[~np.eye(D, dtype=bool)].mean():.3f} |")  # fmt: skip
+    print()
+    print("| sparsity | ρ(a domain's mean overlap, its mean Δ over the informed criteria) |")
+    print("|---|---|")
+    for sparsity in sorted({a["sparsity"] for a in check["arms"] if a["n_keep"] < check["n_experts"]}):
+        arms = [a for a in check["arms"] if a["sparsity"] == sparsity and a["criterion"] != "random"]
+        cost = [np.mean([a["by_domain"][d]["delta"] for a in arms]) for d in trace.domains]
+        print(f"| {sparsity:.3g} | {spearmanr(per_domain, cost)[0]:+.2f} |")
+    print()
+
+
 def main(folder: str) -> None:
     check = json.loads((Path(folder) / "check.json").read_text())
-    table = list(rows(check, Trace(Path(folder) / "calibration_trace")))
+    trace = Trace(Path(folder) / "calibration_trace")
+    concentration_and_overlap(check, trace)
+    table = list(rows(check, trace))
     print("| sparsity | pairs | ρ(Δ, removed load share) | ρ(Δ, removed saliency share) |")
     print("|---|---|---|---|")
     for sparsity in [*sorted({r[1] for r in table}), None]:
