@@ -4,9 +4,10 @@
     .venv/bin/python launch/serve_check.py --vllm-python .venv-vllm/bin/python [--out DIR] [--cases mla gqa ...]
 
 Two halves in two interpreters, so the project's dependencies and vLLM's stay apart:
-- the project half (this interpreter, the project's .venv) builds small MLA and GQA models, each with plain RoPE
-  and with YaRN (CASES), exports each with `export_hf` (DeepseekV3ForCausalLM / Glm4MoeForCausalLM) and computes
-  our logprob of every prompt token;
+- the project half (this interpreter, the project's .venv) builds small MLA and GQA models, each with plain RoPE,
+  with YaRN, and pruned to half its routed experts (CASES), exports each with `export_hf` (DeepseekV3ForCausalLM /
+  Glm4MoeForCausalLM; a pruned case's export then pruned by `moe-lm prune`'s transformers writer) and computes our
+  logprob of every prompt token (a pruned case: of the model pruned in memory by the same plan);
 - the serving half (`--serve DIR`, run by --vllm-python; it imports only vllm) loads the export in `vllm.LLM`,
   feeds the same token ids and writes vLLM's prompt logprobs.
 The project half then compares: the largest |our logprob - vLLM's| over all prompt tokens must be <= --tol.
@@ -37,8 +38,10 @@ PROMPTS = 4  # prompts per model (as moe_lm/testing.py; repeated: the serving ha
 PROMPT_LEN = 40
 
 
-# case -> (attention, YaRN or not); YaRN with an original context shorter than the prompts, so it matters
-CASES = {"mla": ("mla", False), "gqa": ("gqa", False), "mla-yarn": ("mla", True), "gqa-yarn": ("gqa", True)}
+# case -> (attention, YaRN or not, pruned or not); YaRN with an original context shorter than the prompts, so it
+# matters; pruned: the export pruned by `moe-lm prune`'s transformers writer to half its routed experts, ungrouped
+CASES = {"mla": ("mla", False, False), "gqa": ("gqa", False, False), "mla-yarn": ("mla", True, False),
+         "gqa-yarn": ("gqa", True, False), "mla-pruned": ("mla", False, True), "gqa-pruned": ("gqa", False, True)}
 NAMES = {"mla": "DeepseekV3 (MLA)", "gqa": "Glm4Moe (GQA)"}
 
 
@@ -53,8 +56,12 @@ def prepare_case(case: str, out_dir: Path) -> dict:
         wrong_layout_logprobs,
     )
 
-    model = check_model(*CASES[case])
-    export_hf(model, out_dir)
+    attention, yarn, pruned = CASES[case]
+    model = check_model(attention, yarn)
+    if pruned:
+        model = pruned_export(model, out_dir)
+    else:
+        export_hf(model, out_dir)
     prompts = check_prompts(model.cfg.vocab_size)
     record = {
         "case": case,
@@ -64,6 +71,28 @@ def prepare_case(case: str, out_dir: Path) -> dict:
     }
     (out_dir / "expected.json").write_text(json.dumps(record))
     return record
+
+
+def pruned_export(model, out_dir: Path):
+    """`model` exported beside out_dir, then pruned into out_dir by prune's transformers writer to half its routed
+    experts (a seeded plan), routed without expert groups (`--ungroup`: its 4 groups of 2 keep their groups only
+    whole); returns the model pruned in memory by the same plan (moe_lm/pruning/pruned.py), whose logprobs vLLM's
+    must give."""
+    import numpy as np
+
+    from moe_lm.config import Config, TrainConfig
+    from moe_lm.interop.hf import export_hf
+    from moe_lm.pruning.hf_folder import prune_hf_folder
+    from moe_lm.pruning.plan import KeepPlan
+    from moe_lm.pruning.pruned import decoder_moe_layers, pruned_model
+
+    moe, rng = model.cfg.moe, np.random.default_rng(0)
+    scores = {layer: rng.random(moe.n_routed_experts) for layer in decoder_moe_layers(model)}
+    plan = KeepPlan.from_scores(scores, moe.n_routed_experts // 2, 1)
+    source = out_dir.with_name(f"{out_dir.name}-source")
+    export_hf(model, source)
+    prune_hf_folder(source, out_dir, plan.kept, ungroup=True)
+    return pruned_model(model, Config(model=model.cfg, train=TrainConfig(seq_len=model.cfg.max_seq_len)), plan)
 
 
 def vllm_env() -> dict[str, str]:
@@ -131,8 +160,8 @@ def report(results: dict[str, dict], tol: float) -> str:
     """The table main prints: per case, the largest gap to vLLM and to the other rotary pairing."""
     lines = [f"{'export':<28} {'max |Δ logprob|':>15} {'other pairing':>13} {'vLLM s':>6}  result"]
     for case, r in results.items():
-        attention, yarn = CASES[case]
-        name = NAMES[attention] + (" + YaRN" if yarn else "")
+        attention, yarn, pruned = CASES[case]
+        name = NAMES[attention] + (" + YaRN" if yarn else "") + (" pruned" if pruned else "")
         verdict = "ok" if r["ok"] else ("vLLM failed" if math.isinf(r["gap"]) else f"MISMATCH (tol {tol:g})")
         lines.append(f"{name:<28} {r['gap']:>15.2e} {r['wrong_layout_gap']:>13.2e} {r['serve_s']:>6.0f}  {verdict}")
     return "\n".join(lines)
