@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +27,11 @@ from moe_lm.analysis.subjects import (
     load_subject,
     served_shape,
 )
-from moe_lm.analysis.subjects.hf import MAX_MEMORY
+from moe_lm.analysis.subjects.hf import MAX_MEMORY, hf_config
 from moe_lm.analysis.subjects.routes import SERVED
 from moe_lm.cli.subject import settings_flags
 from moe_lm.data.tokenizer import load_data_tokenizer
+from moe_lm.interop.hf_layers import HFCheckpoint
 from moe_lm.routing.routed_model import OPTIONAL, BatchRouted, Routed, RoutedModel, Window
 
 TEXT = "the telescope tracked a distant galaxy"
@@ -90,6 +91,20 @@ def test_the_hf_kind_streamed_from_disk_routes_as_it_does_whole(tiny_run, cli, t
     for layer in traces[0].layers:
         assert np.array_equal(traces[0].experts(layer), traces[1].experts(layer))
         assert np.array_equal(traces[0].weights(layer), traces[1].weights(layer))
+        np.testing.assert_allclose(np.asarray(traces[1].norms(layer), np.float64),
+                                   np.asarray(traces[0].norms(layer), np.float64), rtol=2e-3, atol=1e-6)  # fmt: skip
+    # the experts' output norms of MoE layers run whole too (the experts module again, a slot a row; above, their
+    # experts came in chunks): a budget just below the weights, so that every layer fits half of it
+    held = 4 * HFCheckpoint(spec, hf_config(spec)).numel()  # the float32 weights the analysis holds
+    request = replace(request, max_memory=held - 1, work=str(tmp_path / "work_whole"))
+    streamed = load_subject(request)
+    assert all(u.whole for u in streamed.routing.units)
+    trace = record_trace(streamed.routing, docs, tmp_path / "streamed_whole", ["a"], 16, progress=False)
+    assert trace.meta["streamed"]["read_bytes"] > 0
+    for layer in traces[0].layers:
+        assert np.array_equal(traces[0].experts(layer), trace.experts(layer))
+        np.testing.assert_allclose(np.asarray(trace.norms(layer), np.float64),
+                                   np.asarray(traces[0].norms(layer), np.float64), rtol=2e-3, atol=1e-6)  # fmt: skip
 
 
 def same_shape(shape: Shape, subject: Subject) -> None:
