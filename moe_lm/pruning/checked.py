@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -127,7 +128,9 @@ class HFChecked(CheckedModel):
         ungroup = plan.n_group != self.shape.n_group
         try:  # why written and read back: the check scores the folder `prune --hf` writes, in transformers
             prune_hf_folder(self.format.source, folder, plan.with_untraced(self.format.layers).kept, ungroup=ungroup)
-            yield held_in_memory(load_subject(dataclasses.replace(self.request, path=str(folder))), self.label).routing
+            with contextlib.redirect_stdout(io.StringIO()):  # why: its size line, per arm, names the scratch folder
+                pruned = load_subject(dataclasses.replace(self.request, path=str(folder)))
+            yield held_in_memory(pruned, self.label).routing
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
