@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -205,7 +204,7 @@ def check_prune(req: CheckRequest) -> dict:
     """The check `req` asks for, written into `req.out` (check.json, check.md, check.png; calibration_trace/ when
     recorded here); returns check.json's record."""
     out = Path(req.out)
-    checked = checked_model(req.subject, out / ".scratch")
+    checked = checked_model(req.subject, out)
     source_shape = checked.shape
     shape = plan_shape(source_shape, req.ungroup, req.subject.label)
     criteria, n_keeps = check_criteria(req.criteria), checked_keeps(req, shape)
@@ -262,7 +261,6 @@ def check_prune(req: CheckRequest) -> dict:
         "tracks_ablation_best": best,
         "n_boot": req.n_boot, "seed": req.seed, "random_seeds": seeds,
     }  # fmt: skip
-    shutil.rmtree(out / ".scratch", ignore_errors=True)
     (out / "check.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "check.md").write_text(check_markdown(record))
     from moe_lm.analysis.plots import save  # why here: matplotlib only when a figure is drawn

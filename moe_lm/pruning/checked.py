@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import shutil
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +64,8 @@ class CheckedModel(ABC):
         """The model `plan` prunes, for the length of the block."""
 
     def held_out(self, documents: Documents, max_tokens: int) -> HeldOut:
-        """The held-out documents: `documents` (--held-out-data) tokenized by the model's tokenizer, else its own."""
+        """The held-out documents: `documents` (--held-out-data) tokenized by the model's tokenizer (after `load()`),
+        else its own."""
         if not documents.data:
             return self.own_held_out(max_tokens)
         stream, domains, what = document_stream(self.subject, documents, max_tokens)
@@ -72,7 +73,7 @@ class CheckedModel(ABC):
 
 
 class RunChecked(CheckedModel):
-    def __init__(self, request) -> None:
+    def __init__(self, request, out: Path) -> None:
         self.request, self.label, self.tag = request, request.label, request.run.tag
         self.cfg = run_config(request)
         check_source(self.cfg, request.label)
@@ -106,8 +107,8 @@ class RunChecked(CheckedModel):
 
 
 class HFChecked(CheckedModel):
-    def __init__(self, request, scratch: Path) -> None:
-        self.request, self.label, self.scratch = request, request.label, scratch
+    def __init__(self, request, out: Path) -> None:
+        self.request, self.label, self.out = request, request.label, out
         self.format = SafetensorsFormat(request, Path(request.path))  # the types whose pruned copy is exact
         self.shape = self.format.shape
 
@@ -124,31 +125,29 @@ class HFChecked(CheckedModel):
 
     @contextlib.contextmanager
     def pruned(self, plan: KeepPlan) -> Iterator[TorchRouting]:
-        folder = self.scratch / "pruned"
         ungroup = plan.n_group != self.shape.n_group
-        try:  # why written and read back: the check scores the folder `prune --hf` writes, in transformers
+        # why written and read back: the check scores the folder `prune --hf` writes, in transformers; in the check's
+        # own output folder, removed after the arm
+        with tempfile.TemporaryDirectory(dir=self.out, prefix=".pruned-") as scratch:
+            folder = Path(scratch) / "pruned"
             prune_hf_folder(self.format.source, folder, plan.with_untraced(self.format.layers).kept, ungroup=ungroup)
             with contextlib.redirect_stdout(io.StringIO()):  # why: its size line, per arm, names the scratch folder
                 pruned = load_subject(dataclasses.replace(self.request, path=str(folder)))
             yield held_in_memory(pruned, self.label).routing
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 CHECKED = {"run": RunChecked, "transformers": HFChecked}  # by the format the subject's kind prunes into
 
 
-def checked_model(request: SubjectRequest, scratch: Path) -> CheckedModel:
-    """The CheckedModel of `request`, read without weights; a UserError for a format the check does not run."""
+def checked_model(request: SubjectRequest, out: Path) -> CheckedModel:
+    """The CheckedModel of `request` (its scratch files in `out`, the check's folder), read without weights; a
+    UserError for a format the check does not run."""
     source = kind_of(request).prune_source(request)
     if source.format not in CHECKED:
         raise UserError(f"--check runs each pruned model: give a moe-lm run (--run) or a transformers folder (--hf); "
                         f"{request.label} is pruned as {source.format}, which is written, not checked (prune it with "
                         "--sparsity or --keep and --criterion)")  # fmt: skip
-    if source.format == "run":
-        return RunChecked(request)
-    scratch.mkdir(parents=True, exist_ok=True)
-    return HFChecked(request, scratch)
+    return CHECKED[source.format](request, out)
 
 
 def held_in_memory(subject: Subject, label: str) -> Subject:
