@@ -64,12 +64,15 @@ def _choose(device_type: str, dtype: torch.dtype, qk: int, v: int) -> Choice:
 
 def _runs(backend: SDPBackend, device_type: str, dtype: torch.dtype, qk: int, v: int) -> bool:
     """Whether `backend` takes causal attention at these head dims, forward and backward (a kernel may accept a
-    forward it has no backward for)."""
-    q, k = (torch.randn(1, 2, 16, qk, device=device_type, dtype=dtype, requires_grad=True) for _ in range(2))
-    vv = torch.randn(1, 2, 16, v, device=device_type, dtype=dtype, requires_grad=True)
-    try:
-        with sdpa_kernel([backend]):
-            F.scaled_dot_product_attention(q, k, vv, is_causal=True).sum().backward()
-    except RuntimeError:
-        return False
+    forward it has no backward for). why grad enabled here: the choice is kept for the process, and the first MLA
+    forward may run under no_grad or inference_mode (generation, evaluation, analysis), where the backward would
+    fail for every kernel: a process that trained after it ran the unfused math kernel."""
+    with torch.inference_mode(False), torch.enable_grad():
+        q, k = (torch.randn(1, 2, 16, qk, device=device_type, dtype=dtype, requires_grad=True) for _ in range(2))
+        vv = torch.randn(1, 2, 16, v, device=device_type, dtype=dtype, requires_grad=True)
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, k, vv, is_causal=True).sum().backward()
+        except RuntimeError:
+            return False
     return True

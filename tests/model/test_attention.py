@@ -81,6 +81,7 @@ def test_mla_attention_kernel_is_chosen_from_what_each_takes_and_no_query_column
     from torch.nn.attention import SDPBackend
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from moe_lm.model import sdpa_backend
     from moe_lm.model.attention import MLA, rope_cos_sin
     from moe_lm.model.sdpa_backend import Choice, mla_choice
 
@@ -90,6 +91,12 @@ def test_mla_attention_kernel_is_chosen_from_what_each_takes_and_no_query_column
     assert mla_choice("cpu", torch.float32, 192, 128).describe(192, 128) == (
         "FlashAttention (q/k heads 192, v padded from 128 to 192)"
     )
+    # the choice is kept for the process: one first asked under no_grad or inference_mode (a generation or an
+    # evaluation before training) is the same (its trial's backward once failed there: the math kernel was kept)
+    for mode in (torch.no_grad, torch.inference_mode):
+        sdpa_backend._CHOSEN.clear()
+        with mode():
+            assert mla_choice("cpu", torch.float32, 192, 128) == Choice(SDPBackend.FLASH_ATTENTION, True), mode
 
     class Ops(TorchDispatchMode):
         def __init__(self):
