@@ -45,9 +45,10 @@ TIERS = {
 
 
 # The files that take longest (tests/README.md, "Time"), first: pytest-xdist hands out whole files in collection
-# order, and a long file collected near the end (the quick tour, the GPU check's dry run, tests/train/'s) kept one
-# worker busy after the others had finished. It starts by dealing files round-robin (a file to each worker in turn),
-# so the launch half's four longest are ordered for two workers: expert parallel + dead peer, pipeline + faults
+# order (once its own reordering is off, pytest_configure below), and a long file collected near the end (the quick
+# tour, the GPU check's dry run, tests/train/'s) kept one worker busy after the others had finished. It starts by
+# giving each worker one file in turn (and a second to a worker whose first has two tests or fewer), so the launch
+# half's four longest are ordered for two workers: expert parallel + dead peer, pipeline + faults
 LONGEST_FIRST = ("test_quick_tour.py", "test_gpu_check.py", "experiments/test_runner.py",
                  "inference/test_speculative.py", "parallel/test_expert_parallel.py", "parallel/test_pipeline.py",
                  "train/test_dead_peer.py", "train/test_faults.py", "train/test_train.py",
@@ -92,6 +93,10 @@ def pytest_configure(config):
     # so would every process it starts; the Ctrl-C tests need it delivered, as a user's terminal delivers it
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # why: pytest-xdist >= 3.7 deals files with the most tests first (--loadscope-reorder, on by default), which put
+    # LONGEST_FIRST's one-test files (the quick tour, 80 s) last: one worker ran on for 75 s after the others ended
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
