@@ -178,4 +178,3 @@ def _budgeted(stream, domains: list[str], what: str, max_tokens: int) -> HeldOut
         raise UserError(f"no held-out documents: {what} holds no document of two tokens or more (a run: prepare "
                         "the data with a val_fraction above 0)")  # fmt: skip
     return docs, domains, what
-

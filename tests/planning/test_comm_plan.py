@@ -208,13 +208,16 @@ def test_pairs_under_replicas_are_those_of_a_uniform_choice_among_the_copies():
     phy2log = np.array([0, 1, 2, 0, 3, 4, 5, 1, 6, 7, 0, 2])  # 12 slots, 3 a rank: expert 0 thrice, 1 and 2 twice
     rank_of_slot = np.arange(12) // 3
     copies = [np.flatnonzero(phy2log == e) for e in range(8)]
+    n_copies = np.array([len(c) for c in copies])
+    table = np.array([np.resize(c, n_copies.max()) for c in copies])  # [expert, i]: its i-th copy (i < n_copies)
     draws, sampled = 400, np.zeros((4, 4))
-    for _ in range(draws):
-        for s, idx in enumerate(per_rank):
-            slot = np.array([[rng.choice(copies[e]) for e in row] for row in idx])
-            hit = np.zeros((len(idx), 4), bool)
-            np.put_along_axis(hit, rank_of_slot[slot], True, axis=1)
-            sampled[s] += hit.sum(0) / draws
+    for s, idx in enumerate(per_rank):
+        # each draw picks, for every (token, choice), copy floor(u * n) of that expert's n: uniform among them
+        pick = (rng.random((draws, *idx.shape)) * n_copies[idx]).astype(np.int64)
+        slot = table[idx, pick]  # [draws, T, K]
+        hit = np.zeros((draws, len(idx), 4), bool)
+        np.put_along_axis(hit, rank_of_slot[slot], True, axis=2)
+        sampled[s] = hit.sum((0, 1)) / draws
     expected = replica_pairs(per_rank, phy2log)
     assert expected.pairs == pytest.approx(sampled, rel=0.02)
     assert expected.slots.sum() == pytest.approx(4 * 300 * 2)
